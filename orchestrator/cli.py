@@ -1,0 +1,99 @@
+"""``orchestrator run | plan | submit | report``: the four things a user does.
+
+Each command's work lives in the module named for it; this file only parses flags, so the
+whole command-line surface can be read in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from orchestrator.errors import UserError
+
+
+def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="sweep YAML file, e.g. configs/demo_cpu.yaml")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+        help="override a config key (YAML value), e.g. --set stop.epochs=2; repeatable",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="orchestrator", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = commands.add_parser("run", help="run a sweep (embedded local Ray, a Ray cluster, or as a Ray Job)")
+    _add_config_arguments(run)
+    run.add_argument("--tracking-uri", help="MLflow tracking URI (default: the config's, else sqlite:///mlflow.db)")
+    run.add_argument("--storage-path", help="where Tune keeps trial checkpoints and results (default: the config's)")
+    run.add_argument(
+        "--ray-address", metavar="HOST:PORT",
+        help="run the driver here against an existing Ray cluster's GCS (as inside a SLURM job); never 'auto'",
+    )
+    run.add_argument(
+        "--address", metavar="URL",
+        help="submit the sweep as a Ray Job to a cluster's dashboard, e.g. http://127.0.0.1:8265, and follow its logs",
+    )
+    run.add_argument("--resume", action="store_true", help="resume an interrupted sweep from its storage path")
+    run.add_argument("--num-cpus", type=int, help="CPUs of the embedded local Ray (default: all)")
+    run.add_argument("--num-gpus", type=float, help="GPUs of the embedded local Ray (default: detected)")
+    run.add_argument("--dashboard", action="store_true", help="start the Ray dashboard with the embedded local Ray")
+    run.add_argument("--dashboard-host", default="127.0.0.1", help="address the dashboard binds to (default 127.0.0.1)")
+
+    plan = commands.add_parser("plan", help="estimate every trial's memory and show its plan, before anything runs")
+    _add_config_arguments(plan)
+    plan.add_argument("--device-memory", metavar="SIZE", help="plan for a card of this size, e.g. 24GiB")
+    plan.add_argument("--estimator", choices=["static", "trace", "measured"], help="override memory.estimator")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    submit = commands.add_parser("submit", help="submit the sweep to SLURM: a Ray cluster inside the allocation")
+    _add_config_arguments(submit)
+    submit.add_argument("--nodes", type=int, default=1)
+    submit.add_argument("--gpus-per-node", type=int, default=0)
+    submit.add_argument("--cpus-per-node", type=int)
+    submit.add_argument("--partition")
+    submit.add_argument("--time", default="01:00:00", help="SLURM time limit, HH:MM:SS or D-HH:MM:SS")
+    submit.add_argument("--account")
+    submit.add_argument("--mem", help="memory per node, SLURM syntax (e.g. 64G)")
+    submit.add_argument("--tracking-uri", help="MLflow server URI reachable from the nodes (default: start one on the head)")
+    submit.add_argument("--storage-path", help="shared storage for Tune results (default: the config's)")
+    submit.add_argument("--log-dir", default="slurm_logs", help="where SLURM writes the job's logs")
+    submit.add_argument("--dry-run", action="store_true", help="print the sbatch script instead of submitting it")
+
+    report = commands.add_parser("report", help="summarise a finished sweep from MLflow: table, plot, Parquet")
+    report.add_argument("experiment", nargs="?", help="MLflow experiment name (default: the most recent sweep)")
+    report.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///mlflow.db)")
+    report.add_argument("--out", default="report", help="folder for report.png and results.parquet")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            if args.address:
+                from orchestrator.jobs import run_as_job
+
+                return run_as_job(args)
+            from orchestrator.runner import run_command
+
+            return run_command(args)
+        if args.command == "plan":
+            from orchestrator.plan_command import plan_command
+
+            return plan_command(args)
+        if args.command == "submit":
+            from orchestrator.slurm import submit_command
+
+            return submit_command(args)
+        from orchestrator.report import report_command
+
+        return report_command(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,46 @@
+"""Byte sizes as people write them ("24GiB", "512MB") and as tables show them."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+GiB = 2**30
+MiB = 2**20
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """``"24GiB"`` -> 25769803776. Plain numbers are bytes. Raises ValueError on anything else."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size such as 24GiB or 512MB, got {value!r}")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    else:
+        match = _SIZE.match(str(value))
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"expected a size such as 24GiB or 512MB, got {value!r}")
+        number, unit = float(match.group(1)), match.group(2).lower()
+    size = int(number * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"expected a positive size, got {value!r}")
+    return size
+
+
+def gib(n_bytes: float) -> str:
+    """Bytes -> '21.9G' (GiB), the unit every table of this project uses."""
+    return f"{n_bytes / GiB:.2f}G" if n_bytes < 10 * GiB else f"{n_bytes / GiB:.1f}G"
+
+
+def human(n_bytes: float) -> str:
+    """Bytes -> the largest binary unit that keeps the number readable ('1.5 MiB')."""
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 2**10)):
+        if abs(n_bytes) >= size:
+            return f"{n_bytes / size:.1f} {unit}"
+    return f"{int(n_bytes)} B"
