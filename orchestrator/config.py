@@ -1,0 +1,386 @@
+"""A sweep's YAML -> a validated, typed :class:`SweepSpec`.
+
+Everything a user can get wrong is caught here, before Ray starts, with one line that names
+the key path and what was expected (``search_space.lr: expected ...``). The rest of the code
+can then trust the spec.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from orchestrator.errors import ConfigError
+from orchestrator.units import parse_bytes
+
+SEARCH_KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
+ESTIMATORS = ("static", "trace", "measured", "none")
+PRECISIONS = ("fp32", "bf16", "fp16")
+DEVICES = ("auto", "cuda", "cpu", "emulated")
+
+
+@dataclass(frozen=True)
+class Domain:
+    """One searched hyper-parameter as written in YAML, e.g. ``{loguniform: [1e-4, 1e-1]}``."""
+
+    kind: str
+    args: tuple
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    type: str = "fifo"  # fifo | asha
+    grace_period: int = 1
+    reduction_factor: int = 2
+
+
+@dataclass(frozen=True)
+class Resources:
+    cpu: float = 1.0
+    gpu: float | str = 0.0  # a count, a fraction, or "auto" (the fraction the plan needs)
+
+
+@dataclass(frozen=True)
+class MemoryPolicy:
+    """How trials' memory is estimated, budgeted and recovered when an estimate was wrong."""
+
+    device: str = "auto"
+    capacity: int | None = None  # bytes of the emulated device
+    budget: int | None = None  # bytes a plan may use per GPU; None = auto (NVML free - context)
+    safety_margin: float = 0.9
+    estimator: str = "trace"
+    fragmentation: float = 0.10
+    allocator_conf: str | None = "expandable_segments:True"
+    max_oom_retries: int = 3
+    gpu_granularity: float = 0.125
+    allow_activation_checkpointing: bool = True
+    precision: str = "fp32"
+    lower_precision: str | None = "bf16"
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    experiment: str
+    workload: str
+    params: dict[str, Any]
+    search_space: dict[str, Domain | Any]
+    effective_batch_size: int
+    epochs: int
+    num_samples: int = 1
+    metric: str = "eval_loss"
+    mode: str = "min"
+    scheduler: SchedulerSpec = SchedulerSpec()
+    resources: Resources = Resources()
+    memory: MemoryPolicy = MemoryPolicy()
+    storage_path: str = "./orchestrator_results"
+    tracking_uri: str | None = None
+    seed: int = 0
+    source: str | None = field(default=None, compare=False)
+    raw: dict = field(default_factory=dict, compare=False)
+
+    def workload_names(self) -> list[str]:
+        """Every workload the sweep may run: the default, or those its search space names."""
+        searched = self.search_space.get("workload")
+        if isinstance(searched, Domain) and searched.kind in ("choice", "grid"):
+            return list(searched.args[0])
+        return [searched if isinstance(searched, str) else self.workload]
+
+
+# -- loading --------------------------------------------------------------------------------
+
+TOP_LEVEL_KEYS = {
+    "experiment", "workload", "search_space", "effective_batch_size", "stop", "num_samples",
+    "metric", "mode", "scheduler", "resources", "memory", "storage_path", "tracking_uri", "seed",
+}
+
+
+def load_spec(path: str, overrides: list[str] | tuple[str, ...] = ()) -> SweepSpec:
+    """Read, override (``key.path=value``) and validate a sweep file."""
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc})".replace("\n", " ")) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of config keys at the top level")
+    for override in overrides:
+        apply_override(raw, override)
+    spec = parse_spec(raw)
+    return dataclasses.replace(spec, source=os.path.abspath(path))
+
+
+def apply_override(raw: dict, override: str) -> None:
+    """``--set memory.safety_margin=0.8``: the value is read as YAML, the path may be new."""
+    key_path, sep, text = override.partition("=")
+    if not sep or not key_path.strip():
+        raise ConfigError(f"--set {override}: expected KEY.PATH=VALUE")
+    keys = key_path.strip().split(".")
+    node = raw
+    for i, key in enumerate(keys[:-1]):
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {override}: {'.'.join(keys[: i + 1])} is not a mapping")
+        node = child
+    try:
+        node[keys[-1]] = yaml.safe_load(text)
+    except yaml.YAMLError:
+        raise ConfigError(f"--set {override}: value is not valid YAML") from None
+
+
+def parse_spec(raw: dict) -> SweepSpec:
+    raw = copy.deepcopy(raw)
+    _no_unknown(raw, TOP_LEVEL_KEYS, "")
+    workload, params = _workload(_require(raw, "workload", ""))
+    search_space = _search_space(_require(raw, "search_space", ""))
+    stop = _mapping(raw.get("stop", {}), "stop")
+    _no_unknown(stop, {"epochs"}, "stop")
+    spec = SweepSpec(
+        experiment=_string(_require(raw, "experiment", ""), "experiment"),
+        workload=workload,
+        params=params,
+        search_space=search_space,
+        effective_batch_size=_positive_int(_require(raw, "effective_batch_size", ""), "effective_batch_size"),
+        epochs=_positive_int(_require(stop, "epochs", "stop"), "stop.epochs"),
+        num_samples=_positive_int(raw.get("num_samples", 1), "num_samples"),
+        metric=_string(raw.get("metric", "eval_loss"), "metric"),
+        mode=_one_of(raw.get("mode", "min"), ("min", "max"), "mode"),
+        scheduler=_scheduler(raw.get("scheduler", "fifo")),
+        resources=_resources(raw.get("resources", {})),
+        memory=_memory(raw.get("memory", {})),
+        storage_path=_string(raw.get("storage_path", "./orchestrator_results"), "storage_path"),
+        tracking_uri=_optional_string(raw.get("tracking_uri"), "tracking_uri"),
+        seed=_int(raw.get("seed", 0), "seed"),
+        raw=raw,
+    )
+    _check_workload_parameters(spec)
+    return spec
+
+
+# -- sections -------------------------------------------------------------------------------
+
+
+def _workload(value: Any) -> tuple[str, dict]:
+    if isinstance(value, str):
+        return _string(value, "workload"), {}
+    section = _mapping(value, "workload")
+    _no_unknown(section, {"name", "params"}, "workload")
+    name = _string(_require(section, "name", "workload"), "workload.name")
+    params = _mapping(section.get("params") or {}, "workload.params")
+    return name, params
+
+
+def _search_space(value: Any) -> dict[str, Domain | Any]:
+    section = _mapping(value, "search_space")
+    if not section:
+        raise ConfigError("search_space: expected at least one hyper-parameter to search, got an empty mapping")
+    return {str(key): _domain(val, f"search_space.{key}") for key, val in section.items()}
+
+
+def _domain(value: Any, path: str) -> Domain | Any:
+    """A constant, or a one-key mapping naming a Tune search primitive."""
+    if not isinstance(value, dict):
+        return value
+    if len(value) != 1 or next(iter(value)) not in SEARCH_KINDS:
+        raise ConfigError(
+            f"{path}: expected a constant or one of {{{', '.join(k + ': ...' for k in SEARCH_KINDS)}}}, "
+            f"got {value!r}"
+        )
+    kind, args = next(iter(value.items()))
+    if kind in ("choice", "grid"):
+        if not isinstance(args, list) or not args:
+            raise ConfigError(f"{path}.{kind}: expected a non-empty list of values, got {args!r}")
+        return Domain(kind, (tuple(args),))
+    if not (isinstance(args, list) and len(args) == 2 and all(_is_number(a) for a in args)):
+        raise ConfigError(f"{path}.{kind}: expected [low, high] (two numbers), got {args!r}")
+    low, high = (float(a) for a in args)
+    if not low < high:
+        raise ConfigError(f"{path}.{kind}: expected low < high, got [{args[0]}, {args[1]}]")
+    if kind == "loguniform" and low <= 0:
+        raise ConfigError(f"{path}.loguniform: expected a positive low bound, got {args[0]}")
+    if kind == "randint":
+        if not all(isinstance(a, int) for a in args):
+            raise ConfigError(f"{path}.randint: expected two integers [low, high), got {args!r}")
+        return Domain(kind, (int(args[0]), int(args[1])))
+    return Domain(kind, (low, high))
+
+
+def _scheduler(value: Any) -> SchedulerSpec:
+    if value is None or isinstance(value, str):
+        kind = "fifo" if value in (None, "none") else value
+        return SchedulerSpec(_one_of(kind, ("fifo", "asha"), "scheduler"))
+    section = _mapping(value, "scheduler")
+    _no_unknown(section, {"type", "grace_period", "reduction_factor"}, "scheduler")
+    kind = section.get("type", "fifo")
+    return SchedulerSpec(
+        type=_one_of("fifo" if kind == "none" else kind, ("fifo", "asha"), "scheduler.type"),
+        grace_period=_positive_int(section.get("grace_period", 1), "scheduler.grace_period"),
+        reduction_factor=_positive_int(section.get("reduction_factor", 2), "scheduler.reduction_factor"),
+    )
+
+
+def _resources(value: Any) -> Resources:
+    section = _mapping(value, "resources")
+    _no_unknown(section, {"cpu", "gpu"}, "resources")
+    cpu = _positive_number(section.get("cpu", 1), "resources.cpu")
+    gpu = section.get("gpu", 0)
+    if gpu != "auto":
+        if not _is_number(gpu) or gpu < 0:
+            raise ConfigError(f"resources.gpu: expected a GPU count, a fraction such as 0.25, or 'auto', got {gpu!r}")
+        if gpu > 1 and gpu != int(gpu):
+            raise ConfigError(f"resources.gpu: expected a whole number of GPUs above 1, got {gpu!r}")
+    return Resources(cpu=cpu, gpu=gpu)
+
+
+MEMORY_KEYS = {f.name for f in dataclasses.fields(MemoryPolicy)}
+
+
+def _memory(value: Any) -> MemoryPolicy:
+    section = _mapping(value, "memory")
+    _no_unknown(section, MEMORY_KEYS, "memory")
+    defaults = MemoryPolicy()
+
+    def get(key):
+        return section.get(key, getattr(defaults, key))
+
+    budget = get("budget")
+    policy = MemoryPolicy(
+        device=_one_of(get("device"), DEVICES, "memory.device"),
+        capacity=_size(get("capacity"), "memory.capacity"),
+        budget=None if budget in (None, "auto") else _size(budget, "memory.budget"),
+        safety_margin=_fraction(get("safety_margin"), "memory.safety_margin"),
+        estimator=_one_of(get("estimator"), ESTIMATORS, "memory.estimator"),
+        fragmentation=_non_negative_number(get("fragmentation"), "memory.fragmentation"),
+        allocator_conf=_optional_string(get("allocator_conf"), "memory.allocator_conf"),
+        max_oom_retries=_non_negative_int(get("max_oom_retries"), "memory.max_oom_retries"),
+        gpu_granularity=_fraction(get("gpu_granularity"), "memory.gpu_granularity"),
+        allow_activation_checkpointing=_bool(get("allow_activation_checkpointing"), "memory.allow_activation_checkpointing"),
+        precision=_one_of(get("precision"), PRECISIONS, "memory.precision"),
+        lower_precision=None if get("lower_precision") is None
+        else _one_of(get("lower_precision"), PRECISIONS, "memory.lower_precision"),
+    )
+    if policy.device == "emulated" and policy.capacity is None:
+        raise ConfigError("memory.capacity: memory.device 'emulated' needs a capacity, e.g. capacity: 8MiB")
+    return policy
+
+
+def _check_workload_parameters(spec: SweepSpec) -> None:
+    """Every parameter must belong to a workload of the sweep; catches typos such as ``widht``."""
+    from trainables.workload import WorkloadNotFound, resolve_workload
+
+    accepted: set[str] = {"workload"}
+    for name in spec.workload_names():
+        try:
+            accepted |= set(resolve_workload(name).parameter_names())
+        except WorkloadNotFound as exc:
+            where = "search_space.workload" if "workload" in spec.search_space else "workload.name"
+            raise ConfigError(f"{where}: {exc}") from None
+    for section, keys in (("workload.params", spec.params), ("search_space", spec.search_space)):
+        for key in keys:
+            if key not in accepted:
+                raise ConfigError(
+                    f"{section}.{key}: not a parameter of workload {' or '.join(spec.workload_names())} "
+                    f"(expected one of: {', '.join(sorted(accepted - {'workload'}))})"
+                )
+
+
+# -- scalar checks --------------------------------------------------------------------------
+
+
+def _require(section: dict, key: str, path: str) -> Any:
+    if key not in section:
+        where = f"{path}.{key}" if path else key
+        raise ConfigError(f"{where}: required key is missing")
+    return section[key]
+
+
+def _no_unknown(section: dict, allowed: set[str], path: str) -> None:
+    for key in section:
+        if key not in allowed:
+            where = f"{path}.{key}" if path else str(key)
+            raise ConfigError(f"{where}: unknown key (expected one of: {', '.join(sorted(allowed))})")
+
+
+def _mapping(value: Any, path: str) -> dict:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+    return value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _string(value: Any, path: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{path}: expected a non-empty string, got {value!r}")
+    return value
+
+
+def _optional_string(value: Any, path: str) -> str | None:
+    return None if value is None else _string(value, path)
+
+
+def _one_of(value: Any, allowed: tuple[str, ...], path: str) -> str:
+    if value not in allowed:
+        raise ConfigError(f"{path}: expected one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
+def _bool(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{path}: expected true or false, got {value!r}")
+    return value
+
+
+def _int(value: Any, path: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    return value
+
+
+def _positive_int(value: Any, path: str) -> int:
+    if _int(value, path) <= 0:
+        raise ConfigError(f"{path}: expected a positive integer, got {value!r}")
+    return value
+
+
+def _non_negative_int(value: Any, path: str) -> int:
+    if _int(value, path) < 0:
+        raise ConfigError(f"{path}: expected an integer >= 0, got {value!r}")
+    return value
+
+
+def _positive_number(value: Any, path: str) -> float:
+    if not _is_number(value) or value <= 0:
+        raise ConfigError(f"{path}: expected a positive number, got {value!r}")
+    return float(value)
+
+
+def _non_negative_number(value: Any, path: str) -> float:
+    if not _is_number(value) or value < 0:
+        raise ConfigError(f"{path}: expected a number >= 0, got {value!r}")
+    return float(value)
+
+
+def _fraction(value: Any, path: str) -> float:
+    if not _is_number(value) or not 0 < value <= 1:
+        raise ConfigError(f"{path}: expected a number in (0, 1], got {value!r}")
+    return float(value)
+
+
+def _size(value: Any, path: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_bytes(value)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
