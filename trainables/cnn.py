@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from trainables.synthetic import teacher_classification
+from trainables.synthetic import template_images
 from trainables.workload import Workload
 
 
@@ -64,7 +64,7 @@ class CNNWorkload(Workload):
             block.checkpointed = enabled
 
     def _data(self, n: int, split: str):
-        return teacher_classification(n, (self.channels, self.image_size, self.image_size), self.classes, split)
+        return template_images(n, (self.channels, self.image_size, self.image_size), self.classes, split)
 
     def train_data(self):
         return self._data(self.train_samples, "train")

@@ -23,3 +23,12 @@ def teacher_classification(n: int, input_shape: tuple[int, ...], classes: int, s
     x = torch.randn(n, *input_shape, generator=data_gen)
     y = (x.reshape(n, -1) @ teacher).argmax(dim=1)
     return TensorDataset(x, y)
+
+
+def template_images(n: int, shape: tuple[int, int, int], classes: int, split: str, noise: float = 1.0) -> TensorDataset:
+    """Images of a per-class random template plus noise: a signal a small conv net can find."""
+    templates = torch.randn(classes, *shape, generator=torch.Generator().manual_seed(DATA_SEED))
+    data_gen = torch.Generator().manual_seed(DATA_SEED + (1 if split == "train" else 2))
+    y = torch.randint(0, classes, (n,), generator=data_gen)
+    x = templates[y] + noise * torch.randn(n, *shape, generator=data_gen)
+    return TensorDataset(x, y)

@@ -1,0 +1,86 @@
+"""Out-of-memory failures as data: recognise them, record them, free what they held.
+
+Every OOM becomes an :class:`OomEvent` (phase, epoch, step, batch sizes, bytes asked and in use)
+that travels with the trial: in its checkpoints, its reports, MLflow and, when retries run out,
+its error. An OOM is never silent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import re
+from dataclasses import dataclass
+
+import torch
+
+#: Messages of allocation failures that do not come as ``torch.OutOfMemoryError``
+#: (cuBLAS/cuDNN workspaces, the CUDA driver itself).
+_OOM_MESSAGES = re.compile(
+    r"out of memory|CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED|cudaErrorMemoryAllocation",
+    re.IGNORECASE,
+)
+_TRIED = re.compile(r"Tried to allocate ([0-9.]+) ?(B|KiB|MiB|GiB|TiB)")
+_UNIT = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and bool(_OOM_MESSAGES.search(str(exc)))
+    )
+
+
+def bytes_requested(message: str) -> int | None:
+    """The size in "Tried to allocate 6.36 GiB", as PyTorch (and our emulated device) word it."""
+    match = _TRIED.search(message)
+    return int(float(match.group(1)) * _UNIT[match.group(2)]) if match else None
+
+
+@dataclass(frozen=True)
+class OomEvent:
+    phase: str  # "train" | "eval"
+    epoch: int  # 0-based epoch in which it happened
+    step: int  # optimizer step (train) or eval batch index within that epoch
+    micro_batch: int
+    eval_batch: int
+    bytes_requested: int | None
+    bytes_allocated: int
+    bytes_reserved: int | None
+    message: str
+    action: str = ""  # what was done about it: the reduction applied, or "gave up"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "OomEvent":
+        return cls(**data)
+
+
+def release_memory() -> None:
+    """After an OOM only: drop the failed step's garbage and hand cached blocks back to the device.
+
+    ``empty_cache`` belongs here, once per OOM, and never in the training loop (one team made
+    their epochs 3x slower by calling it every 10 batches).
+    """
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class OomRetriesExhausted(RuntimeError):
+    """The trial ran out of memory more often than ``memory.max_oom_retries`` allows."""
+
+    def __init__(self, events: list[OomEvent], reason: str):
+        self.events = events
+        lines = [f"{reason}; {len(events)} OOM event(s):"]
+        lines += [
+            f"  epoch {e.epoch} {e.phase} step {e.step}: micro-batch {e.micro_batch}, eval batch "
+            f"{e.eval_batch}, asked {e.bytes_requested} B with {e.bytes_allocated} B allocated -> {e.action}"
+            for e in events
+        ]
+        super().__init__("\n".join(lines))
+
+
+class PlanRefused(RuntimeError):
+    """Not even micro-batch 1 fits the budget: the trial is refused before it starts."""
