@@ -348,13 +348,13 @@ def _int(value: Any, path: str) -> int:
 
 
 def _positive_int(value: Any, path: str) -> int:
-    if _int(value, path) <= 0:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"{path}: expected a positive integer, got {value!r}")
     return value
 
 
 def _non_negative_int(value: Any, path: str) -> int:
-    if _int(value, path) < 0:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ConfigError(f"{path}: expected an integer >= 0, got {value!r}")
     return value
 

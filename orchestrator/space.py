@@ -32,11 +32,10 @@ def trial_configs(spec: SweepSpec) -> list[dict[str, Any]]:
     Used by ``orchestrator plan`` to show every trial's plan before anything runs; the sweep
     itself lets Tune sample, so random values there may differ from these.
     """
-    import random
-
+    import numpy as np
     from ray.tune.search.variant_generator import generate_variants
 
-    random_state = random.Random(spec.seed)
+    random_state = np.random.default_rng(spec.seed)
     configs = []
     for _ in range(spec.num_samples):
         for _, config in generate_variants(tune_param_space(spec), random_state=random_state):

@@ -1,0 +1,113 @@
+"""The config layer: valid sweeps parse; every class of mistake is one line naming its key, exit 2."""
+
+import glob
+import subprocess
+import sys
+
+import pytest
+
+from orchestrator.config import Domain, load_spec
+from orchestrator.errors import ConfigError
+from orchestrator.space import trial_configs
+
+VALID = """
+experiment: t
+workload: {name: mlp, params: {depth: 1}}
+search_space:
+  lr: {loguniform: [0.0001, 0.1]}
+  width: {choice: [16, 32]}
+effective_batch_size: 32
+stop: {epochs: 2}
+"""
+
+
+def write(tmp_path, text, name="sweep.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob("configs/*.yaml")))
+def test_every_shipped_config_parses(path):
+    spec = load_spec(path)
+    assert spec.experiment and spec.effective_batch_size > 0
+
+
+def test_a_valid_file_gives_a_typed_spec_with_defaults(tmp_path):
+    spec = load_spec(write(tmp_path, VALID))
+    assert spec.workload == "mlp" and spec.params == {"depth": 1}
+    assert spec.search_space["lr"] == Domain("loguniform", (0.0001, 0.1))
+    assert spec.epochs == 2 and spec.num_samples == 1 and spec.metric == "eval_loss" and spec.mode == "min"
+    assert spec.memory.estimator == "trace" and spec.memory.safety_margin == 0.9
+    assert spec.memory.allocator_conf == "expandable_segments:True"
+
+
+def test_sizes_are_read_with_units(tmp_path):
+    spec = load_spec(write(tmp_path, VALID), ["memory.device=emulated", "memory.capacity=8MiB", "memory.budget=24GiB"])
+    assert spec.memory.capacity == 8 * 2**20 and spec.memory.budget == 24 * 2**30
+
+
+def test_set_overrides_a_key_as_yaml(tmp_path):
+    spec = load_spec(write(tmp_path, VALID), ["stop.epochs=5", "search_space.width={grid: [8, 16]}", "resources.gpu=0.25"])
+    assert spec.epochs == 5
+    assert spec.search_space["width"] == Domain("grid", ((8, 16),))
+    assert spec.resources.gpu == 0.25
+
+
+def test_grid_and_samples_expand_to_trial_configs(tmp_path):
+    spec = load_spec(write(tmp_path, VALID), ["num_samples=3"])
+    configs = trial_configs(spec)
+    assert len(configs) == 3
+    assert all(1e-4 <= c["lr"] <= 0.1 and c["width"] in (16, 32) and c["workload"] == "mlp" for c in configs)
+
+
+BAD = [
+    ("unknown top-level key", ["epocs=3"], "epocs: unknown key"),
+    ("unknown nested key", ["memory.budgett=1GiB"], "memory.budgett: unknown key"),
+    ("wrong type", ["effective_batch_size=lots"], "effective_batch_size: expected a positive integer, got 'lots'"),
+    ("zero size", ["effective_batch_size=0"], "effective_batch_size: expected a positive integer, got 0"),
+    ("negative epochs", ["stop.epochs=-1"], "stop.epochs: expected a positive integer, got -1"),
+    ("bad memory size", ["memory.budget=-3GiB"], "memory.budget: expected a size"),
+    ("margin out of range", ["memory.safety_margin=1.5"], "memory.safety_margin: expected a number in (0, 1]"),
+    ("unknown workload", ["workload.name=resnet9000"], "workload.name: unknown workload 'resnet9000'"),
+    ("unimportable workload", ["workload.name=nope.module:Thing"], "workload.name: workload 'nope.module:Thing': cannot import"),
+    ("empty search space", ["search_space={}"], "search_space: expected at least one hyper-parameter"),
+    ("empty choice", ["search_space.width={choice: []}"], "search_space.width.choice: expected a non-empty list"),
+    ("bad bounds", ["search_space.lr={uniform: [1, 0]}"], "search_space.lr.uniform: expected low < high"),
+    ("unknown primitive", ["search_space.lr={normal: [0, 1]}"], "search_space.lr: expected a constant or one of"),
+    ("typo in a hyper-parameter", ["search_space.widht=3"], "search_space.widht: not a parameter of workload mlp"),
+    ("bad estimator", ["memory.estimator=guess"], "memory.estimator: expected one of static, trace, measured, none"),
+    ("negative gpu", ["resources.gpu=-1"], "resources.gpu: expected a GPU count"),
+    ("emulated without capacity", ["memory.device=emulated"], "memory.capacity: memory.device 'emulated' needs a capacity"),
+    ("bad scheduler", ["scheduler=pbt"], "scheduler: expected one of fifo, asha"),
+]
+
+
+@pytest.mark.parametrize("case,overrides,message", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_names_the_key_and_what_was_expected(tmp_path, case, overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_spec(write(tmp_path, VALID), overrides)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_file_and_broken_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_spec(str(tmp_path / "absent.yaml"))
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_spec(write(tmp_path, "experiment: [unclosed"))
+    with pytest.raises(ConfigError, match="expected KEY.PATH=VALUE"):
+        load_spec(write(tmp_path, VALID), ["no-equals-sign"])
+
+
+def test_the_cli_prints_one_line_and_exits_2_without_starting_anything(tmp_path):
+    config = write(tmp_path, VALID)
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "run", config, "--set", "search_space.lr={uniform: [1, 0]}",
+         "--storage-path", str(tmp_path / "results"), "--tracking-uri", f"sqlite:///{tmp_path}/m.db"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: search_space.lr.uniform: expected low < high, got [1, 0]"
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "results").exists() and not (tmp_path / "m.db").exists()
