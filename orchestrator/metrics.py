@@ -1,0 +1,96 @@
+"""Per-trial memory and OOM metrics as Ray metrics, so they show next to the sweep's job.
+
+The trainable calls :class:`TrialMetrics` once per epoch from inside its trial actor. Ray's
+metrics agent exports the values on the node's Prometheus endpoint (the metrics export port,
+no auth, all interfaces) about 15 s later, with Ray's ``ray_`` prefix:
+
+    ray_orchestrator_planned_peak_bytes{experiment, trial_id, workload}
+    ray_orchestrator_measured_peak_bytes{..., kind="allocated"|"reserved"}
+    ray_orchestrator_micro_batch{...}
+    ray_orchestrator_eval_batch{...}
+    ray_orchestrator_oom_retries_total{..., phase}
+
+Every name starts with ``orchestrator_`` so ``{__name__=~"ray_orchestrator_.*"}`` finds them all.
+Outside Ray (unit tests of the training loop, a plain script) every call is a cheap no-op.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+PREFIX = "orchestrator_"
+TRIAL_TAGS = ("experiment", "trial_id", "workload")
+
+
+class _RayMetrics:
+    """The Ray metric objects; building them registers the names with this process's Ray worker."""
+
+    def __init__(self) -> None:
+        from ray.util.metrics import Counter, Gauge
+
+        self.planned_peak = Gauge(
+            PREFIX + "planned_peak_bytes",
+            "Peak memory (bytes) the plan expects for the trial's worst phase",
+            tag_keys=TRIAL_TAGS,
+        )
+        self.measured_peak = Gauge(
+            PREFIX + "measured_peak_bytes",
+            "Peak memory (bytes) measured during the last epoch; kind=allocated (tensors) or reserved (allocator)",
+            tag_keys=TRIAL_TAGS + ("kind",),
+        )
+        self.micro_batch = Gauge(
+            PREFIX + "micro_batch", "Training micro-batch size in force", tag_keys=TRIAL_TAGS
+        )
+        self.eval_batch = Gauge(
+            PREFIX + "eval_batch", "Evaluation batch size in force", tag_keys=TRIAL_TAGS
+        )
+        # Prometheus appends `_total` to counters, so this is exported as ..._oom_retries_total.
+        self.oom_retries = Counter(
+            PREFIX + "oom_retries",
+            "Out-of-memory errors the trial recovered from by shrinking its plan",
+            tag_keys=TRIAL_TAGS + ("phase",),
+        )
+
+
+class TrialMetrics:
+    """One trial's gauges and OOM counter, tagged with the experiment, trial id and workload."""
+
+    def __init__(self, experiment: str, trial_id: str, workload: str):
+        self.tags = {"experiment": str(experiment), "trial_id": str(trial_id), "workload": str(workload)}
+        self._metrics: _RayMetrics | None = None
+
+    def _ray(self) -> _RayMetrics | None:
+        """The Ray metric objects, built on first use once Ray is up here; None outside Ray.
+
+        Built per instance rather than per process so a process that shuts Ray down and starts
+        it again (tests do) never records into metrics of a finished session.
+        """
+        if self._metrics is None:
+            ray = sys.modules.get("ray")  # not imported means not initialised: don't pay the import
+            if ray is None or not ray.is_initialized():
+                return None
+            self._metrics = _RayMetrics()
+        return self._metrics
+
+    def record_epoch(self, result: dict[str, Any]) -> None:
+        """Publish the epoch's plan and measured peaks; keys missing or None are skipped."""
+        metrics = self._ray()
+        if metrics is None:
+            return
+        _set(metrics.planned_peak, result.get("predicted_peak_bytes"), self.tags)
+        _set(metrics.measured_peak, result.get("peak_allocated_bytes"), {**self.tags, "kind": "allocated"})
+        _set(metrics.measured_peak, result.get("peak_reserved_bytes"), {**self.tags, "kind": "reserved"})
+        _set(metrics.micro_batch, result.get("micro_batch"), self.tags)
+        _set(metrics.eval_batch, result.get("eval_batch"), self.tags)
+
+    def record_oom(self, phase: str) -> None:
+        """Count one OOM the trial is retrying after (phase: train, eval, ...)."""
+        metrics = self._ray()
+        if metrics is not None:
+            metrics.oom_retries.inc(1, tags={**self.tags, "phase": str(phase)})
+
+
+def _set(gauge: Any, value: Any, tags: dict[str, str]) -> None:
+    if value is not None:
+        gauge.set(float(value), tags=tags)
