@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--storage-path", help="shared storage for Tune results (default: the config's)")
     submit.add_argument("--log-dir", default="slurm_logs", help="where SLURM writes the job's logs")
     submit.add_argument("--dry-run", action="store_true", help="print the sbatch script instead of submitting it")
+    submit.add_argument("--template", help="sbatch template (default: slurm/sweep.sbatch.tmpl; see slurm/README.md)")
 
     report = commands.add_parser("report", help="summarise a finished sweep from MLflow: table, plot, Parquet")
     report.add_argument("experiment", nargs="?", help="MLflow experiment name (default: the most recent sweep)")
