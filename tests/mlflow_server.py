@@ -1,0 +1,107 @@
+"""A real ``mlflow server`` on 127.0.0.1 for tests: start it, stop it (by PID), start it again.
+
+The outage test needs the server to go away and come back on the same port and database, so
+this is a small object rather than a fixture. Everything it starts it stops: the server runs in
+its own process group, is sent SIGTERM (which ends its workers in ~10 s) and only if it is
+still there after a grace period is that group killed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class MlflowServer:
+    """``mlflow server`` with a SQLite store and served artifacts under ``root``."""
+
+    def __init__(self, root: Path, port: int | None = None):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 90.0) -> "MlflowServer":
+        mlflow = Path(sys.executable).parent / "mlflow"
+        command = [
+            str(mlflow), "server",
+            "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+            "--artifacts-destination", str(self.root / "artifacts"),
+            "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
+        ]
+        log = open(self.root / "server.log", "ab")
+        self.process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, cwd=self.root, start_new_session=True,
+            env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"},
+        )
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"mlflow server exited with {self.process.returncode}; see {self.root / 'server.log'}")
+            if self.healthy():
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"mlflow server not healthy after {timeout:.0f} s; see {self.root / 'server.log'}")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def stop(self, grace: float = 30.0) -> None:
+        """SIGTERM the server by PID; kill its process group only if it outlives ``grace``."""
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        # Workers in the same group may outlive the parent for a moment; the port must be free
+        # before the server can be started again on it.
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and not _port_free(self.port):
+            time.sleep(0.2)
+        if not _port_free(self.port):
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def __enter__(self) -> "MlflowServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+        try:
+            sock.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
