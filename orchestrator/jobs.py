@@ -1,0 +1,163 @@
+"""``orchestrator run CONFIG --address URL``: the sweep as a Ray Job on a running cluster.
+
+The job runs ``python -m orchestrator run CONFIG ...`` (without ``--address``) on the head
+node; inside it Ray sets ``RAY_ADDRESS``, so the runner joins that cluster instead of
+starting its own Ray. What the job needs from the submitting machine travels with it:
+
+- the current directory is uploaded as the job's ``working_dir`` (as ``ray job submit
+  --working-dir .`` does), so the config, the files it names and the user's own workload
+  modules are there, whether the cluster is this machine or a remote one seen from a laptop.
+  The config must therefore sit inside the current directory. Ray leaves out ``.git``,
+  ``.venv``, ``venv``, ``__pycache__`` and what ``.gitignore``/``.rayignore`` list; we also
+  leave out :data:`EXCLUDED` and earlier results under the storage path.
+- the Python environment is the cluster's: the ``python`` on the PATH of ``ray start``. Start
+  the cluster from an environment that has this project's dependencies.
+
+Results follow the runner's rules, but relative paths now resolve in the job's working
+directory on the cluster, a temporary copy: we say so before submitting, so a user who wants
+to keep them passes ``--storage-path`` and ``--tracking-uri`` that the cluster can reach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.config import SweepSpec, load_spec
+from orchestrator.errors import UserError
+
+# Local tracking data is never worth uploading, even when a project has no .gitignore saying so.
+EXCLUDED = ("mlruns", "mlflow.db", ".pytest_cache")
+
+# `run` flags that only mean something to the embedded Ray this machine would start.
+EMBEDDED_ONLY_FLAGS = (("ray_address", "--ray-address"), ("num_cpus", "--num-cpus"),
+                       ("num_gpus", "--num-gpus"), ("dashboard", "--dashboard"))
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """What is sent to the cluster's job API."""
+
+    entrypoint: str
+    runtime_env: dict
+    metadata: dict[str, str]
+
+
+def build_job_request(args: argparse.Namespace, spec: SweepSpec, cwd: Path) -> JobRequest:
+    """The job that runs this ``run`` command on the cluster, with ``cwd`` as its working_dir."""
+    config = Path(args.config).resolve()
+    cwd = cwd.resolve()
+    if not config.is_relative_to(cwd):
+        raise UserError(
+            f"{args.config}: a job gets the current directory ({cwd}) as its working_dir, and this "
+            "config is outside it; run from the project folder that contains the config"
+        )
+    command = ["python", "-m", "orchestrator", "run", config.relative_to(cwd).as_posix()]
+    for override in args.overrides:
+        command += ["--set", override]
+    for flag, value in (("--tracking-uri", args.tracking_uri), ("--storage-path", args.storage_path)):
+        if value:
+            command += [flag, value]
+    if args.resume:
+        command.append("--resume")
+
+    excludes = list(EXCLUDED)
+    storage = (cwd / (args.storage_path or spec.storage_path)).resolve()
+    if storage.is_relative_to(cwd) and storage != cwd:
+        excludes.append("/" + storage.relative_to(cwd).as_posix())  # earlier sweeps' results
+    return JobRequest(
+        entrypoint=shlex.join(command),
+        runtime_env={"working_dir": str(cwd), "excludes": excludes},
+        # `job_name` is what the dashboard's job list shows in its Name column.
+        metadata={"job_name": f"orchestrator {spec.experiment}", "experiment": spec.experiment,
+                  "config": config.relative_to(cwd).as_posix()},
+    )
+
+
+def results_notes(args: argparse.Namespace, spec: SweepSpec) -> list[str]:
+    """Warnings for results that would land in the job's temporary working directory."""
+    notes = []
+    storage = args.storage_path or spec.storage_path
+    if "://" not in storage and not os.path.isabs(storage):
+        notes.append(f"Tune results go to {storage!r} inside the job's temporary working directory on the "
+                     "cluster; pass --storage-path with a path the cluster keeps (shared storage) to keep them.")
+    tracking = args.tracking_uri or spec.tracking_uri
+    if tracking is None or (tracking.startswith("sqlite:///") and not tracking.startswith("sqlite:////")):
+        notes.append(f"MLflow records go to {tracking or 'sqlite:///mlflow.db'} inside that working directory; "
+                     "pass --tracking-uri with an MLflow server (or an absolute sqlite path) the cluster can reach.")
+    return notes
+
+
+def connect(address: str):
+    """A job client for the dashboard at ``address``, sending Ray's auth token when we have one."""
+    from ray.exceptions import AuthenticationError
+    from ray.job_submission import JobSubmissionClient
+
+    from orchestrator.dashboard import TOKEN_SOURCES, auth_headers
+
+    if not address.startswith(("http://", "https://")):
+        raise UserError(
+            f"--address {address}: expected the dashboard's URL, e.g. http://127.0.0.1:8265 "
+            "(to run the driver here against a cluster's HOST:PORT, use --ray-address)"
+        )
+    headers = auth_headers()
+    try:
+        return JobSubmissionClient(address, headers=headers)
+    except AuthenticationError as exc:
+        problem = "rejected our token" if headers else "needs a token and none was found"
+        raise UserError(
+            f"--address {address}: the cluster {problem} ({str(exc).splitlines()[0]}). Put the cluster's token "
+            f"(`ray get-auth-token` where it was started) in {TOKEN_SOURCES}"
+        ) from None
+    except ConnectionError:
+        raise UserError(
+            f"--address {address}: no Ray dashboard answers there; start one with "
+            "`ray start --head --dashboard-host 127.0.0.1` (from this project's Python environment) "
+            "or fix the URL"
+        ) from None
+
+
+def run_as_job(args: argparse.Namespace) -> int:
+    """Submit, say where to watch and how to stop it, follow the logs; exit 0 iff the job succeeded."""
+    from ray.job_submission import JobStatus
+
+    from orchestrator.dashboard import how_to_open, job_page, token_required
+
+    for attribute, flag in EMBEDDED_ONLY_FLAGS:
+        if getattr(args, attribute):
+            raise UserError(f"{flag}: only for a sweep run here; with --address the job runs on the cluster's Ray")
+    spec = load_spec(args.config, args.overrides)  # a bad config fails here, before anything is uploaded
+    request = build_job_request(args, spec, Path.cwd())
+    for note in results_notes(args, spec):
+        print(f"note: {note}")
+    client = connect(args.address)
+    submission_id = client.submit_job(
+        entrypoint=request.entrypoint, runtime_env=request.runtime_env, metadata=request.metadata
+    )
+    needs_token = token_required(args.address)
+    ray_cli = "RAY_AUTH_MODE=token ray" if needs_token else "ray"  # Ray's CLI sends the token only when told to
+    stop = f"{ray_cli} job stop {submission_id} --address {args.address}"
+    logs = f"{ray_cli} job logs --follow {submission_id} --address {args.address}"
+    print(f"Submitted job {submission_id}: {request.entrypoint}")
+    print(how_to_open(job_page(args.address, submission_id), needs_token))
+    print(f"Following its logs; Ctrl-C stops following, not the job. Stop the job with: {stop}", flush=True)
+    try:
+        asyncio.run(_follow(client, submission_id))
+    except KeyboardInterrupt:
+        print(f"\nStopped following. Job {submission_id} keeps running on the cluster.")
+        print(f"  follow it again: {logs}")
+        print(f"  stop it:         {stop}")
+        return 130
+    info = client.get_job_info(submission_id)
+    message = (info.message or "").splitlines()[:1]  # a failure's message repeats the log tail
+    print(f"Job {submission_id} {info.status.value}: {' '.join(message)}".rstrip(": "))
+    return 0 if info.status == JobStatus.SUCCEEDED else 1
+
+
+async def _follow(client, submission_id: str) -> None:
+    async for chunk in client.tail_job_logs(submission_id):
+        print(chunk, end="", flush=True)

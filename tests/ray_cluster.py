@@ -1,0 +1,163 @@
+"""A real local Ray head (``ray start --head``) for integration tests, with the dashboard on.
+
+It is what a user starts by hand: token authentication on (the token made by
+``ray get-auth-token --generate`` in the test HOME), dashboard on 127.0.0.1, its own
+``--temp-dir`` and free ports, so it never meets another cluster on the machine. It is
+stopped by the PIDs it started, never with ``ray stop`` (which kills every Ray of the user).
+
+Use the ``ray_head`` fixture (import it into a test module) or :func:`start_head` directly.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+START_TIMEOUT_S = 90
+
+
+@dataclass
+class RayHead:
+    """A running head node and the addresses a test needs."""
+
+    process: subprocess.Popen
+    temp_dir: Path
+    dashboard_url: str
+    gcs_address: str
+    metrics_export_port: int
+    token: str
+    log_path: Path
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_export_port}/metrics"
+
+    def scrape(self) -> str:
+        """The node's Prometheus text (the metrics export port has no auth)."""
+        return requests.get(self.metrics_url, timeout=10).text
+
+    def session_metrics_port(self) -> int:
+        """The port Ray wrote under ``session_latest``, where users find it for their own clusters."""
+        [path] = glob.glob(str(self.temp_dir / "session_latest" / "metrics_export_port_*"))
+        return int(Path(path).read_text().strip())
+
+    def stop(self) -> None:
+        """SIGTERM ``ray start --block`` (it stops its GCS, raylet, dashboard and workers), then
+        SIGKILL whatever of its process tree is left after 20 s."""
+        tree = descendants(self.process.pid)
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(_alive(pid) for pid in tree):
+            time.sleep(0.2)
+        for pid in tree:
+            if _alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def descendants(root: int) -> list[int]:
+    """PIDs of ``root``'s whole process tree, read from /proc (Ray's job drivers start their own
+    sessions, so a process group would miss them)."""
+    children: dict[int, list[int]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(Path(stat).parent.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie awaiting its parent counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_head(temp_dir: Path, num_cpus: int = 2) -> RayHead:
+    """Start a head node under ``temp_dir`` (keep the path short: Ray's sockets live under it)."""
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0",
+           "MLFLOW_DISABLE_TELEMETRY": "true"}
+    token = subprocess.run(
+        ["ray", "get-auth-token", "--generate"], env=env, check=True, capture_output=True, text=True, timeout=60
+    ).stdout.strip()
+    ports = {name: free_port() for name in ("gcs", "dashboard", "metrics", "agent", "client")}
+    temp_dir.mkdir(parents=True, exist_ok=True)
+    log_path = temp_dir.parent / f"{temp_dir.name}-ray-start.log"
+    command = [
+        "ray", "start", "--head", "--block", "--disable-usage-stats",
+        f"--temp-dir={temp_dir}", f"--num-cpus={num_cpus}", "--num-gpus=0",
+        f"--port={ports['gcs']}", "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dashboard']}",
+        f"--metrics-export-port={ports['metrics']}", f"--dashboard-agent-listen-port={ports['agent']}",
+        f"--ray-client-server-port={ports['client']}",
+    ]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    head = RayHead(
+        process=process, temp_dir=temp_dir, dashboard_url=f"http://127.0.0.1:{ports['dashboard']}",
+        gcs_address=f"127.0.0.1:{ports['gcs']}", metrics_export_port=ports["metrics"], token=token,
+        log_path=log_path,
+    )
+    try:
+        _wait_ready(head)
+    except BaseException:
+        head.stop()
+        raise
+    return head
+
+
+def _wait_ready(head: RayHead) -> None:
+    """Until the job API answers an authenticated request (it needs the GCS and the agent up)."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if head.process.poll() is not None:
+            raise RuntimeError(f"ray start exited {head.process.returncode}: {head.log_path.read_text()[-3000:]}")
+        try:
+            if requests.get(f"{head.dashboard_url}/api/jobs/", headers=head.headers, timeout=5).ok:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"Ray head not ready after {START_TIMEOUT_S} s: {head.log_path.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def ray_head(isolated_environment, tmp_path_factory):
+    """One head per test session, shared by the job, metrics and browser tests."""
+    head = start_head(tmp_path_factory.mktemp("rayhead"))
+    yield head
+    head.stop()

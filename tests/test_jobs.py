@@ -1,0 +1,203 @@
+"""``orchestrator run CONFIG --address URL``: the sweep as a Ray Job on a running cluster.
+
+The request is checked without Ray; the integration tests submit the demo sweep (a 2-trial
+cut) to a real ``ray start --head`` with token auth, through the CLI as a user would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from orchestrator.cli import build_parser, main
+from orchestrator.config import load_spec
+from orchestrator.errors import UserError
+from orchestrator.jobs import build_job_request, connect, results_notes
+from ray_cluster import free_port, ray_head  # noqa: F401 (fixture)
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = "configs/demo_cpu.yaml"
+# Two trials of the demo sweep, two epochs each.
+SMALL_CUT = ["--set", "search_space.workload=mlp", "--set", "search_space.lr=0.01",
+             "--set", "search_space.width={grid: [16, 32]}", "--set", "stop.epochs=2"]
+
+
+def request_for(argv: list[str], cwd: Path = ROOT):
+    args = build_parser().parse_args(["run", *argv])
+    return build_job_request(args, load_spec(args.config, args.overrides), cwd), args
+
+
+# -- the request, without Ray ------------------------------------------------------------------
+
+
+def test_job_runs_the_same_command_without_address(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    request, _ = request_for([DEMO, "--address", "http://127.0.0.1:8265", *SMALL_CUT,
+                              "--tracking-uri", "sqlite:////data/mlflow.db", "--resume"])
+    assert request.entrypoint == (
+        "python -m orchestrator run configs/demo_cpu.yaml --set search_space.workload=mlp "
+        "--set search_space.lr=0.01 --set 'search_space.width={grid: [16, 32]}' --set stop.epochs=2 "
+        "--tracking-uri sqlite:////data/mlflow.db --resume"
+    )
+    assert request.runtime_env["working_dir"] == str(ROOT)
+    assert "/orchestrator_results" in request.runtime_env["excludes"]  # earlier results stay home
+    assert request.metadata["job_name"] == "orchestrator demo_cpu"
+
+
+def test_config_outside_the_working_dir_is_refused(tmp_path, monkeypatch):
+    config = tmp_path / "mine.yaml"
+    config.write_text((ROOT / DEMO).read_text())
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(UserError, match="outside it; run from the project folder"):
+        request_for([str(config), "--address", "http://127.0.0.1:8265"])
+
+
+def test_relative_results_locations_are_pointed_out(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    _, args = request_for([DEMO, "--address", "http://x:8265"])
+    spec = load_spec(args.config)
+    assert [n.split()[0] for n in results_notes(args, spec)] == ["Tune", "MLflow"]
+    _, args = request_for([DEMO, "--address", "http://x:8265", "--storage-path", "/shared/results",
+                           "--tracking-uri", "http://mlflow:5000"])
+    assert results_notes(args, spec) == []
+
+
+def test_address_must_be_the_dashboard_url():
+    with pytest.raises(UserError, match="use --ray-address"):
+        connect("127.0.0.1:6379")
+
+
+def test_no_dashboard_at_the_address_is_a_user_error():
+    with pytest.raises(UserError, match="no Ray dashboard answers there"):
+        connect(f"http://127.0.0.1:{free_port()}")
+
+
+def test_flags_of_the_embedded_ray_are_refused(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    assert main(["run", DEMO, "--address", "http://127.0.0.1:8265", "--num-cpus", "2"]) == 2
+    assert "--num-cpus: only for a sweep run here" in capsys.readouterr().err
+
+
+# -- against a real cluster --------------------------------------------------------------------
+
+
+def cli(*argv: str, env: dict | None = None, **popen) -> subprocess.Popen:
+    """``python -m orchestrator ...`` from the project root, as a user runs it."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", *argv], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", **(env or {})},
+        **popen,
+    )
+
+
+def job_client(head):
+    from ray.job_submission import JobSubmissionClient
+
+    return JobSubmissionClient(head.dashboard_url, headers=head.headers)
+
+
+def wait_terminal(client, submission_id: str, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while not (status := client.get_job_status(submission_id)).is_terminal():
+        assert time.monotonic() < deadline, f"job {submission_id} still {status} after {timeout} s"
+        time.sleep(1)
+    return status
+
+
+def submission_id_in(output: str) -> str:
+    return next(line.split()[2].rstrip(":") for line in output.splitlines() if line.startswith("Submitted job "))
+
+
+@pytest.mark.integration
+def test_without_the_token_the_cli_says_where_to_put_it(ray_head, tmp_path):
+    """No token on the client: refused with a pointer to Ray's token sources. A wrong token: 'rejected'."""
+    (tmp_path / "home").mkdir()
+    run = cli("run", DEMO, "--address", ray_head.dashboard_url, env={"HOME": str(tmp_path / "home")})
+    out, _ = run.communicate(timeout=120)
+    assert run.returncode == 2, out
+    assert "needs a token and none was found" in out and "~/.ray/auth_token" in out
+    run = cli("run", DEMO, "--address", ray_head.dashboard_url, env={"RAY_AUTH_TOKEN": "0" * 32})
+    out, _ = run.communicate(timeout=120)
+    assert run.returncode == 2 and "rejected our token" in out, out
+
+
+@pytest.mark.integration
+def test_demo_sweep_as_a_job(ray_head, tmp_path):
+    started = time.monotonic()
+    run = cli("run", DEMO, "--address", ray_head.dashboard_url, *SMALL_CUT,
+              "--storage-path", str(tmp_path / "results"), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db")
+    out, _ = run.communicate(timeout=400)
+    print(out[-4000:])
+    print(f"job CLI took {time.monotonic() - started:.0f} s")
+    assert run.returncode == 0, out[-4000:]
+    submission_id = submission_id_in(out)
+    assert f"Ray dashboard: {ray_head.dashboard_url}/#/jobs/{submission_id}" in out
+    assert "ray get-auth-token" in out
+    assert f"Job {submission_id} SUCCEEDED" in out
+
+    client = job_client(ray_head)
+    info = client.get_job_info(submission_id)
+    assert info.status == "SUCCEEDED"
+    assert info.metadata["job_name"] == "orchestrator demo_cpu"
+    assert "--address" not in info.entrypoint
+    assert (tmp_path / "mlflow.db").exists()  # the paths we passed reached the runner
+
+    # Both trials' gauges reach the node's Prometheus endpoint (Ray exports every few seconds).
+    wanted = {"ray_orchestrator_planned_peak_bytes", "ray_orchestrator_measured_peak_bytes",
+              "ray_orchestrator_micro_batch", "ray_orchestrator_eval_batch"}
+    assert ray_head.session_metrics_port() == ray_head.metrics_export_port
+    deadline, seen = time.monotonic() + 60, {}
+    while time.monotonic() < deadline:
+        seen = {}
+        for family in text_string_to_metric_families(ray_head.scrape()):
+            for sample in family.samples:
+                if family.name in wanted and sample.labels.get("experiment") == "demo_cpu":
+                    seen.setdefault(family.name, {})[(sample.labels["trial_id"], sample.labels.get("kind"))] = sample.value
+        if set(seen) == wanted and all(len({t for t, _ in v}) == 2 for v in seen.values()):
+            break
+        time.sleep(2)
+    print(seen)
+    assert set(seen) == wanted
+    for name, series in seen.items():
+        assert len({trial for trial, _ in series}) == 2, (name, series)
+        assert all(value > 0 for value in series.values()), (name, series)
+    assert {kind for _, kind in seen["ray_orchestrator_measured_peak_bytes"]} >= {"allocated"}
+
+
+@pytest.mark.integration
+def test_ctrl_c_stops_following_not_the_job(ray_head, tmp_path):
+    run = cli("run", DEMO, "--address", ray_head.dashboard_url, *SMALL_CUT,
+              "--storage-path", str(tmp_path / "results"), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db")
+    lines = []
+    for line in run.stdout:  # until it is following the logs
+        lines.append(line)
+        if line.startswith("Following its logs"):
+            break
+    run.send_signal(signal.SIGINT)
+    out = "".join(lines) + run.communicate(timeout=60)[0]
+    assert run.returncode == 130, out
+    submission_id = submission_id_in(out)
+    assert f"Job {submission_id} keeps running" in out
+    assert f"RAY_AUTH_MODE=token ray job stop {submission_id} --address {ray_head.dashboard_url}" in out
+
+    client = job_client(ray_head)
+    assert client.get_job_status(submission_id) in ("PENDING", "RUNNING")
+    client.stop_job(submission_id)
+    assert wait_terminal(client, submission_id) == "STOPPED"
+
+
+@pytest.mark.integration
+def test_dashboard_answers_401_without_the_token(ray_head):
+    """Auth stays on: the API refuses anonymous requests; the page itself loads to ask for the token."""
+    assert requests.get(f"{ray_head.dashboard_url}/api/jobs/", timeout=10).status_code == 401
+    assert requests.get(f"{ray_head.dashboard_url}/api/jobs/", headers=ray_head.headers, timeout=10).ok
+    mode = requests.get(f"{ray_head.dashboard_url}/api/authentication_mode", timeout=10).json()
+    assert mode == {"authentication_mode": "token"}
