@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--address", metavar="URL",
-        help="submit the sweep as a Ray Job to a cluster's dashboard, e.g. http://127.0.0.1:8265, and follow its logs",
+        help="submit the sweep as a Ray Job to a cluster's dashboard, e.g. http://127.0.0.1:8265, and follow its logs; "
+             "uploads the current directory and sends Ray's auth token (see docs/dashboard.md)",
     )
     run.add_argument("--resume", action="store_true", help="resume an interrupted sweep from its storage path")
     run.add_argument("--num-cpus", type=int, help="CPUs of the embedded local Ray (default: all)")

@@ -142,10 +142,10 @@ def run_as_job(args: argparse.Namespace) -> int:
     ray_cli = "RAY_AUTH_MODE=token ray" if needs_token else "ray"  # Ray's CLI sends the token only when told to
     stop = f"{ray_cli} job stop {submission_id} --address {args.address}"
     logs = f"{ray_cli} job logs --follow {submission_id} --address {args.address}"
-    print(f"Submitted job {submission_id}: {request.entrypoint}")
-    print(how_to_open(job_page(args.address, submission_id), needs_token))
-    print(f"Following its logs; Ctrl-C stops following, not the job. Stop the job with: {stop}", flush=True)
     try:
+        print(f"Submitted job {submission_id}: {request.entrypoint}")
+        print(how_to_open(job_page(args.address, submission_id), needs_token))
+        print(f"Following its logs; Ctrl-C stops following, not the job. Stop the job with: {stop}", flush=True)
         asyncio.run(_follow(client, submission_id))
     except KeyboardInterrupt:
         print(f"\nStopped following. Job {submission_id} keeps running on the cluster.")
