@@ -69,17 +69,21 @@ def release_memory() -> None:
 
 
 class OomRetriesExhausted(RuntimeError):
-    """The trial ran out of memory more often than ``memory.max_oom_retries`` allows."""
+    """The trial ran out of memory more often than ``memory.max_oom_retries`` allows.
 
-    def __init__(self, events: list[OomEvent], reason: str):
-        self.events = events
+    Its message lists every OOM event. It takes only that message so Ray can pickle it across
+    processes (exceptions are rebuilt from their ``args``).
+    """
+
+    @classmethod
+    def from_events(cls, events: list[OomEvent], reason: str) -> "OomRetriesExhausted":
         lines = [f"{reason}; {len(events)} OOM event(s):"]
         lines += [
             f"  epoch {e.epoch} {e.phase} step {e.step}: micro-batch {e.micro_batch}, eval batch "
             f"{e.eval_batch}, asked {e.bytes_requested} B with {e.bytes_allocated} B allocated -> {e.action}"
             for e in events
         ]
-        super().__init__("\n".join(lines))
+        return cls("\n".join(lines))
 
 
 class PlanRefused(RuntimeError):

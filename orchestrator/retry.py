@@ -36,6 +36,15 @@ def last_failure(error_file: str | None) -> str:
     return text.rsplit("Failure # ", 1)[-1]
 
 
+def gave_up_message(failure: str) -> str:
+    """The ``OomRetriesExhausted`` message (reason and event lines) out of a failure's traceback."""
+    lines = failure.splitlines()
+    start = max(i for i, line in enumerate(lines) if "OomRetriesExhausted:" in line)
+    message = [lines[start].split("OomRetriesExhausted:", 1)[1].strip()]
+    message += [line for line in lines[start + 1 :] if line.startswith("  epoch ")]
+    return "\n".join(message)
+
+
 def classify(failure: str) -> str:
     """``gave_up`` | ``oom`` | ``worker_died`` | ``other``."""
     if any(s in failure for s in _GAVE_UP):
@@ -60,7 +69,7 @@ class OomAwareScheduler(TrialScheduler):
             config[OOM_SHRINKS_KEY] = config.get(OOM_SHRINKS_KEY, 0) + 1
             trial.set_config(config)
         elif kind == "gave_up" and not config.get(OOM_GAVE_UP_KEY):
-            config[OOM_GAVE_UP_KEY] = last_failure(trial.error_file).split("\n", 1)[-1].strip()[:2000]
+            config[OOM_GAVE_UP_KEY] = gave_up_message(last_failure(trial.error_file))
             trial.set_config(config)
             trial.run_metadata.num_failures = max(trial.max_failures, trial.run_metadata.num_failures)
         self.inner.on_trial_error(tune_controller, trial)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -214,7 +215,7 @@ def _run_config(spec: SweepSpec, name: str, storage: str, tracking_uri: str):
 def _row(result, spec: SweepSpec) -> TrialRow:
     metrics = result.metrics or {}
     config = result.config or {}
-    shown = {k: v for k, v in config.items() if not k.startswith("_") and k not in ("seed",)}
+    shown = {k: v for k, v in config.items() if k in spec.search_space}  # what differs between trials
     if result.error is not None:
         status = "ERROR"
     elif metrics.get("refused"):
@@ -222,7 +223,7 @@ def _row(result, spec: SweepSpec) -> TrialRow:
     else:
         status = "TERMINATED"
     loss = metrics.get(spec.metric)
-    note = metrics.get("refusal") or (str(result.error).strip().splitlines()[0][:120] if result.error else "")
+    note = metrics.get("refusal") or (error_summary(result.error) if result.error else "")
     return TrialRow(
         name=str(metrics.get("trial_id") or (os.path.basename(result.path) if result.path else "?")),
         config=", ".join(f"{k}={_short(v)}" for k, v in shown.items()),
@@ -235,6 +236,13 @@ def _row(result, spec: SweepSpec) -> TrialRow:
         oom_retries=int(metrics.get("oom_retries", 0) or 0),
         note=note,
     )
+
+
+def error_summary(error: BaseException) -> str:
+    """The line a person needs from a trial's error: the innermost exception's own message."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    raised = [line for line in text.splitlines() if re.match(r"^[\w.]+(Error|Exhausted|Refused)\b.*: ", line)]
+    return (raised[-1] if raised else text.strip().splitlines()[-1])[:160]
 
 
 def _short(value: Any) -> str:

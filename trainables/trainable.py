@@ -59,7 +59,7 @@ class TrialRun:
     # -- the story ---------------------------------------------------------------------------
     def run(self) -> None:
         if self.config.get(OOM_GAVE_UP_KEY):
-            raise OomRetriesExhausted([], self.config[OOM_GAVE_UP_KEY])
+            raise OomRetriesExhausted(self.config[OOM_GAVE_UP_KEY])
         self.plan = self._starting_plan()
         if self.plan.refusal:
             self._report_refusal()
@@ -97,7 +97,7 @@ class TrialRun:
         while plan.reductions < self.config.get(OOM_SHRINKS_KEY, 0):
             smaller = next_reduction(plan, self.policy, "train")
             if smaller is None:
-                raise OomRetriesExhausted(self.events, "the worker died of OOM and no smaller plan is left")
+                raise OomRetriesExhausted.from_events(self.events, "the worker died of OOM and no smaller plan is left")
             plan = smaller
         return plan
 
@@ -124,7 +124,7 @@ class TrialRun:
         if smaller is None or len(self.events) >= self.policy.max_oom_retries:
             reason = "no smaller plan is left" if smaller is None else f"memory.max_oom_retries={self.policy.max_oom_retries} reached"
             self.events.append(OomEvent(**{**event.to_dict(), "action": "gave up"}))
-            raise OomRetriesExhausted(self.events, f"out of memory in {event.phase} and {reason}")
+            raise OomRetriesExhausted.from_events(self.events, f"out of memory in {event.phase} and {reason}")
         self.events.append(OomEvent(**{**event.to_dict(), "action": _describe_change(self.plan, smaller)}))
         self.plan = smaller
         return self._new_trainer()
