@@ -155,9 +155,20 @@ def _wait_ready(head: RayHead) -> None:
     raise RuntimeError(f"Ray head not ready after {START_TIMEOUT_S} s: {head.log_path.read_text()[-3000:]}")
 
 
+_shared: RayHead | None = None
+
+
 @pytest.fixture(scope="session")
 def ray_head(isolated_environment, tmp_path_factory):
-    """One head per test session, shared by the job, metrics and browser tests."""
-    head = start_head(tmp_path_factory.mktemp("rayhead"))
-    yield head
-    head.stop()
+    """One head per test session, shared by the job, metrics and browser tests.
+
+    Each test module that imports this fixture gets its own session-scoped copy of it, so the
+    head itself is kept here and stopped by whichever copy is torn down first (at session end).
+    """
+    global _shared
+    if _shared is None:
+        _shared = start_head(tmp_path_factory.mktemp("rayhead"))
+    yield _shared
+    if _shared is not None:
+        _shared.stop()
+        _shared = None
