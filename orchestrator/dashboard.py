@@ -1,4 +1,4 @@
-"""Reaching a Ray dashboard that has token authentication on, as Ray 2.52+ clusters do by default.
+"""Reaching a Ray dashboard that has token authentication on, as Ray 2.60 clusters do by default.
 
 Ray's own clients only send the token when ``RAY_AUTH_MODE=token`` is set in the client's
 environment; a laptop talking to a cluster usually has the token but not that variable. So we
