@@ -1,0 +1,234 @@
+"""Make a fake-CPU trace allocate what the same step would allocate on CUDA.
+
+Without a GPU, fake *cuda* tensors cannot run backward (pytorch #92627, #157869, #148977), so a
+head node traces on fake *cpu* tensors. Three CPU code paths then allocate differently from
+CUDA, which put transformers 36-95 % over the truth (FACTS.md); during the trace only:
+
+* attention: ``scaled_dot_product_attention`` with dropout takes CPU's math path, which
+  materialises the (b, heads, s, s) score matrix; CUDA's flash/efficient kernels keep only the
+  output and a logsumexp, dropout included. The call is made dropout-free on CPU's flash kernel,
+  which allocates what CUDA's does.
+* dropout: CPU multiplies by a noise mask of the input's dtype; CUDA's fused kernel keeps a
+  1-byte bool mask. ``F.dropout`` becomes ``native_dropout``, which has that mask on CPU too.
+* autocast: CPU and CUDA cast different ops (CUDA runs softmax, log_softmax, layer_norm, sum,
+  exp, ... in fp32 and ``cross_entropy`` only through them; CPU casts ``cross_entropy_loss``
+  as a whole and pooling/padding ops to fp32). CUDA's cast policy replaces CPU's for the
+  duration, by registering kernels at the ``AutocastCPU`` dispatch key (the level autocast
+  itself works at, above autograd, so casts are recorded and saved for backward as on CUDA).
+  CPU's own kernels stay for the matmul/conv ops both devices run in lower precision, which
+  keeps autocast's weight-cast cache for them.
+
+The registrations are process-global while active (another thread running CPU autocast at the
+same time would see CUDA's policy) and are removed on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+LOWER, FP32, FP32_SET_OPT_DTYPE, FP32_APPEND_DTYPE, PROMOTE = "lower", "fp32", "fp32_set_opt_dtype", "fp32_append_dtype", "promote"
+
+#: CUDA's autocast policy (aten/src/ATen/autocast_mode.h, AT_FORALL_* lists, torch 2.x).
+_CUDA_LOWER = """
+_convolution.deprecated _convolution conv1d conv2d conv3d conv_tbc conv_transpose1d conv_transpose2d.input
+conv_transpose3d.input convolution prelu addmm addmv addr matmul einsum mm mv linalg_vecdot linear addbmm
+baddbmm bmm chain_matmul linalg_multi_dot _thnn_fused_lstm_cell _thnn_fused_gru_cell lstm_cell gru_cell
+rnn_tanh_cell rnn_relu_cell _scaled_dot_product_flash_attention scaled_dot_product_attention
+cudnn_convolution cudnn_convolution_transpose
+"""
+_CUDA_FP32 = """
+acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow.Tensor_Scalar
+pow.Tensor_Tensor pow.Scalar softplus layer_norm native_layer_norm group_norm rms_norm frobenius_norm.dim
+nuclear_norm nuclear_norm.dim cosine_similarity poisson_nll_loss cosine_embedding_loss nll_loss nll_loss2d
+hinge_embedding_loss kl_div l1_loss smooth_l1_loss huber_loss mse_loss margin_ranking_loss
+multilabel_margin_loss soft_margin_loss triplet_margin_loss multi_margin_loss binary_cross_entropy_with_logits
+dist pdist cdist renorm logsumexp upsample_nearest1d _upsample_nearest_exact1d upsample_nearest2d
+_upsample_nearest_exact2d upsample_nearest3d _upsample_nearest_exact3d upsample_linear1d upsample_bilinear2d
+_upsample_bilinear2d_aa upsample_trilinear3d upsample_bicubic2d _upsample_bicubic2d_aa
+"""
+_CUDA_FP32_SET_OPT_DTYPE = """
+prod prod.dim_int softmax.int log_softmax.int cumprod cumsum linalg_vector_norm linalg_matrix_norm
+linalg_matrix_norm.str_ord sum sum.dim_IntList
+"""
+_CUDA_PROMOTE = "addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add"
+_CUDA_FP32_APPEND_DTYPE = "norm.Scalar norm.ScalarOpt_dim"
+
+CUDA_POLICY: dict[str, str] = {
+    name: policy
+    for names, policy in (
+        (_CUDA_LOWER, LOWER), (_CUDA_FP32, FP32), (_CUDA_FP32_SET_OPT_DTYPE, FP32_SET_OPT_DTYPE),
+        (_CUDA_PROMOTE, PROMOTE), (_CUDA_FP32_APPEND_DTYPE, FP32_APPEND_DTYPE),
+    )
+    for name in names.split()
+}
+
+
+def _qualified(name: str) -> str:
+    return name if "." in name else f"{name}.default"
+
+
+def _op(name: str):
+    packet, _, overload = _qualified(name).partition(".")
+    return getattr(getattr(torch.ops.aten, packet), overload)
+
+
+def _eligible(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type == "cpu" and t.dtype != torch.float64
+
+
+def _cast(args, kwargs, dtype):
+    def cast(t):
+        return t.to(dtype) if _eligible(t) and t.dtype != dtype else t
+
+    return tree_map(cast, args), tree_map(cast, kwargs)
+
+
+def _first_tensor(args):
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+    return None
+
+
+def _kernel(name: str, policy: str):
+    """A Python kernel for the AutocastCPU key applying CUDA's ``policy`` to ``name``."""
+    op = _op(name)
+    dtype_index = next((i for i, a in enumerate(op._schema.arguments) if a.name == "dtype"), None)
+    autocast_key = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+    def kernel(*args, **kwargs):
+        with torch._C._ExcludeDispatchKeyGuard(autocast_key):
+            lower = torch.get_autocast_dtype("cpu")
+            if policy == LOWER:
+                args, kwargs = _cast(args, kwargs, lower)
+            elif policy == FP32:
+                args, kwargs = _cast(args, kwargs, torch.float32)
+            elif policy == PROMOTE:
+                flat = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if _eligible(t)]
+                widest = torch.float32 if any(t.dtype == torch.float32 for t in flat) else lower
+                args, kwargs = _cast(args, kwargs, widest)
+            elif _eligible(_first_tensor(args)):  # FP32_SET_OPT_DTYPE / FP32_APPEND_DTYPE
+                if policy == FP32_APPEND_DTYPE:
+                    return _norm_with_dtype(name, args, kwargs)
+                if dtype_index is not None and dtype_index < len(args):
+                    if args[dtype_index] is None:
+                        args = args[:dtype_index] + (torch.float32,) + args[dtype_index + 1 :]
+                elif kwargs.get("dtype") is None:
+                    kwargs = {**kwargs, "dtype": torch.float32}
+            return op(*args, **kwargs)
+
+    return kernel
+
+
+def _norm_with_dtype(name: str, args, kwargs):
+    """CUDA's ``norm`` wrappers redispatch to the overload that takes an output dtype."""
+    if name == "norm.Scalar":
+        return torch.ops.aten.norm.ScalarOpt_dtype(*args, dtype=torch.float32, **kwargs)
+    return torch.ops.aten.norm.ScalarOpt_dim_dtype(*args, dtype=torch.float32, **kwargs)
+
+
+def _cpu_autocast_ops() -> set[str]:
+    """Ops with an explicit AutocastCPU kernel in this build (``conv2d``, ``pow.Scalar``, ...)."""
+    found = set()
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if qualified.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "AutocastCPU"):
+            found.add(qualified[len("aten::"):])
+    return found
+
+
+_lock = threading.Lock()
+_active = 0
+_library: torch.library.Library | None = None
+
+
+@contextlib.contextmanager
+def cuda_autocast_policy():
+    """While active, CPU autocast casts exactly what CUDA autocast would."""
+    global _active, _library
+    with _lock:
+        if _active == 0:
+            cpu_ops = _cpu_autocast_ops()
+            library = torch.library.Library("aten", "IMPL")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+                for name in cpu_ops - CUDA_POLICY.keys():
+                    library.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
+                for name, policy in CUDA_POLICY.items():
+                    if not _exists(name) or (policy == LOWER and name in cpu_ops):
+                        continue  # both devices cast it down: keep CPU's kernel and its weight cache
+                    library.impl(name, _kernel(name, policy), "AutocastCPU")
+            _library = library
+        _active += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _active -= 1
+            if _active == 0 and _library is not None:
+                _library._destroy()
+                _library = None
+
+
+def _exists(name: str) -> bool:
+    try:
+        _op(name)
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class CudaKernels(TorchFunctionMode):
+    """Route attention and dropout to the CPU kernels that allocate what CUDA's kernels do."""
+
+    def __init__(self):
+        super().__init__()
+        self.notes: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self._attention(func, args, kwargs)
+        if func is F.dropout:
+            return self._dropout(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _attention(self, func, args, kwargs):
+        flash_kwargs = {**kwargs, "dropout_p": 0.0}
+        if len(args) > 4:  # dropout_p given positionally
+            args = args[:4] + (0.0,) + args[5:]
+        try:
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                return func(*args, **flash_kwargs)
+        except RuntimeError as exc:
+            self.notes.add(
+                "attention traced on CPU's math kernel, which materialises the score matrix CUDA's "
+                f"flash/efficient kernels do not: over-estimates ({str(exc).splitlines()[0][:120]})"
+            )
+            return func(*args, **kwargs)
+
+    @staticmethod
+    def _dropout(func, args, kwargs):
+        names = ("input", "p", "training", "inplace")
+        bound = {**dict(zip(names, args)), **kwargs}
+        p, training, inplace = bound.get("p", 0.5), bound.get("training", True), bound.get("inplace", False)
+        if not training or p == 0.0 or inplace:
+            return func(*args, **kwargs)
+        return torch.native_dropout(bound["input"], p, True)[0]
+
+
+@contextlib.contextmanager
+def cuda_semantics():
+    """Everything above, for the duration of a trace; yields the notes it gathers."""
+    notes: list[str] = []
+    kernels = CudaKernels()
+    with cuda_autocast_policy(), kernels:
+        yield notes
+    notes.extend(sorted(kernels.notes))

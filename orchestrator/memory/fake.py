@@ -1,0 +1,143 @@
+"""Running a workload on fake tensors: the shared ground of the ``trace`` and ``static`` estimators.
+
+Under ``FakeTensorMode`` tensors have shapes, dtypes and devices but no data: the real model,
+optimizer and step run for any batch size in the time of a tiny one and use no memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedFakeTensorException,
+)
+from torch.utils._pytree import tree_leaves, tree_map
+
+from orchestrator.memory.cuda_emulation import cuda_semantics
+from orchestrator.memory.tracker import CUDA_BLOCK, StorageTracker
+from trainables.workload import Workload, take
+
+
+class Untraceable(Exception):
+    """The workload cannot run on fake tensors; the message says why, for the profile's notes."""
+
+
+@dataclass
+class FakeSetup:
+    """A model and its optimizer built on fake tensors, and how to count their bytes."""
+
+    mode: FakeTensorMode
+    device: torch.device
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    sample: object  # one real sample batch: shapes and dtypes for the fake batches
+    round_to: int
+    emulate_cuda: bool
+
+    @property
+    def resident_input(self) -> bool:
+        """Whether batches are device memory as they are built (CPU), not copied to it (CUDA)."""
+        return self.device.type == "cpu" and not self.emulate_cuda
+
+    def input_per_sample(self) -> int:
+        """Bytes of one sample's batch tensors where they are resident, else 0."""
+        if not self.resident_input:
+            return 0
+        return sum(t.nbytes for t in tree_leaves(self.sample) if isinstance(t, torch.Tensor))
+
+    def tracker(self) -> StorageTracker:
+        tracker = StorageTracker(self.device.type, self.round_to)
+        tracker.track(list(self.model.parameters()) + list(self.model.buffers()))
+        return tracker
+
+    def batch(self, size: int):
+        """A fake batch of ``size`` samples as the loop hands it to the steps.
+
+        For a CUDA target it is on ``meta``, i.e. still on the host: the steps copy it to the
+        device, so the device copy is counted for its micro-batch's lifetime and the host copy
+        is not. On the CPU the loop's batch *is* the device's: it is made on the device (call
+        this inside the tracker), counted from then on.
+        """
+
+        def grow(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            host = self.mode.from_tensor(torch.empty((size, *t.shape[1:]), dtype=t.dtype, device="meta"))
+            return host.to(self.device) if self.resident_input else host
+
+        return tree_map(grow, self.sample)
+
+    def params_bytes(self, tracker: StorageTracker) -> int:
+        return sum(tracker.size_of(p) for p in self.model.parameters())
+
+    def buffers_bytes(self, tracker: StorageTracker) -> int:
+        return sum(tracker.size_of(b) for b in self.model.buffers())
+
+    def optimizer_bytes(self, tracker: StorageTracker) -> int:
+        """Optimizer state on the device (a CPU ``step`` counter of a CUDA model is not device memory)."""
+        seen, total = set(), 0
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.device.type == tracker.device_type:
+                    key = id(value.untyped_storage())
+                    if key not in seen:
+                        seen.add(key)
+                        total += tracker.size_of(value)
+        return total
+
+
+def fake_setup(workload: Workload, target: str) -> FakeSetup:
+    """Build ``workload``'s model and optimizer on fake tensors of the device the trace runs on.
+
+    That is fake *cuda* when the target is CUDA and a GPU is here (CUDA's own kernels), else
+    fake *cpu*, with CUDA's allocations emulated (``cuda_emulation``) when the target is CUDA.
+    """
+    device = torch.device("cuda" if target == "cuda" and torch.cuda.is_available() else "cpu")
+    emulate = target == "cuda" and device.type == "cpu"
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with translate_errors(), mode, device:  # built where it runs: fake tensors cannot be moved by swapping
+        model = workload.build_model()
+        optimizer = workload.build_optimizer(model)
+    if emulate:
+        # CUDA's optimizers default to the foreach implementation, whose temporaries span every
+        # parameter at once; CPU's default is the per-parameter loop.
+        for group in optimizer.param_groups:
+            if group.get("foreach", False) is None:
+                group["foreach"] = True
+    sample = take(workload.train_data(), [0])
+    return FakeSetup(mode, device, model, optimizer, sample, CUDA_BLOCK if target == "cuda" else 1, emulate)
+
+
+@contextlib.contextmanager
+def running(setup: FakeSetup):
+    """Fake mode, plus CUDA emulation where needed; yields the list the emulation's notes go to."""
+    with translate_errors(), setup.mode:
+        if setup.emulate_cuda:
+            with cuda_semantics() as notes:
+                yield notes
+        else:
+            yield []
+
+
+@contextlib.contextmanager
+def translate_errors():
+    """Fake-tensor failures -> :class:`Untraceable` with a message a user can act on."""
+    try:
+        yield
+    except (DynamicOutputShapeException, DataDependentOutputException) as exc:
+        func = getattr(exc, "func", None)
+        raise Untraceable(
+            f"{func or type(exc).__name__}: an op whose output depends on tensor values cannot run on fake tensors"
+        ) from exc
+    except UnsupportedFakeTensorException as exc:
+        raise Untraceable(f"an op does not support fake tensors: {exc}") from exc
+
+
+def describe(setup: FakeSetup) -> str:
+    emulated = " with CUDA's attention, dropout, autocast and foreach-optimizer allocations emulated"
+    return f"fake {setup.device.type} tensors" + (emulated if setup.emulate_cuda else "")

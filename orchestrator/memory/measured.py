@@ -1,0 +1,211 @@
+"""The ``measured`` estimator: probe steps on the worker's own device and fit what they used.
+
+It runs what the loop runs (``trainables.step``) on real tensors: per stage, a warm-up train
+step (so the optimizer's state exists), then at each probe batch size a train step of two
+micro-batches (gradient accumulation) and an eval step, reading the device's peak per window
+(forward/backward, optimizer step, eval) as the trace estimator does.
+
+Probe sizes: doubling from 2 until the peak has grown by half over the first probe, so the
+per-sample slope is visible (at tiny batches memory can be flat: ViT-B/16 used 1.68 GiB at
+b=1..8 on an H100, so a line through b=1,2 predicted nothing), or until the next probe is
+predicted to pass half the device, or ``MAX_PROBE``. An out-of-memory error ends the probing
+with the points so far. On CUDA the allocator's statistics give peak allocated *and* reserved,
+so the profile's fragmentation is measured, not assumed; on the CPU (``CpuDevice``: live tensor
+bytes) the same code runs, which is what makes it testable here.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from orchestrator.device import CpuDevice, CudaDevice, Device
+from orchestrator.memory.phases import enter_phase, phases_of
+from orchestrator.memory.profile import CUBLAS_WORKSPACE_BYTES, MemoryProfile, PhaseProfile, Settings, overheads
+from trainables.step import eval_step, make_grad_scaler, train_step
+from trainables.workload import Workload, take
+
+FIRST_PROBE = 2
+MAX_PROBE = 1024
+#: Stop doubling once the peak is this much above the first probe's: the slope is visible.
+VISIBLE_GROWTH = 0.5
+#: Never probe beyond this share of the device's capacity.
+CAPACITY_SHARE = 0.5
+#: Without a capacity (the CPU), stop before probes hold more than this.
+CPU_PROBE_LIMIT = 2 * 2**30
+MICRO_BATCHES_PER_STEP = 2
+
+
+class _Probe:
+    """The worker's model, optimizer and data, and one measured window at a time."""
+
+    def __init__(self, workload: Workload, settings: Settings, device: Device):
+        self.workload, self.settings, self.device = workload, settings, device
+        dev = device.torch_device
+        self.model = workload.build_model().to(dev)
+        self.optimizer = workload.build_optimizer(self.model)
+        self.scaler = make_grad_scaler(settings.precision, dev)
+        self.train_data, self.eval_data = workload.train_data(), workload.eval_data()
+        self.fb_peak = self.fb_reserved = self.step_peak = 0
+        sample = take(self.train_data, [0])
+        on_host = dev.type == "cpu"  # the loop's batches are device memory as they are built
+        self.resident_per_sample = sum(t.nbytes for t in tree_leaves(sample) if isinstance(t, torch.Tensor)) if on_host else 0
+        self.optimizer.register_step_pre_hook(self._before_step)
+        self.optimizer.register_step_post_hook(self._after_step)
+
+    def _state(self):
+        yield from self.model.parameters()
+        yield from self.model.buffers()
+        for state in self.optimizer.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+    def _before_step(self, *_):
+        reading = self.device.reading()
+        self.fb_peak, self.fb_reserved = reading.peak_allocated, reading.peak_reserved or 0
+        self.device.reset_peak()
+
+    def _after_step(self, *_):
+        self.step_peak = self.device.reading().peak_allocated
+
+    def _batch(self, data, size: int):
+        return take(data, [i % len(data) for i in range(size)])
+
+    def train(self, size: int, micro_batches: int) -> tuple[int, int, int]:
+        """(forward/backward peak allocated, its peak reserved, optimizer-step peak) of one step."""
+        self.device.track(self._state())
+        self.device.reset_peak()
+        with self.device.measuring():
+            # the loop's micro-batches: built before the step (resident on the CPU, copied to a GPU)
+            batches = [self._batch(self.train_data, size)] * micro_batches
+            train_step(
+                self.workload, self.model, self.optimizer, batches, self.device.torch_device,
+                self.settings.precision, self.scaler,
+            )
+            del batches
+        return self.fb_peak, self.fb_reserved, self.step_peak - self.resident_per_sample * size
+
+    def eval(self, size: int) -> tuple[int, int]:
+        self.device.track(self._state())
+        self.device.reset_peak()
+        with self.device.measuring():
+            eval_step(self.workload, self.model, self._batch(self.eval_data, size), self.device.torch_device, self.settings.precision)
+        reading = self.device.reading()
+        return reading.peak_allocated, reading.peak_reserved or 0
+
+    def bytes_of(self, tensors) -> int:
+        seen, total = set(), 0
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type == self.device.torch_device.type:
+                key = t.untyped_storage().data_ptr()
+                if key not in seen:
+                    seen.add(key)
+                    total += t.untyped_storage().nbytes()
+        return total
+
+
+def default_device(target: str) -> Device:
+    """The device to probe on when none is given: the GPU for a CUDA target, if here."""
+    if target == "cuda" and torch.cuda.is_available():
+        return CudaDevice(torch.cuda.current_device())
+    return CpuDevice()
+
+
+def measured_profile(
+    workload: Workload, settings: Settings, *, target: str, fragmentation: float, device: Device | None = None
+) -> MemoryProfile:
+    device = device or default_device(target)
+    on_gpu = isinstance(device, CudaDevice)
+    notes = []
+    if target == "cuda" and not on_gpu:
+        notes.append("measured on the CPU tensor tracker: CPU kernels' tensor bytes stand in for CUDA's")
+    phases = phases_of(workload)
+    probe = _Probe(workload, settings, device)
+    sizes: list[int] = []
+    seen: dict[str, dict[int, tuple]] = {p.name: {} for p in phases}
+    try:
+        for phase in phases:
+            enter_phase(workload, probe.model, phase, settings)
+            if phase.kind == "train":
+                probe.train(FIRST_PROBE, 1)  # warm-up: the optimizer's state comes to exist
+            for b in sizes or _doubling(probe, device, seen[phase.name]):
+                if b not in seen[phase.name]:
+                    seen[phase.name][b] = probe.train(b, MICRO_BATCHES_PER_STEP) if phase.kind == "train" else probe.eval(b)
+            sizes = sizes or sorted(seen[phase.name])
+    except torch.OutOfMemoryError as exc:
+        notes.append(f"probing stopped by an out-of-memory error: {str(exc).splitlines()[0][:160]}")
+    finally:
+        breakdown, resident = _breakdown(probe), probe.resident_per_sample
+        del probe
+        gc.collect()
+        if on_gpu:
+            torch.cuda.empty_cache()
+    if not sizes or any(len(seen[p.name]) < 2 for p in phases):
+        raise MeasurementFailed("fewer than two probe batch sizes fit on the device: " + "; ".join(notes))
+    notes.insert(0, f"measured on {device.kind} at batch sizes {', '.join(map(str, sizes))}")
+    if on_gpu:
+        from orchestrator.nvml import cuda_context_bytes
+
+        extra = {"context": cuda_context_bytes(device.torch_device.index or 0), "workspace": CUBLAS_WORKSPACE_BYTES}
+    else:
+        extra = overheads(target, fragmentation)
+    extra["resident_input_per_sample"] = resident
+    profiles = tuple(_fit(p, seen[p.name], breakdown, extra, on_gpu) for p in phases)
+    return MemoryProfile("measured", settings, target, profiles, tuple(notes))
+
+
+class MeasurementFailed(Exception):
+    pass
+
+
+def _doubling(probe: _Probe, device: Device, seen: dict[int, tuple]):
+    """Probe sizes 2, 4, 8, ... until the slope is visible or the device is half full."""
+    capacity = device.capacity() or CPU_PROBE_LIMIT
+    b = FIRST_PROBE
+    while b <= MAX_PROBE:
+        seen[b] = probe.train(b, MICRO_BATCHES_PER_STEP)
+        yield b
+        first = seen[FIRST_PROBE][0]
+        if seen[b][0] >= first * (1 + VISIBLE_GROWTH) and len(seen) >= 3:
+            return
+        slope = (seen[b][0] - first) / (b - FIRST_PROBE) if b > FIRST_PROBE else seen[b][0] / b
+        if seen[b][0] + slope * b > CAPACITY_SHARE * capacity:
+            return
+        b *= 2
+
+
+def _breakdown(probe: _Probe) -> dict[str, int]:
+    params = [p for p in probe.model.parameters()]
+    return {
+        "params": probe.bytes_of(params),
+        "grads": probe.bytes_of([p for p in params if p.requires_grad]),
+        "optimizer": probe.bytes_of(v for s in probe.optimizer.state.values() for v in s.values()),
+        "buffers": probe.bytes_of(probe.model.buffers()),
+    }
+
+
+def _fit(phase, seen: dict[int, tuple], breakdown: dict, extra: dict, on_gpu: bool) -> PhaseProfile:
+    batches = sorted(seen)
+    points = tuple((b, seen[b][0]) for b in batches)
+    (b0, m0), (b1, m1) = points[-2], points[-1]
+    slope = math.ceil((m1 - m0) / (b1 - b0))
+    grads = breakdown["grads"] if phase.kind == "train" else 0
+    states = breakdown["params"] + grads + breakdown["optimizer"] + breakdown["buffers"]
+    if on_gpu:  # the allocator's own reserved/allocated at the largest probe
+        allocated, reserved = seen[b1][0], seen[b1][1]
+        extra = {**extra, "fragmentation": max(reserved / allocated - 1, 0.0) if allocated else 0.0}
+    return PhaseProfile(
+        name=phase.name,
+        kind=phase.kind,
+        params=breakdown["params"],
+        grads=grads,
+        optimizer=breakdown["optimizer"],
+        buffers=breakdown["buffers"],
+        activations_per_sample=slope,
+        fixed_other=m1 - slope * b1 - states,
+        step_floor=max((seen[b][2] for b in batches if len(seen[b]) == 3), default=0),
+        points=points,
+        **extra,
+    )

@@ -1,0 +1,40 @@
+"""The phases of a trial that each get a profile, and how a model is put into one.
+
+A trial's memory is the worst over its phases: the train step (micro-batch) and the eval step
+(its own batch size, no gradients), at every stage of the workload's module-activation
+schedule, because a module that switches on at epoch 3 changes both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from orchestrator.memory.profile import Settings
+from trainables.workload import Workload
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str  # "train", "eval", "train@epoch2", "eval@epoch2"
+    kind: str  # "train" | "eval"
+    epoch: int  # first epoch of the stage the phase belongs to
+
+
+def phases_of(workload: Workload) -> list[Phase]:
+    """Train and eval phases of every stage, stage by stage in epoch order (as training meets them)."""
+    phases = []
+    for epoch in workload.stage_epochs():
+        suffix = "" if epoch == 0 else f"@epoch{epoch}"
+        phases.append(Phase(f"train{suffix}", "train", epoch))
+        phases.append(Phase(f"eval{suffix}", "eval", epoch))
+    return phases
+
+
+def enter_phase(workload: Workload, model: nn.Module, phase: Phase, settings: Settings) -> None:
+    """Put ``model`` in the state the training loop has it in during ``phase``."""
+    workload.set_epoch(model, phase.epoch)
+    if workload.supports_activation_checkpointing:
+        workload.set_activation_checkpointing(model, settings.activation_checkpointing)
+    model.train(phase.kind == "train")

@@ -1,0 +1,185 @@
+"""What an estimator produces: bytes needed at micro-batch ``b`` in each phase of a trial.
+
+A trial's memory is the worst over its phases (the train step, the eval step with its own batch
+size, and the train/eval steps of each stage of a staggered module-activation schedule), so a
+profile is a tuple of :class:`PhaseProfile` and the planner asks for the worst of them.
+
+Each phase is a model of *allocated* (tensor) bytes as a function of the batch size, carrying
+the breakdown a person needs to see what dominates: ``states + fixed_other + per_sample * b``,
+or, where the estimator observed that memory is not linear in ``b``, a piecewise-linear curve
+through the observed points. What a plan must budget is *reserved* memory: allocated plus the
+allocator's fragmentation, the library workspaces the tensors never show, and the CUDA
+context. Those three are zero for the ``cpu`` and ``emulated`` targets, which count tensor
+bytes only (see ``orchestrator.device``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+TARGETS = ("cuda", "cpu", "emulated")
+ESTIMATORS = ("static", "trace", "measured")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+#: cuBLAS handles' workspace (~65 MiB measured, FACTS.md) plus an allowance for cuDNN's
+#: convolution workspaces: allocations a fake-tensor trace or an analytic count cannot see.
+CUDA_WORKSPACE_BYTES = 256 * 2**20
+#: What the allocator's statistics miss even when memory is measured on the GPU: cuBLAS.
+CUBLAS_WORKSPACE_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The knobs the planner can turn that change a trial's memory."""
+
+    precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (autocast; parameters stay fp32)
+    activation_checkpointing: bool = False
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision: expected one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+
+    def describe(self) -> str:
+        return self.precision + (" +ckpt" if self.activation_checkpointing else "")
+
+
+@dataclass(frozen=True)
+class PhaseProfile:
+    """Peak memory of one phase as a function of its batch size, with its breakdown.
+
+    ``kind`` says which batch size applies (``train``: the micro-batch, ``eval``: the eval
+    batch). The breakdown fields are bytes: ``params``/``grads``/``optimizer``/``buffers`` are
+    the model's states; ``activations_per_sample`` is the slope in ``b``; ``fixed_other`` is
+    what the peak holds beyond the states at ``b = 0`` (autocast weight copies, workspaces of
+    ops, optimizer temporaries; negative when the states never all coexist at the peak, e.g.
+    gradients freed by ``zero_grad(set_to_none=True)`` before the next forward).
+    ``step_floor`` is the peak of the optimizer step, which holds no activations: allocated
+    memory never falls below it whatever the batch size. ``points`` are observed
+    ``(batch, allocated bytes)`` pairs; with two or more, :meth:`allocated_at` follows them
+    piecewise-linearly (extending the outer segments), so a curve that is not a line (flat at
+    tiny batches, say) is not extrapolated from its flat part.
+
+    A train phase is a step of two micro-batches of ``b`` (gradient accumulation: the second
+    runs with the first's gradients alive) holding ``b`` samples of input.
+    ``resident_input_per_sample`` is non-zero where the loop's host batches *are* device memory
+    (targets ``cpu``/``emulated``): the loop builds every micro-batch of the effective batch
+    before the step, so ``effective_batch`` samples of input stay for the whole step.
+    """
+
+    name: str
+    kind: str
+    params: int
+    grads: int
+    optimizer: int
+    buffers: int
+    activations_per_sample: int
+    fixed_other: int
+    context: int = 0
+    workspace: int = 0
+    fragmentation: float = 0.0
+    step_floor: int = 0
+    points: tuple[tuple[int, int], ...] = ()
+    resident_input_per_sample: int = 0
+
+    def __post_init__(self):
+        if self.kind not in ("train", "eval"):
+            raise ValueError(f"phase kind: expected train or eval, got {self.kind!r}")
+
+    @property
+    def states(self) -> int:
+        return self.params + self.grads + self.optimizer + self.buffers
+
+    @property
+    def fixed(self) -> int:
+        """Allocated bytes at ``b = 0`` on the extrapolation line."""
+        return self.states + self.fixed_other
+
+    def allocated_at(self, batch: int, effective_batch: int | None = None) -> int:
+        """Predicted peak allocated (tensor) bytes at batch size ``batch``.
+
+        ``effective_batch`` (train phases) counts the input the loop keeps resident for the step.
+        """
+        resident = 0
+        if self.kind == "train" and effective_batch is not None:
+            resident = self.resident_input_per_sample * max(effective_batch - batch, 0)
+        floor = self.step_floor + self.resident_input_per_sample * (effective_batch or batch) if self.step_floor else 0
+        if len(self.points) >= 2:
+            # the segment that contains ``batch``; the outer segments extend beyond the points
+            for (b0, m0), (b1, m1) in zip(self.points, self.points[1:]):
+                if batch <= b1:
+                    break
+            curve = m0 + math.ceil((m1 - m0) * (batch - b0) / (b1 - b0))
+        else:
+            curve = self.fixed + self.activations_per_sample * batch
+        return max(curve + resident, floor, 0)
+
+    def reserved_at(self, batch: int, effective_batch: int | None = None) -> int:
+        """What a plan budgets: allocated plus fragmentation, workspaces and the CUDA context."""
+        allocated = self.allocated_at(batch, effective_batch)
+        return math.ceil(allocated * (1 + self.fragmentation)) + self.workspace + self.context
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["points"] = [list(p) for p in self.points]
+        return d
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """Every phase of one trial configuration, as one estimator saw it for one target."""
+
+    estimator: str
+    settings: Settings
+    target: str
+    phases: tuple[PhaseProfile, ...]
+    notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self):
+        if self.target not in TARGETS:
+            raise ValueError(f"target: expected one of {', '.join(TARGETS)}, got {self.target!r}")
+        if not self.phases:
+            raise ValueError("a memory profile needs at least one phase")
+
+    def batch_for(self, phase: PhaseProfile, micro_batch: int, eval_batch: int) -> int:
+        return micro_batch if phase.kind == "train" else eval_batch
+
+    def phase_peaks(self, micro_batch: int, eval_batch: int, effective_batch: int | None = None) -> dict[str, int]:
+        """Predicted reserved bytes of every phase at these batch sizes."""
+        return {
+            p.name: p.reserved_at(self.batch_for(p, micro_batch, eval_batch), effective_batch) for p in self.phases
+        }
+
+    def peak(self, micro_batch: int, eval_batch: int, effective_batch: int | None = None) -> tuple[int, str]:
+        """The worst phase's reserved bytes at these batch sizes, and that phase's name."""
+        peaks = self.phase_peaks(micro_batch, eval_batch, effective_batch)
+        name = max(peaks, key=peaks.__getitem__)
+        return peaks[name], name
+
+    def phases_of(self, kind: str) -> tuple[PhaseProfile, ...]:
+        return tuple(p for p in self.phases if p.kind == kind)
+
+    def to_dict(self) -> dict:
+        return {
+            "estimator": self.estimator,
+            "settings": asdict(self.settings),
+            "target": self.target,
+            "phases": [p.to_dict() for p in self.phases],
+            "notes": list(self.notes),
+        }
+
+
+def overheads(target: str, fragmentation: float, *, measured_context: int | None = None) -> dict:
+    """Context, workspace and fragmentation fields for a phase on ``target``.
+
+    Only a CUDA target has them: the CPU and emulated devices count tensor bytes, nothing else.
+    """
+    if target != "cuda":
+        return {"context": 0, "workspace": 0, "fragmentation": 0.0}
+    from orchestrator.nvml import DEFAULT_CUDA_CONTEXT_BYTES
+
+    return {
+        "context": DEFAULT_CUDA_CONTEXT_BYTES if measured_context is None else measured_context,
+        "workspace": CUDA_WORKSPACE_BYTES,
+        "fragmentation": fragmentation,
+    }

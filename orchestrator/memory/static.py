@@ -1,0 +1,146 @@
+"""The ``static`` estimator: an instant, conservative count from the model and one forward pass.
+
+* states, counted from the real objects built on fake tensors: parameters, buffers, gradients
+  of every trainable parameter (embeddings included: their gradients are dense), and the
+  optimizer's state after one step on zero gradients, whatever the optimizer (SGD momentum: 1x
+  the parameters, Adam/AdamW: 2x, ...); that step's peak also gives its temporaries;
+* activations, by a heuristic that does not depend on when tensors are freed: every tensor the
+  forward pass creates is assumed kept for backward (an upper bound on what autograd saves),
+  plus two of the largest for the gradients in flight during backward. The eval step (no
+  autograd) holds what its forward holds at its peak, plus the largest tensor as a margin.
+
+Nothing runs backward and nothing is fitted to a trace, so it is quick and errs high: it never
+budgets less than the step needs, and the planner's micro-batch from it is smaller than from
+``trace``. Where the forward cannot run on fake tensors (ops with data-dependent shapes), it
+runs on real CPU tensors at small batch sizes instead, and the profile says so.
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from orchestrator.memory.fake import Untraceable, describe, fake_setup, running
+from orchestrator.memory.fit import line_through
+from orchestrator.memory.phases import Phase, enter_phase, phases_of
+from orchestrator.memory.profile import MemoryProfile, PhaseProfile, Settings, overheads
+from orchestrator.memory.tracker import CUDA_BLOCK, StorageTracker
+from trainables.step import autocast
+from trainables.workload import Workload, take, to_device
+
+PROBE_BATCHES = (2, 128)
+#: Gradients alive at once during backward, in units of the largest forward tensor.
+GRADIENTS_IN_FLIGHT = 2
+#: Real-CPU fallback: batch sizes small enough to run quickly.
+REAL_PROBE_BATCHES = (2, 8)
+
+
+def static_profile(workload: Workload, settings: Settings, *, target: str, fragmentation: float) -> MemoryProfile:
+    notes = ["static upper bound: every forward tensor kept for backward, "
+             f"{GRADIENTS_IN_FLIGHT} of the largest in flight"]
+    try:
+        setup = fake_setup(workload, target)
+        with running(setup) as emulation_notes:
+            states = _states(setup.model, setup.optimizer, setup.tracker())
+            bounds = {
+                phase.name: _forward_bounds(
+                    workload, setup.model, phase, settings, setup.device, setup.round_to,
+                    lambda b: setup.batch(b), PROBE_BATCHES,
+                )
+                for phase in phases_of(workload)
+            }
+        notes += [f"forward and optimizer step run on {describe(setup)}", *emulation_notes]
+        resident = setup.input_per_sample()
+    except Untraceable as exc:
+        states, bounds, resident = _on_real_cpu(workload, settings, target)
+        notes.append(f"fake tensors failed ({exc}); forward run on real CPU tensors at b={REAL_PROBE_BATCHES}")
+    extra = {**overheads(target, fragmentation), "resident_input_per_sample": resident}
+    phases = tuple(_phase(phase, states, bounds[phase.name], extra) for phase in phases_of(workload))
+    return MemoryProfile("static", settings, target, phases, tuple(notes))
+
+
+def _states(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tracker: StorageTracker) -> dict[str, int]:
+    """Parameters, gradients, optimizer state and buffers, and the optimizer step's peak."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    with tracker:
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
+        tracker.reset_peak()
+        optimizer.step()
+        step_peak = tracker.peak
+        grads = sum(tracker.size_of(p.grad) for p in trainable)
+        optimizer.zero_grad(set_to_none=True)
+    seen, opt = set(), 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.device.type == tracker.device_type:
+                if id(value.untyped_storage()) not in seen:
+                    seen.add(id(value.untyped_storage()))
+                    opt += tracker.size_of(value)
+    return {
+        "params": sum(tracker.size_of(p) for p in model.parameters()),
+        "grads": grads,
+        "optimizer": opt,
+        "buffers": sum(tracker.size_of(b) for b in model.buffers()),
+        "step_peak": step_peak,
+    }
+
+
+def _forward_bounds(workload, model, phase: Phase, settings, device, round_to, make_batch, probes) -> dict[int, int]:
+    """Activation bytes the phase may hold at each probe size, by the heuristic above."""
+    enter_phase(workload, model, phase, settings)
+    bounds = {}
+    for b in probes:
+        tracker = StorageTracker(device.type, round_to)
+        grad_mode = torch.enable_grad() if phase.kind == "train" else torch.no_grad()
+        with tracker, grad_mode, autocast(settings.precision, device):
+            batch = to_device(make_batch(b), device)
+            loss = workload.loss(model, batch)
+            del loss, batch
+        if phase.kind == "train":
+            bounds[b] = tracker.total + GRADIENTS_IN_FLIGHT * tracker.largest
+        else:
+            bounds[b] = tracker.peak + tracker.largest
+    return bounds
+
+
+def _on_real_cpu(workload: Workload, settings: Settings, target: str):
+    """The same counts on a real CPU model, for workloads fake tensors cannot run."""
+    torch.manual_seed(workload.seed)
+    model = workload.build_model()
+    optimizer = workload.build_optimizer(model)
+    round_to = CUDA_BLOCK if target == "cuda" else 1
+    tracker = StorageTracker("cpu", round_to)
+    tracker.track(list(model.parameters()) + list(model.buffers()))
+    states = _states(model, optimizer, tracker)
+    data = workload.train_data()
+    device = torch.device("cpu")
+    make_batch = lambda b: take(data, [i % len(data) for i in range(b)])  # noqa: E731
+    bounds = {
+        phase.name: _forward_bounds(workload, model, phase, settings, device, round_to, make_batch, REAL_PROBE_BATCHES)
+        for phase in phases_of(workload)
+    }
+    sample = take(data, [0])
+    resident = 0 if target == "cuda" else sum(t.nbytes for t in torch.utils._pytree.tree_leaves(sample) if isinstance(t, torch.Tensor))
+    return states, bounds, resident
+
+
+def _phase(phase: Phase, states: dict[str, int], bounds: dict[int, int], extra: dict) -> PhaseProfile:
+    train = phase.kind == "train"
+    grads = states["grads"] if train else 0
+    held = states["params"] + grads + states["optimizer"] + states["buffers"]
+    points = tuple((b, held + bound) for b, bound in sorted(bounds.items()))
+    slope, intercept = line_through(points)
+    return PhaseProfile(
+        name=phase.name,
+        kind=phase.kind,
+        params=states["params"],
+        grads=grads,
+        optimizer=states["optimizer"],
+        buffers=states["buffers"],
+        activations_per_sample=slope,
+        fixed_other=intercept - held,
+        step_floor=states["step_peak"] if train else 0,
+        points=points,
+        **extra,
+    )

@@ -1,0 +1,88 @@
+"""Counting tensor bytes the way a GPU allocator would see them, on real or fake tensors.
+
+``orchestrator.device.TensorBytesTracker`` keys storages by ``data_ptr``, which is 0 for every
+fake tensor; this tracker keys them by the storage object itself, so it works under
+``FakeTensorMode`` (no memory used) as well as on real CPU tensors. It counts only storages on
+one device type (the batch waiting on ``meta`` before its host-to-device copy is not device
+memory), can round every storage up the way the CUDA caching allocator does (512 bytes), and
+keeps a peak per window; it can also record the allocated bytes after every op (``events``),
+which is what lets the trace estimator read the peak at *every* batch size off two runs.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+#: The CUDA caching allocator's smallest block; every allocation is rounded up to a multiple.
+CUDA_BLOCK = 512
+
+
+class StorageTracker(TorchDispatchMode):
+    """Live, peak and ever-allocated bytes of the storages created while active.
+
+    ``track`` registers tensors that exist already (parameters, optimizer state).
+    ``total`` is the sum of every storage ever counted, freed or not: an upper bound on what
+    the forward pass could keep for backward, which the static estimator uses.
+    """
+
+    def __init__(self, device_type: str = "cpu", round_to: int = 1):
+        super().__init__()
+        self.device_type = device_type
+        self.round_to = round_to
+        self.allocated = 0
+        self.peak = 0
+        self.total = 0
+        self.largest = 0
+        self.events: list[int] | None = None  # allocated bytes after every op, while recording
+        self._live: dict[int, int] = {}
+
+    def track(self, tensors: Iterable[torch.Tensor]) -> None:
+        for tensor in tensors:
+            self._add(tensor)
+
+    def reset_peak(self) -> None:
+        self.peak = self.allocated
+
+    def reset_totals(self) -> None:
+        self.total = 0
+        self.largest = 0
+
+    def size_of(self, tensor: torch.Tensor) -> int:
+        nbytes = tensor.untyped_storage().nbytes()
+        return math.ceil(nbytes / self.round_to) * self.round_to
+
+    def _free(self, key: int) -> None:
+        self.allocated -= self._live.pop(key, 0)
+
+    def _add(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type != self.device_type or tensor.is_sparse:
+            return
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self._live:
+            return
+        size = self.size_of(tensor)
+        if size == 0:
+            return
+        self._live[key] = size
+        self.allocated += size
+        self.total += size
+        self.largest = max(self.largest, size)
+        self.peak = max(self.peak, self.allocated)
+        # the storage's Python object lives as long as the storage does (PyTorch keeps it)
+        weakref.finalize(storage, self._free, key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self._add(leaf)
+        if self.events is not None:
+            self.events.append(self.allocated)
+        return out
