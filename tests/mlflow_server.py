@@ -69,32 +69,40 @@ class MlflowServer:
             return False
 
     def stop(self, grace: float = 30.0) -> None:
-        """SIGTERM the server by PID; kill its process group only if it outlives ``grace``."""
+        """SIGTERM the server by PID, then whatever is left of the process group it started in
+        (its job runner's consumers can outlive it); SIGKILL only what outlives ``grace``."""
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
+        if process is None:
             return
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        # Workers in the same group may outlive the parent for a moment; the port must be free
-        # before the server can be started again on it.
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and not _port_free(self.port):
-            time.sleep(0.2)
-        if not _port_free(self.port):
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
             try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
+                process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
                 pass
+        group = process.pid  # start_new_session: the group id is the server's PID
+        _signal_group(group, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and (_signal_group(group, 0) or not _port_free(self.port)):
+            time.sleep(0.2)
+        _signal_group(group, signal.SIGKILL)
+        if process.poll() is None:
+            process.wait()
 
     def __enter__(self) -> "MlflowServer":
-        return self.start()
+        return self if self.process else self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _signal_group(group: int, sig: int) -> bool:
+    """Signal every process of the group; False if none is left."""
+    try:
+        os.killpg(group, sig)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def _port_free(port: int) -> bool:

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from orchestrator.config import parse_spec
+from mlflow_server import MlflowServer
 from orchestrator.tracking import MlflowTracking, epoch_metrics, plan_params, spec_params
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,7 +93,7 @@ def fake_trial(config: dict) -> None:
         state.update(micro_batch=state["micro_batch"] // 2, reductions=state["reductions"] + 1)
     for epoch in range(state["epoch"] + 1, case["epochs"] + 1):
         gate = case.get("gates", {}).get(str(epoch))
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 90
         while gate and not os.path.exists(gate) and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(case.get("epoch_s", 0))
@@ -260,11 +261,11 @@ def drive(callback: MlflowTracking, trial: FakeTrial, epochs: list[int], train_l
         callback.on_trial_result(iteration=epoch, trials=[trial], trial=trial, result=trial.last_result)
 
 
-def resume_from(first: MlflowTracking, uri: str, spec) -> MlflowTracking:
-    """A new driver restored from the first one's Tune state (Tune pickles it to the experiment folder)."""
+def resume_from(state: dict, uri: str, spec) -> MlflowTracking:
+    """A new driver restored from an earlier one's Tune state (Tune pickles it with the experiment)."""
     import pickle
 
-    state = pickle.loads(pickle.dumps(first.get_state()))
+    state = pickle.loads(pickle.dumps(state))
     second = pickle.loads(pickle.dumps(MlflowTracking(uri, spec)))
     second.set_state(state)
     second.setup()
@@ -281,7 +282,7 @@ def test_resumed_driver_continues_the_same_runs_without_duplicate_epochs(tmp_pat
     assert first._outbox.drain(60)
     # The driver dies here (SLURM requeue): no on_experiment_end. Tune restores the trial from its
     # checkpoint of epoch 1, so epoch 2 is reported again, with another value.
-    second = resume_from(first, uri, spec)
+    second = resume_from(first.get_state(), uri, spec)
     drive(second, trial, [2, 3], train_loss=2.0)
     trial.status = "TERMINATED"
     second.on_trial_complete(iteration=4, trials=[trial], trial=trial)
@@ -295,3 +296,81 @@ def test_resumed_driver_continues_the_same_runs_without_duplicate_epochs(tmp_pat
     assert steps(client, run) == [1, 2, 3]
     losses = {int(m.step): m.value for m in client.get_metric_history(run.info.run_id, "train_loss")}
     assert losses == {1: 1.0, 2: 1.0, 3: 2.0}  # the first report of an epoch is the one kept
+
+
+def test_writes_a_driver_could_not_send_are_sent_by_the_resumed_driver(tmp_path, caplog):
+    server = MlflowServer(tmp_path / "server")  # not started: nothing answers on its port yet
+    spec = make_spec()
+    first = MlflowTracking(server.uri, spec, flush_timeout_s=1)
+    first.setup()
+    trial = fake_trial_object()
+    drive(first, trial, [1, 2], train_loss=1.0)
+    time.sleep(1)
+    state = first.get_state()  # Tune's final experiment checkpoint comes before on_experiment_end
+    assert sum(type(op).__name__ == "LogEpoch" for op in state["pending"]) == 2
+    first.on_experiment_end(trials=[trial])
+    assert "unreachable" in caplog.text and "still unsent" in caplog.text
+
+    with server:
+        second = resume_from(state, server.uri, spec)
+        drive(second, trial, [3], train_loss=1.0)
+        trial.status = "TERMINATED"
+        second.on_trial_complete(iteration=4, trials=[trial], trial=trial)
+        second.on_experiment_end(trials=[trial])
+        client, parents, children = runs_of(server.uri)
+        assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+        assert steps(client, children["fake_trial_abcde_00000"]) == [1, 2, 3]
+        assert children["fake_trial_abcde_00000"].info.status == "FINISHED"
+
+
+def test_server_outage_mid_sweep_loses_and_duplicates_nothing(local_ray, tmp_path, caplog):
+    """Stop the server after epoch 3 of both trials, let them report epochs 4-6 while it is down,
+    start it again (same port, same database), then epochs 7-8: every epoch is there exactly once."""
+    server = MlflowServer(tmp_path / "server").start()
+    outage, back = tmp_path / "outage", tmp_path / "back"
+    case = {"epochs": 8, "epoch_s": 0.2, "gates": {"4": str(outage), "7": str(back)}}
+    failures: list[BaseException] = []
+
+    def operate_server():
+        from mlflow import MlflowClient
+
+        try:
+            client = MlflowClient(server.uri)
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline:
+                experiment = client.get_experiment_by_name("tracking_test")
+                runs = client.search_runs([experiment.experiment_id], "metrics.epoch >= 3") if experiment else []
+                if len(runs) == 2:
+                    break
+                time.sleep(0.5)
+            else:
+                raise TimeoutError("the trials did not reach epoch 3 in MLflow")
+            server.stop()
+            outage.touch()
+            time.sleep(3)  # epochs 4-6 of both trials are reported while nothing listens
+            server.start()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            failures.append(exc)
+        finally:
+            outage.touch()
+            back.touch()
+
+    operator = threading.Thread(target=operate_server)
+    try:
+        operator.start()
+        _, results = run_fake_sweep(tmp_path, server.uri, {0.01: case, 0.1: case})
+        operator.join()
+        assert not failures, failures
+        assert not results.errors
+        assert "unreachable" in caplog.text and "reachable again" in caplog.text
+
+        client, parents, children = runs_of(server.uri)
+        assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+        assert len(children) == 2
+        for run in children.values():
+            assert run.info.status == "FINISHED"
+            for key in ("epoch", "train_loss", "peak_allocated_bytes", "micro_batch"):
+                assert steps(client, run, key) == list(range(1, 9)), key
+    finally:
+        operator.join()
+        server.stop()
