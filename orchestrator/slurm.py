@@ -318,7 +318,7 @@ def _print_submitted(job: SlurmJob, spec: SweepSpec, job_id: str, notes: list[st
     print(f"Submitted SLURM job {job_id}: sweep {spec.experiment} on {job.nodes} node{where}")
     print(f"  logs:       {log}")
     print(f"  job folder: {job.job_dir}")
-    print(f"  results:    {job.storage_path}/{spec.experiment}")
+    print(f"  results:    {job.storage_path}/{spec.experiment}_<start time>/")
     print(f"  MLflow:     {mlflow}")
     print("  dashboard:  when the job runs, its log has the ssh tunnel line for your machine:")
     print(f"              grep 'ssh -N' {log}")

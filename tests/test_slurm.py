@@ -1,0 +1,503 @@
+"""``orchestrator submit``: the rendered sbatch script, the script's run-time logic, and a real SLURM.
+
+Three layers, cheapest first:
+
+- the script's text, rendered for 1 node without GPUs and for N nodes with GPUs: directives,
+  the Ray head and worker lines, ports, requeue/signal, no ``auto`` address, dashboard host;
+- the script *run* by bash against fake ``srun``/``scontrol``/``ray``/``mlflow``/``python``
+  that record their arguments: which commands it really issues for a 3-node allocation, that
+  the driver's exit status comes back, that USR1 leads to a requeue and the next attempt
+  resumes, and that everything it started is stopped;
+- a real single-node SLURM (munged, slurmctld, slurmd started here, see ``slurm_cluster.py``)
+  running a real two-trial sweep with a real Ray cluster and MLflow server, then a sweep that
+  is stopped near its "time limit", requeued and resumed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from orchestrator.cli import build_parser, main
+from orchestrator.config import load_spec
+from orchestrator.errors import UserError
+from orchestrator.slurm import parse_time_limit, plan_job, render, shared_tracking_uri
+from slurm_cluster import LocalSlurm, SlurmStartError
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "configs" / "demo_cpu.yaml"
+
+
+def submit_args(*flags: str):
+    return build_parser().parse_args(["submit", str(DEMO), *flags])
+
+
+def rendered(tmp_path, *flags: str) -> str:
+    args = submit_args(*flags)
+    job = plan_job(args, load_spec(args.config, args.overrides), cwd=str(tmp_path))
+    return render(job)
+
+
+def directives(script: str) -> dict[str, str]:
+    found = {}
+    for line in script.splitlines():
+        if line.startswith("#SBATCH "):
+            key, _, value = line[len("#SBATCH "):].partition("=")
+            found[key] = value
+    return found
+
+
+def command_lines(script: str, pattern: str) -> list[str]:
+    """Logical lines (backslash continuations joined) that contain ``pattern``."""
+    joined = re.sub(r"\\\n\s*", " ", script)
+    return [line.strip() for line in joined.splitlines() if pattern in line and not line.lstrip().startswith("#")]
+
+
+# -- the rendered text ----------------------------------------------------------------------
+
+
+def test_one_node_cpu_script(tmp_path):
+    script = rendered(tmp_path, "--cpus-per-node", "2", "--time", "00:30:00", "--set", "stop.epochs=1")
+    d = directives(script)
+    assert d["--nodes"] == "1" and d["--ntasks-per-node"] == "1" and d["--cpus-per-task"] == "2"
+    assert "--gres" not in d and "--partition" not in d
+    assert d["--time"] == "00:30:00"
+    assert "--requeue" in d and d["--open-mode"] == "append"
+    assert d["--signal"] == "B:USR1@300"  # the batch shell is told 5 minutes before the limit
+    assert d["--output"] == f"{tmp_path}/slurm_logs/orch-demo_cpu-%j.out"
+    assert "NUM_NODES=1" in script and "GPUS_PER_NODE=0" in script and "OVERRIDES=(--set stop.epochs=1)" in script
+    assert "{{" not in script
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+def test_n_node_gpu_script(tmp_path):
+    script = rendered(tmp_path, "--nodes", "4", "--gpus-per-node", "4", "--partition", "gpu", "--time", "04:00:00",
+                      "--account", "proj1", "--mem", "64G")
+    d = directives(script)
+    assert d["--nodes"] == "4" and d["--gres"] == "gpu:4"
+    assert d["--cpus-per-task"] == "4"  # one trial's CPUs (resources.cpu: 1) per GPU
+    assert (d["--partition"], d["--account"], d["--mem"]) == ("gpu", "proj1", "64G")
+    assert "NUM_NODES=4" in script and "GPUS_PER_NODE=4" in script
+
+    [head] = command_lines(script, "start --head")
+    assert head.startswith("srun --nodes=1 --ntasks=1 --overlap -w \"$HEAD_NODE\"")
+    for part in ('--block', '--node-ip-address="$HEAD_IP"', '--port="$GCS_PORT"', '--dashboard-host="$HEAD_IP"',
+                 '--dashboard-port="$DASHBOARD_PORT"', '--temp-dir="$RAY_TMP"', '--num-gpus="$GPUS_PER_NODE"',
+                 '"${SRUN_GRES[@]}"', '"${NODE_PORTS[@]}"', '--ray-client-server-port='):
+        assert part in head, part
+    [worker] = command_lines(script, 'start --block --address=')
+    assert worker.startswith('srun --nodes=1 --ntasks=1 -w "$node"')
+    assert '--address="$RAY_ADDRESS_HEAD"' in worker and '"${SRUN_GRES[@]}"' in worker
+    assert 'for node in "${NODES[@]:1}"; do' in script  # every node but the head gets a worker
+    assert 'SRUN_GRES=(--gres="gpu:$GPUS_PER_NODE")' in script
+    for port in ("node-manager-port", "object-manager-port", "min-worker-port", "max-worker-port",
+                 "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+                 "metrics-export-port"):
+        assert f"--{port}=" in script, port
+
+
+def test_script_never_uses_auto_address_and_binds_dashboard_to_head(tmp_path):
+    script = rendered(tmp_path, "--nodes", "2", "--gpus-per-node", "1")
+    code = "\n".join(line for line in script.splitlines() if not line.lstrip().startswith("#"))
+    assert not re.search(r"""address[= ]*["']?auto""", code)
+    assert "0.0.0.0" not in script
+    assert "unset RAY_ADDRESS" in script
+    [driver] = command_lines(script, "-m orchestrator run")
+    assert '--ray-address "$RAY_ADDRESS_HEAD"' in driver and '--tracking-uri "$TRACKING_URI"' in driver
+    assert 'RAY_ADDRESS_HEAD="$HEAD_IP:$GCS_PORT"' in script
+    [mlflow] = command_lines(script, '"$MLFLOW" server')
+    assert '--host "$HEAD_IP"' in mlflow and "--workers 1" in mlflow and 'sqlite:///$JOB_DIR/mlflow.db' in mlflow
+    assert "export RAY_AUTH_MODE=token" in script and "ray stop" not in script
+
+
+def test_tracking_server_from_config_or_flag(tmp_path):
+    script = rendered(tmp_path, "--cpus-per-node", "2", "--tracking-uri", "http://mlflow.internal:5000")
+    assert "TRACKING_URI=http://mlflow.internal:5000" in script
+    assert shared_tracking_uri("sqlite:///mlflow.db") is None  # a local file: the job starts a server
+    assert shared_tracking_uri("./mlruns") is None and shared_tracking_uri("file:///x") is None
+    assert shared_tracking_uri("postgresql://db/mlflow") == "postgresql://db/mlflow"
+
+
+@pytest.mark.parametrize("text, seconds", [
+    ("30", 1800), ("10:30", 630), ("04:00:00", 14400), ("1-00", 86400), ("2-01:30", 178200), ("1-00:00:10", 86410),
+])
+def test_time_limits(text, seconds):
+    assert parse_time_limit(text) == seconds
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--cpus-per-node", "2", "--time", "4h"], "--time: expected"),
+    ([], "--cpus-per-node: needed for a CPU-only job"),
+    (["--cpus-per-node", "2", "--nodes", "0"], "--nodes: expected at least 1"),
+    (["--cpus-per-node", "2", "--partition", "gpu; rm -rf /"], "--partition: unexpected characters"),
+    (["--gpus-per-node", "0", "--cpus-per-node", "2", "--set", "resources.gpu=1"], "--gpus-per-node: the sweep's trials need GPUs"),
+    (["--cpus-per-node", "1", "--set", "resources.cpu=2"], "fewer than one trial needs"),
+])
+def test_bad_flags_are_one_line_errors(flags, message):
+    args = submit_args(*flags)
+    with pytest.raises(UserError, match=re.escape(message)):
+        plan_job(args, load_spec(args.config, args.overrides))
+
+
+def test_dry_run_prints_the_script_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["submit", str(DEMO), "--cpus-per-node", "2", "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("#!/bin/bash") and "#SBATCH --nodes=1" in out
+    assert "dry run: nothing written or submitted" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_submit_without_sbatch_is_a_user_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert main(["submit", str(DEMO), "--cpus-per-node", "2"]) == 2
+    assert "sbatch not found" in capsys.readouterr().err
+
+
+# -- the script run by bash against recording fakes -----------------------------------------
+
+FAKE_SRUN = """
+import os, sys
+record("srun")
+args = sys.argv[1:]
+while args and args[0].startswith("-"):  # srun's own options; -w takes a value
+    args = args[2:] if args[0] == "-w" else args[1:]
+os.execvp(args[0], args)
+"""
+FAKE_SCONTROL = """
+import os, sys
+record("scontrol")
+if sys.argv[1:3] == ["show", "hostnames"]:
+    print("\\n".join(os.environ["FAKE_NODES"].split()))
+elif sys.argv[1:3] == ["show", "node"]:
+    print(f"NodeName={sys.argv[3]} Arch=x86_64\\n   NodeAddr=127.0.0.1 NodeHostName={sys.argv[3]}")
+"""
+LISTEN = """
+def listen(port):
+    import socket, time
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", int(port)))
+    s.listen()
+    time.sleep(120)
+"""
+FAKE_RAY = LISTEN + """
+import sys, time
+record("ray")
+if sys.argv[1] == "get-auth-token":
+    print("fake-token", end="")
+elif "--head" in sys.argv:
+    listen(next(a.split("=")[1] for a in sys.argv if a.startswith("--port=")))
+else:
+    time.sleep(120)
+"""
+FAKE_MLFLOW = LISTEN + """
+import sys
+record("mlflow")
+listen(sys.argv[sys.argv.index("--port") + 1])
+"""
+FAKE_PYTHON = """
+import os, signal, sys, time
+if sys.argv[1] == "-":  # the wait-for-nodes snippet: until every worker's `ray start` ran
+    sys.stdin.read()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with open(os.environ["FAKE_DIR"] + "/calls.jsonl") as f:
+            joined = sum('"start", "--block", "--address=' in line for line in f)
+        if joined >= int(sys.argv[3]) - 1:
+            break
+        time.sleep(0.1)
+    print(f"Ray cluster: {joined + 1}/{sys.argv[3]} nodes (fake)")
+    sys.exit(0)
+record("python")
+if os.environ.get("FAKE_DRIVER") == "wait_for_usr1":
+    signal.signal(signal.SIGUSR1, lambda *_: sys.exit(1))  # like Tune: stop, save, not all done
+    open(os.environ["FAKE_DIR"] + "/driver.started", "w").close()
+    time.sleep(60)
+sys.exit(int(os.environ.get("FAKE_DRIVER_RC", "0")))
+"""
+RECORD = """
+import json, os, sys
+def record(tool):
+    keep = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ADDRESS")}
+    with open(os.environ["FAKE_DIR"] + "/calls.jsonl", "a") as f:
+        f.write(json.dumps({"tool": tool, "argv": sys.argv[1:], "env": keep, "pid": os.getpid()}) + "\\n")
+"""
+
+
+@pytest.fixture
+def fakes(tmp_path):
+    """A bin/ of fake SLURM, Ray, MLflow and Python executables that record how they were called."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("ray", FAKE_RAY),
+                       ("mlflow", FAKE_MLFLOW), ("python", FAKE_PYTHON)):
+        path = bin_dir / name
+        path.write_text(f"#!{sys.executable}\n{RECORD}\n{textwrap.dedent(body)}")
+        path.chmod(0o755)
+    return bin_dir
+
+
+def run_fake_job(tmp_path, fakes, nodes: list[str], script: str, *, driver_rc=0, driver=None, job_id="4242",
+                 on_start=None) -> tuple[int, list[dict], str]:
+    env = {
+        **os.environ,
+        "PATH": f"{fakes}{os.pathsep}{os.environ['PATH']}",
+        "FAKE_DIR": str(tmp_path), "FAKE_NODES": " ".join(nodes), "FAKE_DRIVER_RC": str(driver_rc),
+        "FAKE_DRIVER": driver or "",
+        "SLURM_JOB_ID": job_id, "SLURM_JOB_NODELIST": ",".join(nodes), "SLURM_SUBMIT_HOST": "login1", "USER": "alice",
+        "ORCHESTRATOR_PYTHON": str(fakes / "python"), "ORCHESTRATOR_RAY": str(fakes / "ray"),
+        "ORCHESTRATOR_MLFLOW": str(fakes / "mlflow"), "ORCHESTRATOR_RAY_TMP_ROOT": str(tmp_path / "rt"),
+        "RAY_ADDRESS": "auto",  # inherited from the submitting shell: the script must drop it
+    }
+    env.pop("RAY_AUTH_TOKEN", None)
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    calls_file = tmp_path / "calls.jsonl"
+    calls_file.unlink(missing_ok=True)
+    process = subprocess.Popen(["bash", str(path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if on_start:
+        on_start(process)
+    out, _ = process.communicate(timeout=120)
+    calls = [json.loads(line) for line in calls_file.read_text().splitlines()]
+    return process.returncode, calls, out
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_three_node_run_issues_head_and_worker_commands(tmp_path, fakes):
+    storage = tmp_path / "store"
+    script = rendered(tmp_path, "--nodes", "3", "--gpus-per-node", "2", "--storage-path", str(storage),
+                      "--set", "stop.epochs=1")
+    rc, calls, out = run_fake_job(tmp_path, fakes, ["n1", "n2", "n3"], script, driver_rc=0)
+    assert rc == 0, out
+
+    sruns = [c["argv"] for c in calls if c["tool"] == "srun"]
+    ray_starts = [c for c in calls if c["tool"] == "ray" and c["argv"][0] == "start"]
+    [head] = [c["argv"] for c in ray_starts if "--head" in c["argv"]]
+    workers = [c["argv"] for c in ray_starts if "--head" not in c["argv"]]
+    opt = lambda argv, name: next(a.split("=", 1)[1] for a in argv if a.startswith(f"--{name}="))
+
+    gcs = int(opt(head, "port"))
+    assert 10000 <= gcs < 32768 and gcs % 500 == 0  # a per-job block below the ephemeral range
+    assert opt(head, "node-ip-address") == "127.0.0.1" and opt(head, "dashboard-host") == "127.0.0.1"
+    assert int(opt(head, "dashboard-port")) == gcs + 4 and opt(head, "num-gpus") == "2" and opt(head, "num-cpus") == "2"
+    assert "--block" in head and opt(head, "temp-dir") == f"{tmp_path}/rt/ray-4242"
+
+    assert len(workers) == 2
+    for worker in workers:
+        assert "--block" in worker and opt(worker, "address") == f"127.0.0.1:{gcs}"
+        assert opt(worker, "node-manager-port") == opt(head, "node-manager-port")  # the job's block on every node
+        assert opt(worker, "min-worker-port") == str(gcs + 100) and opt(worker, "max-worker-port") == str(gcs + 499)
+    starts = [argv for argv in sruns if "start" in argv]
+    assert sorted(argv[argv.index("-w") + 1] for argv in starts) == ["n1", "n2", "n3"]
+    assert all("--gres=gpu:2" in argv and "--cpus-per-task=2" in argv for argv in starts)
+
+    for c in calls:
+        if c["tool"] in ("ray", "python") and c["argv"][0] != "get-auth-token":
+            assert c["env"]["RAY_AUTH_MODE"] == "token" and c["env"]["RAY_AUTH_TOKEN"] == "fake-token"
+            assert c["env"]["RAY_ADDRESS"] is None
+
+    [mlflow] = [c["argv"] for c in calls if c["tool"] == "mlflow"]
+    assert mlflow[mlflow.index("--host") + 1] == "127.0.0.1" and mlflow[mlflow.index("--port") + 1] == str(gcs + 9)
+    [driver] = [c["argv"] for c in calls if c["tool"] == "python"]
+    job_dir = re.search(r"^JOB_DIR=(.*)$", script, re.M).group(1)
+    assert driver == ["-u", "-m", "orchestrator", "run", f"{job_dir}/config.yaml", "--set", "stop.epochs=1",
+                      "--ray-address", f"127.0.0.1:{gcs}", "--storage-path", str(storage),
+                      "--tracking-uri", f"http://127.0.0.1:{gcs + 9}"]
+    # Teardown: the workers' temp dirs are removed on their nodes; nothing we started is left.
+    assert any("rm" in argv and "--exclude=n1" in argv for argv in sruns)
+    assert not [c["pid"] for c in calls if c["tool"] in ("ray", "mlflow") and pid_alive(c["pid"])]
+    assert not (tmp_path / "rt" / "ray-4242").exists()
+    assert f"ssh -N -L 8265:127.0.0.1:{gcs + 4} alice@login1" in out
+
+
+def test_one_node_run_has_no_workers_and_returns_the_driver_status(tmp_path, fakes):
+    script = rendered(tmp_path, "--cpus-per-node", "2", "--storage-path", str(tmp_path / "store"))
+    rc, calls, out = run_fake_job(tmp_path, fakes, ["n1"], script, driver_rc=3)
+    assert rc == 3, out
+    assert [c["argv"][0] for c in calls if c["tool"] == "ray"] == ["get-auth-token", "start"]
+    assert "driver exited with status 3" in out
+    assert not [c for c in calls if c["tool"] == "scontrol" and c["argv"][0] == "requeue"]
+
+
+def test_usr1_stops_the_driver_requeues_and_the_next_attempt_resumes(tmp_path, fakes):
+    script = rendered(tmp_path, "--cpus-per-node", "2", "--storage-path", str(tmp_path / "store"))
+
+    def usr1_when_driver_runs(process):
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "driver.started").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        process.send_signal(signal.SIGUSR1)  # what SLURM sends the batch shell before the time limit
+
+    rc, calls, out = run_fake_job(tmp_path, fakes, ["n1"], script, driver="wait_for_usr1", on_start=usr1_when_driver_runs)
+    assert "time limit near" in out and "requeueing job 4242" in out, out
+    assert ["requeue", "4242"] in [c["argv"] for c in calls if c["tool"] == "scontrol"]
+    [driver] = [c["argv"] for c in calls if c["tool"] == "python"]
+    assert "--resume" not in driver
+    assert not [c["pid"] for c in calls if c["tool"] in ("ray", "mlflow") and pid_alive(c["pid"])]
+
+    rc, calls, out = run_fake_job(tmp_path, fakes, ["n1"], script, driver_rc=0)  # the requeued attempt
+    [driver] = [c["argv"] for c in calls if c["tool"] == "python"]
+    assert rc == 0 and driver[-1] == "--resume" and "attempt 2" in out
+
+
+# -- a real SLURM ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    reason = LocalSlurm.unavailable()
+    if reason:
+        pytest.skip(reason)
+    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"), cpus=2)
+    try:
+        cluster.start()
+    except (SlurmStartError, OSError, subprocess.CalledProcessError) as exc:
+        cluster.stop()
+        pytest.skip(f"a local SLURM could not start here: {exc}")
+    yield cluster
+    cluster.stop()
+
+
+def orchestrator_submit(cluster: LocalSlurm, workdir: Path, *flags: str) -> tuple[str, Path]:
+    """``orchestrator submit`` as a user runs it; returns the job id and the job folder."""
+    env = cluster.env()
+    env["MLFLOW_DISABLE_TELEMETRY"] = "true"
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "submit", *flags], cwd=workdir, env=env,
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    job_id = re.search(r"Submitted SLURM job (\d+)", result.stdout).group(1)
+    job_dir = Path(re.search(r"job folder: (\S+)", result.stdout).group(1))
+    return job_id, job_dir
+
+
+def job_state(cluster: LocalSlurm, job_id: str) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", job_id], env=cluster.env(), capture_output=True, text=True).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def wait_for(predicate, timeout: float, what: str, cluster: LocalSlurm, log: Path):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(2)
+    log_text = log.read_text() if log.exists() else "(no job log)"
+    pytest.fail(f"timed out waiting for {what}\n--- job log\n{log_text[-6000:]}\n--- slurm\n{cluster.logs(10)}")
+
+
+def trial_runs(job_dir: Path, experiment: str):
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{job_dir}/mlflow.db")
+    exp = client.get_experiment_by_name(experiment)
+    assert exp is not None, "the sweep's MLflow experiment is missing"
+    return client.search_runs([exp.experiment_id], "tags.`orchestrator.role` = 'trial'")
+
+
+def processes_left(job_id: str, job_dir: Path) -> list[str]:
+    """Processes still running from this job: Ray's name its temp dir, the MLflow server its store."""
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if f"/ray-{job_id}/" in line or str(job_dir) in line]
+
+
+def small_sweep(workdir: Path, epochs: int, lrs: list[float]) -> Path:
+    config = yaml.safe_load(DEMO.read_text())
+    config["experiment"] = f"slurm_e{epochs}_t{len(lrs)}"
+    config["search_space"] = {"workload": "mlp", "lr": {"grid": lrs}, "width": 16}
+    config["stop"]["epochs"] = epochs
+    path = workdir / f"{config['experiment']}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.integration
+def test_submit_runs_the_sweep_on_slurm(slurm, tmp_path):
+    """Two trials, one epoch, on a Ray cluster inside a real SLURM job with (fake) GPUs from gres."""
+    config = small_sweep(tmp_path, epochs=1, lrs=[0.003, 0.03])
+    gpus = ["--gpus-per-node", "2"] if slurm.has_gpus else []
+    started = time.monotonic()
+    job_id, job_dir = orchestrator_submit(
+        slurm, tmp_path, str(config), "--cpus-per-node", "2", *gpus, "--time", "00:15:00",
+        "--storage-path", str(tmp_path / "store"), "--log-dir", str(tmp_path / "logs"),
+    )
+    log = tmp_path / "logs" / f"orch-{config.stem}-{job_id}.out"
+    state = wait_for(lambda: (s := job_state(slurm, job_id)).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED",
+                     "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY") and s, 600, "the job to end", slurm, log)
+    elapsed = time.monotonic() - started
+    text = log.read_text()
+    assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", text[-6000:]
+    assert "2/2 trials finished" in text
+    if slurm.has_gpus:
+        assert "Ray cluster: 1/1 nodes, CPU 2, GPU 2" in text  # gres -> CUDA_VISIBLE_DEVICES -> Ray
+    assert "ssh -N -L 8265:" in text
+
+    runs = trial_runs(job_dir, config.stem)
+    assert len(runs) == 2 and {r.info.status for r in runs} == {"FINISHED"}
+    assert sorted(float(r.data.params["config.lr"]) for r in runs) == [0.003, 0.03]
+    assert processes_left(job_id, job_dir) == []
+    print(f"SLURM sweep: 2 trials in {elapsed:.0f} s from submit to end")
+
+
+@pytest.mark.integration
+def test_time_limit_requeues_and_resumes_only_unfinished_trials(slurm, tmp_path):
+    """USR1 (what --signal sends before the limit) mid-sweep: stop, requeue, resume, finish the rest.
+
+    Three trials on two CPUs: two run first; the signal comes once at least one has finished
+    and before all have, so the resumed attempt has both finished and unfinished trials.
+    """
+    config = small_sweep(tmp_path, epochs=4, lrs=[0.001, 0.003, 0.03])
+    job_id, job_dir = orchestrator_submit(
+        slurm, tmp_path, str(config), "--cpus-per-node", "2", "--time", "00:15:00",
+        "--storage-path", str(tmp_path / "store"), "--log-dir", str(tmp_path / "logs"),
+    )
+    log = tmp_path / "logs" / f"orch-{config.stem}-{job_id}.out"
+
+    def some_finished():
+        if job_state(slurm, job_id).get("JobState") != "RUNNING" or not (job_dir / "mlflow.db").exists():
+            return False
+        try:
+            runs = trial_runs(job_dir, config.stem)
+        except Exception:  # the experiment is not created yet
+            return False
+        return 1 <= sum(r.info.status == "FINISHED" for r in runs) < 3
+
+    wait_for(some_finished, 400, "a first trial to finish", slurm, log)
+    finished_before = {r.info.run_id for r in trial_runs(job_dir, config.stem) if r.info.status == "FINISHED"}
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm.env(), check=True)
+
+    wait_for(lambda: int(job_state(slurm, job_id).get("Restarts", "0")) >= 1, 300, "the requeue", slurm, log)
+    # SLURM holds a requeued job back ~2 minutes (BeginTime); a test need not wait for that.
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm.env(), check=True)
+    state = wait_for(lambda: (s := job_state(slurm, job_id)).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED",
+                     "TIMEOUT") and s, 600, "the resumed job to end", slurm, log)
+    text = log.read_text()
+    assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", text[-6000:]
+    assert "time limit near" in text and "attempt 2" in text and "Resuming " in text
+    runs = trial_runs(job_dir, config.stem)
+    assert len(runs) == 3 and {r.info.status for r in runs} == {"FINISHED"}, [(r.info.run_name, r.info.status) for r in runs]
+    assert finished_before <= {r.info.run_id for r in runs}
+    assert processes_left(job_id, job_dir) == []
