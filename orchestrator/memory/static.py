@@ -17,7 +17,6 @@ runs on real CPU tensors at small batch sizes instead, and the profile says so.
 
 from __future__ import annotations
 
-
 import torch
 
 from orchestrator.memory.fake import Untraceable, describe, fake_setup, running

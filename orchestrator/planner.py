@@ -1,0 +1,286 @@
+"""From a memory profile and a budget to a plan: micro-batch, accumulation, eval batch, settings.
+
+The planner is pure: the same profile, budget and policy always give the same plan, and nothing
+here touches a GPU, Ray or MLflow, so every rule is unit-tested on its own.
+
+* :func:`make_plan` picks the largest micro-batch whose worst phase fits the budget (times the
+  safety margin), keeping the effective batch by gradient accumulation, and the eval batch from
+  the eval phases. When not even micro-batch 1 fits, it tries activation checkpointing and then
+  the lower precision; when nothing fits it refuses, saying what the trial needs and what would
+  make it fit.
+* :func:`next_reduction` is what to try after an out-of-memory error: halve the micro-batch,
+  then activation checkpointing, then the lower precision, then give up. The effective batch is
+  never changed: a reduced trial makes the same updates, only in more, smaller pieces.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Callable
+
+from orchestrator.memory import EstimationError, MemoryProfile, Settings, estimate
+from orchestrator.units import gib
+
+#: The eval batch is a throughput knob, not a hyper-parameter; beyond this many times the
+#: effective batch it buys nothing and only makes a large allocation.
+EVAL_BATCH_CAP = 4
+#: A micro-batch that divides the effective batch is preferred when it is at most this much smaller.
+DIVISOR_TOLERANCE = 0.10
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a trial runs. JSON-able (``to_dict``/``from_dict``): stored in Tune configs and checkpoints."""
+
+    micro_batch: int
+    accum_steps: int
+    effective_batch: int
+    eval_batch: int
+    activation_checkpointing: bool
+    precision: str
+    estimator: str  # which estimator produced the prediction, or "none"
+    budget_bytes: int | None
+    predicted_peak_bytes: int | None  # reserved bytes, worst phase, at this plan
+    predicted_phase: str | None
+    predicted_phases: dict[str, int] = field(default_factory=dict)  # phase -> predicted reserved bytes
+    reductions: int = 0  # OOM reductions applied so far
+    note: str = ""
+    refusal: str | None = None  # set when nothing fits: the trial must not start
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in d.items() if k in known}
+        values["predicted_phases"] = dict(values.get("predicted_phases") or {})
+        return cls(**values)
+
+    @property
+    def settings(self) -> Settings:
+        return Settings(self.precision, self.activation_checkpointing)
+
+    def describe(self) -> str:
+        """'16 x 4 (eval 128, bf16, ckpt)' or the refusal."""
+        if self.refusal:
+            return f"refused: {self.refusal}"
+        extras = [f"eval {self.eval_batch}", self.precision] + (["ckpt"] if self.activation_checkpointing else [])
+        return f"{self.micro_batch} x {self.accum_steps} ({', '.join(extras)})"
+
+
+def make_plan(
+    workload, policy, effective_batch: int, budget_bytes: int | None, *, target: str, device=None
+) -> Plan:
+    """The plan for one trial of ``workload`` on a device of kind ``target`` with ``budget_bytes``.
+
+    ``budget_bytes`` is what the trial may use on the device in total (for a CUDA target the
+    profile counts the CUDA context itself); None means unbounded (the CPU): the whole effective
+    batch at once. ``policy`` is the sweep's ``MemoryPolicy``.
+    """
+    if effective_batch < 1:
+        raise ValueError(f"effective batch must be at least 1, got {effective_batch}")
+    start = Settings(policy.precision, False)
+    if policy.estimator == "none":  # no estimate: the whole batch at once, OOM retries do the rest
+        return Plan(effective_batch, 1, effective_batch, effective_batch, False, policy.precision,
+                    "none", budget_bytes, None, None)
+    profiles = _Profiles(workload, policy, target, device)
+    eval_cap = min(EVAL_BATCH_CAP * effective_batch, _eval_samples(workload))
+    if budget_bytes is None:
+        profile = profiles.get(start)
+        eval_batch = min(effective_batch, eval_cap)
+        return _plan(profile, effective_batch, effective_batch, eval_batch, None, "")
+
+    limit = int(budget_bytes * policy.safety_margin)
+    for settings in _candidates(start, policy, workload.supports_activation_checkpointing):
+        profile = profiles.get(settings)
+        if profile is None:
+            continue
+        micro = _largest(lambda m: _train_peak(profile, m, effective_batch), limit, effective_batch)
+        eval_batch = _largest(lambda b: _eval_peak(profile, b), limit, eval_cap)
+        if micro and eval_batch:
+            micro, note = _prefer_divisor(micro, effective_batch)
+            return _plan(profile, micro, effective_batch, eval_batch, budget_bytes, note)
+    return _refuse(workload, policy, effective_batch, budget_bytes, limit, profiles, start)
+
+
+def next_reduction(
+    plan: Plan, policy, phase_kind: str = "train", *, workload_supports_checkpointing: bool = False
+) -> Plan | None:
+    """The plan to resume with after an out-of-memory error in ``phase_kind``, or None to give up.
+
+    Pure: nothing is re-estimated, so the returned plan's predictions are cleared (None/empty)
+    rather than carried stale; the note says what was reduced.
+    """
+    def reduced(note: str, **changes) -> Plan:
+        return replace(plan, **changes, reductions=plan.reductions + 1, note=note,
+                       predicted_peak_bytes=None, predicted_phase=None, predicted_phases={})
+
+    if phase_kind == "eval":
+        if plan.eval_batch <= 1:
+            return None
+        half = plan.eval_batch // 2
+        return reduced(f"out of memory in eval: eval batch {plan.eval_batch} -> {half}", eval_batch=half)
+    if plan.micro_batch > 1:
+        half = plan.micro_batch // 2
+        accum = math.ceil(plan.effective_batch / half)
+        return reduced(f"out of memory in train: micro-batch {plan.micro_batch} -> {half} (x {accum})",
+                       micro_batch=half, accum_steps=accum)
+    if not plan.activation_checkpointing and workload_supports_checkpointing and policy.allow_activation_checkpointing:
+        return reduced("out of memory in train at micro-batch 1: activation checkpointing on",
+                       activation_checkpointing=True)
+    if policy.lower_precision and plan.precision != policy.lower_precision:
+        return reduced(f"out of memory in train at micro-batch 1: precision {plan.precision} -> {policy.lower_precision}",
+                       precision=policy.lower_precision)
+    return None
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+class _Profiles:
+    """Profiles by settings, estimated only when first asked for; None where estimation failed."""
+
+    def __init__(self, workload, policy, target: str, device):
+        self.workload, self.policy, self.target, self.device = workload, policy, target, device
+        self.cache: dict[Settings, MemoryProfile | None] = {}
+        self.errors: dict[Settings, str] = {}
+
+    def get(self, settings: Settings) -> MemoryProfile | None:
+        if settings not in self.cache:
+            try:
+                self.cache[settings] = estimate(
+                    self.workload, self.policy.estimator, settings, target=self.target,
+                    fragmentation=self.policy.fragmentation, device=self.device,
+                )
+            except EstimationError as exc:
+                self.cache[settings] = None
+                self.errors[settings] = str(exc)
+        return self.cache[settings]
+
+
+def _candidates(start: Settings, policy, supports_checkpointing: bool) -> list[Settings]:
+    """Settings to try in order: as configured, + checkpointing, + lower precision, + both."""
+    checkpointing = supports_checkpointing and policy.allow_activation_checkpointing
+    lower = policy.lower_precision if policy.lower_precision and policy.lower_precision != start.precision else None
+    out = [start]
+    if checkpointing:
+        out.append(Settings(start.precision, True))
+    if lower:
+        out.append(Settings(lower, False))
+        if checkpointing:
+            out.append(Settings(lower, True))
+    return out
+
+
+def _eval_samples(workload) -> int:
+    try:
+        return max(len(workload.eval_data()), 1)
+    except (TypeError, NotImplementedError):  # an iterable dataset has no length
+        return 2**31
+
+
+def _train_peak(profile: MemoryProfile, micro: int, effective: int) -> int:
+    return max(p.reserved_at(micro, effective) for p in profile.phases_of("train"))
+
+
+def _eval_peak(profile: MemoryProfile, batch: int) -> int:
+    return max((p.reserved_at(batch) for p in profile.phases_of("eval")), default=0)
+
+
+def _largest(peak: Callable[[int], int], limit: int, cap: int) -> int:
+    """The largest ``b`` in [1, cap] with ``peak(b) <= limit`` (peaks grow with ``b``), or 0."""
+    if cap < 1 or peak(1) > limit:
+        return 0
+    lo, hi = 1, cap
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if peak(mid) <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _prefer_divisor(micro: int, effective: int) -> tuple[int, str]:
+    """A divisor of the effective batch if it costs at most 10 % of the micro-batch, else ``micro``."""
+    divisor = max(d for d in range(1, micro + 1) if effective % d == 0)
+    if divisor >= (1 - DIVISOR_TOLERANCE) * micro:
+        return divisor, ""
+    accum = math.ceil(effective / micro)
+    last = effective - (accum - 1) * micro
+    return micro, (
+        f"micro-batch {micro} does not divide the effective batch {effective}: {accum - 1} micro-batches of "
+        f"{micro} and one of {last} (the largest divisor that fits, {divisor}, would be "
+        f"{1 - divisor / micro:.0%} smaller)"
+    )
+
+
+def _plan(profile: MemoryProfile, micro: int, effective: int, eval_batch: int, budget: int | None, note: str) -> Plan:
+    phases = profile.phase_peaks(micro, eval_batch, effective)
+    worst = max(phases, key=phases.__getitem__)
+    fallback = next((n for n in profile.notes if n.startswith("trace impossible")), None)
+    return Plan(
+        micro_batch=micro,
+        accum_steps=math.ceil(effective / micro),
+        effective_batch=effective,
+        eval_batch=eval_batch,
+        activation_checkpointing=profile.settings.activation_checkpointing,
+        precision=profile.settings.precision,
+        estimator=profile.estimator,
+        budget_bytes=budget,
+        predicted_peak_bytes=phases[worst],
+        predicted_phase=worst,
+        predicted_phases=phases,
+        note="; ".join(n for n in (note, fallback) if n),
+    )
+
+
+def _refuse(workload, policy, effective: int, budget: int, limit: int, profiles: _Profiles, start: Settings) -> Plan:
+    """Nothing allowed fits: what the trial needs at micro-batch 1, and what (if anything) would fit."""
+    profile = profiles.get(start)
+    if profile is None:
+        needs = f"could not be estimated ({profiles.errors.get(start, 'no profile')})"
+        phases: dict[str, int] = {}
+    else:
+        needs = f"needs {_breakdown_at_one(profile, effective)}"
+        phases = profile.phase_peaks(1, 1, effective)
+    margin = f" (x safety margin {policy.safety_margin:g} = {gib(limit)})" if policy.safety_margin != 1 else ""
+    message = f"{needs}, budget {gib(budget)}{margin}; {_what_would_fit(workload, policy, effective, limit, profiles, start)}"
+    worst = max(phases, key=phases.__getitem__) if phases else None
+    return Plan(
+        1, effective, effective, 1, False, policy.precision, profile.estimator if profile else policy.estimator,
+        budget, phases.get(worst), worst, phases, refusal=message,
+    )
+
+
+def _breakdown_at_one(profile: MemoryProfile, effective: int) -> str:
+    peak, name = profile.peak(1, 1, effective)
+    p = next(ph for ph in profile.phases if ph.name == name)
+    parts = [("params", p.params), ("grads", p.grads), ("optim", p.optimizer), ("buffers", p.buffers),
+             ("activations", p.activations_per_sample), ("other", p.fixed_other), ("ctx", p.context + p.workspace)]
+    shown = ", ".join(f"{label} {gib(v)}" for label, v in parts if v > 0)
+    frag = f", frag {p.fragmentation:.0%}" if p.fragmentation else ""
+    return f"{gib(peak)} at micro-batch 1 in {name} ({shown}{frag})"
+
+
+def _what_would_fit(workload, policy, effective: int, limit: int, profiles: _Profiles, start: Settings) -> str:
+    """Try what the policy does not allow too, to say what would make the trial fit."""
+    lower = policy.lower_precision or "bf16"
+    options = []
+    if workload.supports_activation_checkpointing:
+        options.append((Settings(start.precision, True), "activation checkpointing"))
+    if lower != start.precision:
+        options.append((Settings(lower, False), lower))
+        if workload.supports_activation_checkpointing:
+            options.append((Settings(lower, True), f"activation checkpointing and {lower}"))
+    if not options:
+        return "no smaller settings to try"
+    allowed = _candidates(start, policy, workload.supports_activation_checkpointing)
+    for settings, label in options:
+        profile = profiles.get(settings)
+        if profile is not None and _train_peak(profile, 1, effective) <= limit and _eval_peak(profile, 1) <= limit:
+            hint = "" if settings in allowed else " (which the memory policy does not allow)"
+            return f"would fit with {label}{hint}"
+    return f"would not fit even with {options[-1][1]}"
