@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Callable
 
 from orchestrator.memory import EstimationError, MemoryProfile, Settings, estimate
-from orchestrator.units import gib
+from orchestrator.units import GiB, gib, human
 
 #: The eval batch is a throughput knob, not a hyper-parameter; beyond this many times the
 #: effective batch it buys nothing and only makes a large allocation.
@@ -75,22 +75,34 @@ def make_plan(
 ) -> Plan:
     """The plan for one trial of ``workload`` on a device of kind ``target`` with ``budget_bytes``.
 
-    ``budget_bytes`` is what the trial may use on the device in total (for a CUDA target the
-    profile counts the CUDA context itself); None means unbounded (the CPU): the whole effective
-    batch at once. ``policy`` is the sweep's ``MemoryPolicy``.
+    ``budget_bytes`` is what the trial may use on the device in total: for a CUDA target the
+    profile counts the CUDA context itself, so this is the free memory *before* the trial's
+    process initialises CUDA (or the card's size). None means unbounded (the CPU): the whole
+    effective batch at once. ``policy`` is the sweep's ``MemoryPolicy``; ``device`` the worker's
+    ``Device``, which the ``measured`` estimator probes on.
     """
+    return plan_with_profile(workload, policy, effective_batch, budget_bytes, target=target, device=device)[0]
+
+
+def plan_with_profile(
+    workload, policy, effective_batch: int, budget_bytes: int | None, *, target: str, device=None
+) -> tuple[Plan, MemoryProfile | None]:
+    """:func:`make_plan`, and the profile of the settings it planned with (to show its breakdown)."""
     if effective_batch < 1:
         raise ValueError(f"effective batch must be at least 1, got {effective_batch}")
     start = Settings(policy.precision, False)
     if policy.estimator == "none":  # no estimate: the whole batch at once, OOM retries do the rest
-        return Plan(effective_batch, 1, effective_batch, effective_batch, False, policy.precision,
+        plan = Plan(effective_batch, 1, effective_batch, effective_batch, False, policy.precision,
                     "none", budget_bytes, None, None)
+        return plan, None
     profiles = _Profiles(workload, policy, target, device)
     eval_cap = min(EVAL_BATCH_CAP * effective_batch, _eval_samples(workload))
     if budget_bytes is None:
         profile = profiles.get(start)
+        if profile is None:
+            raise EstimationError(profiles.errors[start])
         eval_batch = min(effective_batch, eval_cap)
-        return _plan(profile, effective_batch, effective_batch, eval_batch, None, "")
+        return _plan(profile, effective_batch, effective_batch, eval_batch, None, ""), profile
 
     limit = int(budget_bytes * policy.safety_margin)
     for settings in _candidates(start, policy, workload.supports_activation_checkpointing):
@@ -101,8 +113,8 @@ def make_plan(
         eval_batch = _largest(lambda b: _eval_peak(profile, b), limit, eval_cap)
         if micro and eval_batch:
             micro, note = _prefer_divisor(micro, effective_batch)
-            return _plan(profile, micro, effective_batch, eval_batch, budget_bytes, note)
-    return _refuse(workload, policy, effective_batch, budget_bytes, limit, profiles, start)
+            return _plan(profile, micro, effective_batch, eval_batch, budget_bytes, note), profile
+    return _refuse(workload, policy, effective_batch, budget_bytes, limit, profiles, start), profiles.get(start)
 
 
 def next_reduction(
@@ -137,6 +149,11 @@ def next_reduction(
 
 
 # -- helpers -------------------------------------------------------------------------------
+
+
+def format_bytes(n: int) -> str:
+    """GiB as every table shows them, or a smaller unit where GiB would read 0.00G."""
+    return gib(n) if abs(n) >= GiB / 100 else human(n).replace(" ", "")
 
 
 class _Profiles:
@@ -210,8 +227,9 @@ def _prefer_divisor(micro: int, effective: int) -> tuple[int, str]:
         return divisor, ""
     accum = math.ceil(effective / micro)
     last = effective - (accum - 1) * micro
+    full = f"{accum - 1} micro-batch{'es' if accum > 2 else ''}"
     return micro, (
-        f"micro-batch {micro} does not divide the effective batch {effective}: {accum - 1} micro-batches of "
+        f"micro-batch {micro} does not divide the effective batch {effective}: {full} of "
         f"{micro} and one of {last} (the largest divisor that fits, {divisor}, would be "
         f"{1 - divisor / micro:.0%} smaller)"
     )
@@ -246,8 +264,8 @@ def _refuse(workload, policy, effective: int, budget: int, limit: int, profiles:
     else:
         needs = f"needs {_breakdown_at_one(profile, effective)}"
         phases = profile.phase_peaks(1, 1, effective)
-    margin = f" (x safety margin {policy.safety_margin:g} = {gib(limit)})" if policy.safety_margin != 1 else ""
-    message = f"{needs}, budget {gib(budget)}{margin}; {_what_would_fit(workload, policy, effective, limit, profiles, start)}"
+    margin = f" (x safety margin {policy.safety_margin:g} = {format_bytes(limit)})" if policy.safety_margin != 1 else ""
+    message = f"{needs}, budget {format_bytes(budget)}{margin}; {_what_would_fit(workload, policy, effective, limit, profiles, start)}"
     worst = max(phases, key=phases.__getitem__) if phases else None
     return Plan(
         1, effective, effective, 1, False, policy.precision, profile.estimator if profile else policy.estimator,
@@ -259,10 +277,10 @@ def _breakdown_at_one(profile: MemoryProfile, effective: int) -> str:
     peak, name = profile.peak(1, 1, effective)
     p = next(ph for ph in profile.phases if ph.name == name)
     parts = [("params", p.params), ("grads", p.grads), ("optim", p.optimizer), ("buffers", p.buffers),
-             ("activations", p.activations_per_sample), ("other", p.fixed_other), ("ctx", p.context + p.workspace)]
-    shown = ", ".join(f"{label} {gib(v)}" for label, v in parts if v > 0)
+             ("activations/sample", p.activations_per_sample), ("other", p.fixed_other), ("ctx", p.context + p.workspace)]
+    shown = ", ".join(f"{label} {format_bytes(v)}" for label, v in parts if v > 0)
     frag = f", frag {p.fragmentation:.0%}" if p.fragmentation else ""
-    return f"{gib(peak)} at micro-batch 1 in {name} ({shown}{frag})"
+    return f"{format_bytes(peak)} at micro-batch 1 in {name} ({shown}{frag})"
 
 
 def _what_would_fit(workload, policy, effective: int, limit: int, profiles: _Profiles, start: Settings) -> str:

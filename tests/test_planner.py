@@ -118,7 +118,7 @@ def test_refusal_says_what_it_needs_and_what_would_fit(profiles):
     profiles[BF16] = profile(BF16, phase("train", "train", 2 * 2**30, 2**20), phase("eval", "eval", 100, 1))
     profiles[CKPT] = profile(CKPT, phase("train", "train", 2**29, 1), phase("eval", "eval", 100, 1))
     plan = make_plan(CNNWorkload(), policy(allow_activation_checkpointing=False), 64, 2**30, target="emulated")
-    assert plan.refusal.startswith("needs 2.00G at micro-batch 1 in train (params 2.00G")
+    assert plan.refusal.startswith("needs 2.00G at micro-batch 1 in train (params 2.00G, activations/sample 1.0MiB")
     assert "budget 1.00G" in plan.refusal
     assert "would fit with activation checkpointing (which the memory policy does not allow)" in plan.refusal
     assert plan.describe().startswith("refused")

@@ -40,6 +40,7 @@ class StorageTracker(TorchDispatchMode):
         self.total = 0
         self.largest = 0
         self.events: list[int] | None = None  # allocated bytes after every op, while recording
+        self.most_live = 0  # the most storages alive at once since the last reset_peak
         self._live: dict[int, int] = {}
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -48,6 +49,7 @@ class StorageTracker(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak = self.allocated
+        self.most_live = len(self._live)
 
     def reset_totals(self) -> None:
         self.total = 0
@@ -75,6 +77,7 @@ class StorageTracker(TorchDispatchMode):
         self.total += size
         self.largest = max(self.largest, size)
         self.peak = max(self.peak, self.allocated)
+        self.most_live = max(self.most_live, len(self._live))
         # the storage's Python object lives as long as the storage does (PyTorch keeps it)
         weakref.finalize(storage, self._free, key)
 

@@ -1,0 +1,150 @@
+"""``orchestrator plan``: every trial's memory, phase by phase, and its plan, before anything runs.
+
+For every trial configuration of the sweep (random search: the sampled ones) it estimates the
+memory profile, prints the breakdown and the predicted peak of each phase at the planned batch
+sizes, marks the worst phase, and shows the plan (micro-batch x accumulation, eval batch,
+precision, checkpointing) or why the trial would be refused. ``static`` and ``trace`` need no
+GPU: ``--device-memory 24GiB`` plans for a card of that size from any machine.
+
+Trials that differ only in ``lr`` or ``seed`` have the same memory: they are estimated once.
+A refused trial is a plan outcome, not an error of the command: the exit status is 0 with the
+refusals shown (and counted in the summary); user mistakes exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import replace
+
+from orchestrator.errors import UserError
+from orchestrator.units import parse_bytes
+
+#: Base-class hyper-parameters that cannot change a trial's memory.
+MEMORY_NEUTRAL = ("lr", "seed")
+
+
+def plan_command(args) -> int:
+    from orchestrator.config import load_spec
+    from orchestrator.planner import plan_with_profile
+    from orchestrator.space import trial_configs
+    from trainables.workload import build_workload
+
+    spec = load_spec(args.config, list(args.overrides or []))
+    policy = spec.memory if not args.estimator else replace(spec.memory, estimator=args.estimator)
+    if policy.estimator == "none":
+        raise UserError("memory.estimator is 'none': there is nothing to plan; pass --estimator static|trace|measured")
+    target, budget = _target_and_budget(spec, policy, args.device_memory)
+    configs = trial_configs(spec)
+
+    results, cache = [], {}
+    for index, config in enumerate(configs):
+        key = json.dumps({k: v for k, v in sorted(config.items()) if k not in MEMORY_NEUTRAL}, default=str)
+        started = time.perf_counter()
+        if key not in cache:
+            print(f"[{index + 1}/{len(configs)}] trial {index} ({config['workload']}): {policy.estimator} ...",
+                  end="", file=sys.stderr, flush=True)
+            cache[key] = plan_with_profile(build_workload(config), policy, spec.effective_batch_size, budget, target=target)
+            print(f" {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
+        plan, profile = cache[key]
+        results.append({"trial": index, "config": config, "plan": plan, "profile": profile})
+
+    if args.json:
+        print(json.dumps(_as_json(spec, policy, target, budget, results), indent=2, default=str))
+    else:
+        print(_as_text(policy, target, budget, results))
+    return 0
+
+
+def _target_and_budget(spec, policy, device_memory: str | None) -> tuple[str, int | None]:
+    """What to plan for: the device kind, and the bytes a trial may use (None: unbounded)."""
+    if device_memory is not None:
+        try:
+            size = parse_bytes(device_memory)
+        except ValueError as exc:
+            raise UserError(f"--device-memory: {exc}") from None
+        return ("emulated" if policy.device == "emulated" else "cuda"), size
+    if policy.device == "emulated":
+        return "emulated", policy.budget or policy.capacity
+    import torch
+
+    gpu_wanted = policy.device == "cuda" or (policy.device == "auto" and spec.resources.gpu not in (0, 0.0))
+    if policy.device == "cpu" or (policy.device == "auto" and not gpu_wanted and not torch.cuda.is_available()):
+        return "cpu", policy.budget
+    if policy.budget is not None:
+        return "cuda", policy.budget
+    from orchestrator import nvml
+
+    info = nvml.gpu_info(0)
+    if info is None:
+        raise UserError(
+            "the sweep runs on GPUs but this machine has none for NVML to read: pass --device-memory "
+            "(e.g. --device-memory 24GiB) or set memory.budget"
+        )
+    return "cuda", info.free
+
+
+def _size(n: int | None) -> str:
+    from orchestrator.planner import format_bytes
+
+    return "-" if n is None else format_bytes(n)
+
+
+def _as_text(policy, target: str, budget: int | None, results: list[dict]) -> str:
+    from orchestrator.table import format_table
+
+    headers = ["trial", "workload", "phase", "params", "grads", "optim", "act/sample", "fixed", "ctx", "frag", "peak@b", ""]
+    rows, plans, notes = [], [], []
+    for r in results:
+        plan, profile = r["plan"], r["profile"]
+        for phase in profile.phases:
+            b = plan.micro_batch if phase.kind == "train" else plan.eval_batch
+            peak = phase.reserved_at(b, plan.effective_batch)
+            worst = "worst" if phase.name == plan.predicted_phase else ""
+            rows.append([
+                r["trial"], r["config"]["workload"], phase.name, _size(phase.params), _size(phase.grads),
+                _size(phase.optimizer), _size(phase.activations_per_sample), _size(phase.buffers + phase.fixed_other),
+                _size(phase.context + phase.workspace), f"{phase.fragmentation:.0%}", f"{_size(peak)}@{b}", worst,
+            ])
+        searched = " ".join(f"{k}={v}" for k, v in r["config"].items() if k != "workload")
+        plans.append(f"trial {r['trial']} ({r['config']['workload']} {searched}): {plan.describe()}"
+                     + (f" [{profile.settings.describe()} profile]" if plan.refusal else "")
+                     + (f"; {plan.note}" if plan.note else ""))
+        notes.extend(n for n in profile.notes if n not in notes)
+    budget_text = "unbounded" if budget is None else _size(budget)
+    margin = f" x safety margin {policy.safety_margin:g}" if budget is not None else ""
+    refused = sum(1 for r in results if r["plan"].refusal)
+    lines = [
+        f"target {target}, budget {budget_text}{margin}, estimator {policy.estimator}; "
+        "peak@b is reserved memory at the planned batch (micro-batch for train, eval batch for eval)",
+        "",
+        format_table(headers, rows),
+        "",
+        *plans,
+        "",
+        f"{len(results)} trials, {refused} refused",
+        *(f"note: {n}" for n in notes),
+    ]
+    return "\n".join(lines)
+
+
+def _as_json(spec, policy, target: str, budget: int | None, results: list[dict]) -> dict:
+    return {
+        "experiment": spec.experiment,
+        "target": target,
+        "budget_bytes": budget,
+        "safety_margin": policy.safety_margin,
+        "estimator": policy.estimator,
+        "effective_batch": spec.effective_batch_size,
+        "trials": [
+            {
+                "trial": r["trial"],
+                "config": r["config"],
+                "plan": r["plan"].to_dict(),
+                "worst_phase": r["plan"].predicted_phase,
+                "profile": r["profile"].to_dict() if r["profile"] else None,
+            }
+            for r in results
+        ],
+    }

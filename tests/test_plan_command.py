@@ -1,0 +1,83 @@
+"""``orchestrator plan``: table and JSON for every trial, progress on stderr, refusals, user errors."""
+
+from __future__ import annotations
+
+import json
+from argparse import Namespace
+
+import pytest
+
+from orchestrator.cli import main
+from orchestrator.errors import UserError
+from orchestrator.plan_command import plan_command
+
+SWEEP = """
+experiment: plan_test
+workload:
+  name: staged_mlp
+  params: {{aux_width: 256, aux_start_epoch: 2}}
+search_space:
+  workload: {{grid: [staged_mlp, cnn]}}
+  lr: {{grid: [0.001, 0.01]}}
+effective_batch_size: 32
+stop: {{epochs: 3}}
+resources: {{cpu: 1}}
+memory:
+  device: {device}
+  {capacity}
+  estimator: trace
+"""
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    def write(device="cpu", capacity=None):
+        path = tmp_path / "sweep.yaml"
+        path.write_text(SWEEP.format(device=device, capacity=f"capacity: {capacity}" if capacity else ""))
+        return str(path)
+
+    return write
+
+
+def args(config, **kwargs):
+    return Namespace(**{"config": config, "overrides": [], "device_memory": None, "estimator": None, "json": False, **kwargs})
+
+
+def test_table_shows_every_phase_of_every_trial_and_the_plan(sweep, capsys):
+    assert plan_command(args(sweep(), device_memory="2GiB")) == 0
+    out, err = capsys.readouterr()
+    rows = [line.split() for line in out.splitlines() if line[:1].isdigit() and "trials," not in line]
+    assert {(r[0], r[1], r[2]) for r in rows} == {
+        *((t, "staged_mlp", p) for t in "01" for p in ("train", "eval", "train@epoch2", "eval@epoch2")),
+        *((t, "cnn", p) for t in "23" for p in ("train", "eval")),
+    }
+    worst = {r[0]: r[2] for r in rows if r[-1] == "worst"}
+    assert worst["0"] == "train@epoch2" and worst["2"] == "eval"  # the aux block; the 4x eval batch
+    assert "trial 0 (staged_mlp" in out and "32 x 1 (eval 128, fp32)" in out
+    assert "target cuda, budget 2.00G" in out and "ctx" in out  # a card of that size, with its context
+    assert "4 trials, 0 refused" in out
+    # progress on stderr; trials differing only in lr are estimated once
+    assert err.count("trace ...") == 2 and "[1/4] trial 0 (staged_mlp)" in err and "[3/4] trial 2 (cnn)" in err
+
+
+def test_json_has_the_plan_and_the_profile_of_every_trial(sweep, capsys):
+    assert plan_command(args(sweep(device="emulated", capacity="8MiB"), json=True, estimator="static")) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["target"] == "emulated" and report["budget_bytes"] == 8 * 2**20 and report["estimator"] == "static"
+    trial = report["trials"][0]
+    assert trial["config"]["workload"] == "staged_mlp" and trial["worst_phase"] == trial["plan"]["predicted_phase"]
+    assert [p["name"] for p in trial["profile"]["phases"]] == ["train", "eval", "train@epoch2", "eval@epoch2"]
+    assert trial["plan"]["predicted_peak_bytes"] <= 0.9 * 8 * 2**20
+
+
+def test_a_refused_trial_is_shown_not_an_error(sweep, capsys):
+    assert plan_command(args(sweep(), device_memory="256KiB")) == 0
+    out = capsys.readouterr().out
+    assert "refused: needs" in out and "budget 256.0KiB" in out and "refused" in out.splitlines()[-2]
+
+
+def test_user_mistakes_exit_2_with_one_line(sweep, capsys):
+    with pytest.raises(UserError, match="--device-memory"):
+        plan_command(args(sweep(), device_memory="24XB"))
+    assert main(["plan", sweep(), "--device-memory", "lots"]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: --device-memory")
