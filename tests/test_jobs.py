@@ -6,6 +6,8 @@ cut) to a real ``ray start --head`` with token auth, through the CLI as a user w
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import signal
 import subprocess
@@ -150,26 +152,59 @@ def test_demo_sweep_as_a_job(ray_head, tmp_path):
     assert "--address" not in info.entrypoint
     assert (tmp_path / "mlflow.db").exists()  # the paths we passed reached the runner
 
-    # Both trials' gauges reach the node's Prometheus endpoint (Ray exports every few seconds).
-    wanted = {"ray_orchestrator_planned_peak_bytes", "ray_orchestrator_measured_peak_bytes",
-              "ray_orchestrator_micro_batch", "ray_orchestrator_eval_batch"}
+    # Both trials' gauges reach the node's Prometheus endpoint with the values Tune recorded last.
     assert ray_head.session_metrics_port() == ray_head.metrics_export_port
-    deadline, seen = time.monotonic() + 60, {}
-    while time.monotonic() < deadline:
-        seen = {}
-        for family in text_string_to_metric_families(ray_head.scrape()):
-            for sample in family.samples:
-                if family.name in wanted and sample.labels.get("experiment") == "demo_cpu":
-                    seen.setdefault(family.name, {})[(sample.labels["trial_id"], sample.labels.get("kind"))] = sample.value
-        if set(seen) == wanted and all(len({t for t, _ in v}) == 2 for v in seen.values()):
-            break
+    final = {r["trial_id"]: r for r in map(last_result, glob.glob(f"{tmp_path}/results/demo_cpu_*/*/result.json"))}
+    assert len(final) == 2
+    expected = {}
+    for trial_id, result in final.items():
+        expected[("ray_orchestrator_planned_peak_bytes", trial_id, None)] = result["predicted_peak_bytes"]
+        expected[("ray_orchestrator_measured_peak_bytes", trial_id, "allocated")] = result["peak_allocated_bytes"]
+        expected[("ray_orchestrator_micro_batch", trial_id, None)] = result["micro_batch"]
+        expected[("ray_orchestrator_eval_batch", trial_id, None)] = result["eval_batch"]
+
+    def ours(samples) -> dict:
+        return {(name, s.labels["trial_id"], s.labels.get("kind")): s.value for name, s in samples
+                if s.labels.get("experiment") == "demo_cpu" and s.labels.get("workload") == "mlp"}
+
+    seen = ours(scrape_until(ray_head, lambda samples: ours(samples).keys() >= expected.keys()))
+    assert {key: seen.get(key) for key in expected} == expected
+
+
+def last_result(path: str) -> dict:
+    """The last result a trial reported to Tune (one JSON object per line)."""
+    return json.loads(Path(path).read_text().splitlines()[-1])
+
+
+def scrape_until(head, predicate, timeout: float = 60) -> list:
+    """Prometheus samples of our metrics, re-scraped until ``predicate(samples)`` (Ray exports every few s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [(family.name, sample) for family in text_string_to_metric_families(head.scrape())
+                 if family.name.startswith("ray_orchestrator_") for sample in family.samples]
+        if predicate(found) or time.monotonic() > deadline:
+            return found
         time.sleep(2)
-    print(seen)
-    assert set(seen) == wanted
-    for name, series in seen.items():
-        assert len({trial for trial, _ in series}) == 2, (name, series)
-        assert all(value > 0 for value in series.values()), (name, series)
-    assert {kind for _, kind in seen["ray_orchestrator_measured_peak_bytes"]} >= {"allocated"}
+
+
+@pytest.mark.integration
+def test_oom_retries_are_counted_on_the_prometheus_endpoint(ray_head, tmp_path):
+    """The OOM demo's large CNN runs out of its emulated 8 MiB, shrinks and finishes: counted."""
+    run = cli("run", "configs/demo_oom_cpu.yaml", "--address", ray_head.dashboard_url,
+              "--set", "search_space.workload=cnn", "--set", "workload.params={}", "--set", "search_space.width=48",
+              "--set", "stop.epochs=1",
+              "--storage-path", str(tmp_path / "results"), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db")
+    out, _ = run.communicate(timeout=400)
+    assert run.returncode == 0, out[-4000:]
+
+    def retries(samples):
+        return [s for name, s in samples if name == "ray_orchestrator_oom_retries"
+                and s.name.endswith("_total") and s.labels.get("experiment") == "demo_oom_cpu"]
+
+    counted = retries(scrape_until(ray_head, retries))
+    print([(s.labels["trial_id"], s.labels["phase"], s.value) for s in counted])
+    assert counted and sum(s.value for s in counted) >= 1
+    assert {s.labels["workload"] for s in counted} == {"cnn"}
 
 
 @pytest.mark.integration
