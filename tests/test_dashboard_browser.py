@@ -64,7 +64,9 @@ def shoot(driver, folder: Path, name: str) -> Path:
     return path
 
 
-def test_dashboard_shows_the_sweep_job_after_token_login(ray_head, browser, artifacts, monkeypatch):
+def test_dashboard_shows_the_sweep_job_after_token_login(browser, ray_head, artifacts, monkeypatch):
+    """Token login through the dashboard's own dialog, then the job in the job list, its trial actors
+    and its finished page. (`browser` comes first: without Chromium it skips before Ray starts.)"""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support import expected_conditions as seen
