@@ -49,12 +49,14 @@ class TrialRun:
         self.policy = spec.memory
         configure_allocator(self.policy.allocator_conf)  # before anything touches CUDA
         self.workload = build_workload(config)
+        self.checkpointable = type(self.workload).supports_activation_checkpointing
         self.context = tune.get_context()
         self.metrics = TrialMetrics(spec.experiment, self.context.get_trial_id(), config["workload"])
         self.device = self._open_device()
         self.scratch = tempfile.mkdtemp(prefix="trial-state-")
         self.last_state: str | None = None  # path of the newest checkpointed state
         self.events: list[OomEvent] = []
+        self.applied_shrinks = 0  # Tune-level shrinks (OOM_SHRINKS_KEY) already in self.plan
 
     # -- the story ---------------------------------------------------------------------------
     def run(self) -> None:
@@ -93,12 +95,14 @@ class TrialRun:
             saved = torch.load(self.last_state, map_location="cpu", weights_only=False)
             plan = Plan.from_dict(saved["plan"])
             self.events = [OomEvent.from_dict(e) for e in saved["oom_events"]]
+            self.applied_shrinks = saved["applied_shrinks"]
         # A worker that died of an OOM cannot shrink its own plan; the scheduler asked for it.
-        while plan.reductions < self.config.get(OOM_SHRINKS_KEY, 0):
-            smaller = next_reduction(plan, self.policy, "train")
+        requested = self.config.get(OOM_SHRINKS_KEY, 0)
+        while self.applied_shrinks < requested:
+            smaller = next_reduction(plan, self.policy, "train", workload_supports_checkpointing=self.checkpointable)
             if smaller is None:
                 raise OomRetriesExhausted.from_events(self.events, "the worker died of OOM and no smaller plan is left")
-            plan = smaller
+            plan, self.applied_shrinks = smaller, self.applied_shrinks + 1
         return plan
 
     def _new_trainer(self) -> Trainer:
@@ -120,7 +124,7 @@ class TrialRun:
         exc.__traceback__ = None  # the traceback pins the failed step's tensors
         release_memory()
         self.metrics.record_oom(event.phase)
-        smaller = next_reduction(self.plan, self.policy, event.phase)
+        smaller = next_reduction(self.plan, self.policy, event.phase, workload_supports_checkpointing=self.checkpointable)
         if smaller is None or len(self.events) >= self.policy.max_oom_retries:
             reason = "no smaller plan is left" if smaller is None else f"memory.max_oom_retries={self.policy.max_oom_retries} reached"
             self.events.append(OomEvent(**{**event.to_dict(), "action": "gave up"}))
@@ -134,7 +138,10 @@ class TrialRun:
 
         self.last_state = os.path.join(self.scratch, STATE_FILE)
         torch.save(
-            {"trainer": trainer.state_dict(), "plan": self.plan.to_dict(), "oom_events": [e.to_dict() for e in self.events]},
+            {
+                "trainer": trainer.state_dict(), "plan": self.plan.to_dict(),
+                "oom_events": [e.to_dict() for e in self.events], "applied_shrinks": self.applied_shrinks,
+            },
             self.last_state,
         )
         folder = tempfile.mkdtemp(prefix="checkpoint-")

@@ -1,0 +1,43 @@
+"""Workloads that exist to put memory under pressure in tests (importable by Ray workers as
+``tests.workloads:Name``: the runner puts the working directory on the workers' path)."""
+
+import dataclasses
+import os
+
+import torch
+import torch.nn.functional as F
+
+from trainables.cnn import CNNWorkload
+from trainables.mlp import MLPWorkload
+
+
+@dataclasses.dataclass
+class HeavyEvalWorkload(MLPWorkload):
+    """Validation averages over ``views`` noisy copies of each sample (test-time augmentation),
+    so its footprint is larger than training's: the third user story's 'training fit,
+    validation OOM'd'."""
+
+    views: int = 32
+
+    def loss(self, model, batch):
+        x, y = batch
+        if model.training:
+            return F.cross_entropy(model(x), y)
+        copies = x.unsqueeze(1) + 0.01 * x.new_ones(1, self.views, 1)  # (b, views, features)
+        logits = model(copies).mean(dim=1)
+        return F.cross_entropy(logits, y)
+
+
+@dataclasses.dataclass
+class DiesOnOomWorkload(CNNWorkload):
+    """A CNN whose process dies outright when a training forward pass runs out of memory, as a
+    worker does after a hard CUDA failure: only Tune's restart (with a smaller plan) can save
+    it. Eval OOMs stay ordinary exceptions, handled in-process."""
+
+    def loss(self, model, batch):
+        try:
+            return super().loss(model, batch)
+        except torch.OutOfMemoryError:
+            if model.training:
+                os._exit(1)
+            raise
