@@ -117,7 +117,8 @@ class PhaseProfile:
     def reserved_at(self, batch: int, effective_batch: int | None = None) -> int:
         """What a plan budgets: allocated plus fragmentation, workspaces and the CUDA context."""
         allocated = self.allocated_at(batch, effective_batch)
-        return math.ceil(allocated * (1 + self.fragmentation)) + self.workspace + self.context
+        fragmentation = math.ceil(round(allocated * self.fragmentation, 3))  # no float noise in whole bytes
+        return allocated + fragmentation + self.workspace + self.context
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -30,6 +30,9 @@ from trainables.workload import Workload, take, to_device
 PROBE_BATCHES = (2, 128)
 #: Gradients alive at once during backward, in units of the largest forward tensor.
 GRADIENTS_IN_FLIGHT = 2
+#: Scalars the train step keeps across the optimizer step (its running mean loss, ...), which
+#: the optimizer step run here on its own does not have; each takes a block on CUDA.
+STEP_SCALARS = 4
 #: Real-CPU fallback: batch sizes small enough to run quickly.
 REAL_PROBE_BATCHES = (2, 8)
 
@@ -82,6 +85,7 @@ def _states(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tracker: S
         "optimizer": opt,
         "buffers": sum(tracker.size_of(b) for b in model.buffers()),
         "step_peak": step_peak,
+        "scalar": tracker.size_of(torch.zeros((), device=tracker.device_type)),
     }
 
 
@@ -139,7 +143,7 @@ def _phase(phase: Phase, states: dict[str, int], bounds: dict[int, int], extra: 
         buffers=states["buffers"],
         activations_per_sample=slope,
         fixed_other=intercept - held,
-        step_floor=states["step_peak"] if train else 0,
+        step_floor=states["step_peak"] + states["scalar"] * STEP_SCALARS if train else 0,
         points=points,
         **extra,
     )

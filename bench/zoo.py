@@ -1,0 +1,387 @@
+"""The model zoo of the memory benchmarks, as workloads (``trainables.workload.Workload``).
+
+Two families:
+
+* GPU models (``GPU_ZOO``), from the libraries the GPU machine has: ResNet-50 (torchvision),
+  ViT-B/16 in bf16 (timm), GPT-2 124M in bf16 at sequence 1024 (transformers), a 1-d conv net on
+  (b, 19, 15360) EEG-like input, and a GAT (torch_geometric) on batches of small graphs.
+* CPU stand-ins (``CPU_ZOO``), hand-written with plain PyTorch so they run where those
+  libraries are not installed: a bottleneck ResNet on small images, the same 1-d conv net on
+  a shorter signal, a GPT-style causal transformer (``scaled_dot_product_attention`` with
+  dropout, tied embeddings, bf16) and a ViT-style encoder, plus the project's own workloads.
+
+Data are synthetic and small (the benchmarks index them modulo their length): memory depends
+on shapes, not values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from trainables.cnn import CNNWorkload
+from trainables.mlp import MLPWorkload
+from trainables.staged import StagedMLPWorkload
+from trainables.workload import Workload
+
+SAMPLES = 16  # synthetic samples per dataset; batches repeat them
+
+
+def _images(shape: tuple[int, ...], classes: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(SAMPLES, *shape, generator=g), torch.randint(0, classes, (SAMPLES,), generator=g))
+
+
+@dataclasses.dataclass
+class _Classifier(Workload):
+    """Cross-entropy classification of synthetic inputs: the shape every vision zoo model shares."""
+
+    classes: int = 1000
+
+    input_shape = (3, 224, 224)
+
+    def train_data(self):
+        return _images(self.input_shape, self.classes)
+
+    def eval_data(self):
+        return _images(self.input_shape, self.classes)
+
+    def loss(self, model, batch):
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+
+# -- GPU models (need torchvision / timm / transformers / torch_geometric) --------------------
+
+
+@dataclasses.dataclass
+class ResNet50(_Classifier):
+    def build_model(self):
+        import torchvision
+
+        return torchvision.models.resnet50()
+
+
+@dataclasses.dataclass
+class ViTB16(_Classifier):
+    def build_model(self):
+        import timm
+
+        return timm.create_model("vit_base_patch16_224", num_classes=self.classes)
+
+
+@dataclasses.dataclass
+class GPT2(Workload):
+    """GPT-2 124M (transformers), causal LM loss on random tokens, as transformers computes it."""
+
+    seq: int = 1024
+
+    def build_model(self):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(n_positions=max(self.seq, 1024))
+        config._attn_implementation = "sdpa"
+        return GPT2LMHeadModel(config)
+
+    def _tokens(self):
+        g = torch.Generator().manual_seed(0)
+        return TensorDataset(torch.randint(0, 50257, (SAMPLES, self.seq), generator=g))
+
+    def train_data(self):
+        return self._tokens()
+
+    def eval_data(self):
+        return self._tokens()
+
+    def loss(self, model, batch):
+        (ids,) = batch
+        return model(input_ids=ids, labels=ids).loss
+
+
+class Conv1dNet(nn.Module):
+    """Stacked strided 1-d convolutions over a multichannel signal, then a classifier head."""
+
+    def __init__(self, channels: int = 19, width: int = 64, depth: int = 6, classes: int = 2):
+        super().__init__()
+        layers, cin = [], channels
+        for i in range(depth):
+            cout = width * 2 ** min(i, 3)
+            layers += [nn.Conv1d(cin, cout, 7, padding=3), nn.BatchNorm1d(cout), nn.ReLU(), nn.MaxPool1d(2)]
+            cin = cout
+        self.body = nn.Sequential(*layers)
+        self.head = nn.Linear(cin, classes)
+
+    def forward(self, x):
+        return self.head(self.body(x).mean(dim=-1))
+
+
+@dataclasses.dataclass
+class Conv1d(_Classifier):
+    length: int = 15360
+    classes: int = 2
+
+    @property
+    def input_shape(self):
+        return (19, self.length)
+
+    def build_model(self):
+        return Conv1dNet(classes=self.classes)
+
+
+@dataclasses.dataclass
+class GAT(Workload):
+    """Node classification with a 3-layer GAT (torch_geometric) on batches of random graphs.
+
+    A sample is one graph (``nodes`` nodes, ``edges`` edges); a batch is their disjoint union.
+    """
+
+    nodes: int = 256
+    edges: int = 2048
+    features: int = 128
+    hidden: int = 64
+    heads: int = 8
+    classes: int = 16
+
+    def build_model(self):
+        from torch_geometric.nn import GATConv
+
+        class Net(nn.Module):
+            def __init__(self, w: GAT):
+                super().__init__()
+                self.convs = nn.ModuleList([
+                    GATConv(w.features, w.hidden, heads=w.heads),
+                    GATConv(w.hidden * w.heads, w.hidden, heads=w.heads),
+                    GATConv(w.hidden * w.heads, w.classes, heads=1),
+                ])
+
+            def forward(self, x, edge_index):
+                for i, conv in enumerate(self.convs):
+                    x = conv(x, edge_index)
+                    if i < len(self.convs) - 1:
+                        x = F.elu(x)
+                return x
+
+        return Net(self)
+
+    def _graphs(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(SAMPLES, self.nodes, self.features, generator=g)
+        edge_index = torch.randint(0, self.nodes, (SAMPLES, 2, self.edges), generator=g)
+        y = torch.randint(0, self.classes, (SAMPLES, self.nodes), generator=g)
+        return TensorDataset(x, edge_index, y)
+
+    def train_data(self):
+        return self._graphs()
+
+    def eval_data(self):
+        return self._graphs()
+
+    def loss(self, model, batch):
+        x, edge_index, y = batch
+        b = x.shape[0]
+        offsets = (torch.arange(b, device=x.device) * self.nodes).view(b, 1, 1)
+        edges = (edge_index + offsets).transpose(0, 1).reshape(2, -1)
+        out = model(x.reshape(b * self.nodes, -1), edges)
+        return F.cross_entropy(out, y.reshape(-1))
+
+
+# -- CPU stand-ins (plain PyTorch) ------------------------------------------------------------
+
+
+class Bottleneck(nn.Module):
+    def __init__(self, cin: int, mid: int, stride: int):
+        super().__init__()
+        cout = mid * 4
+        self.body = nn.Sequential(
+            nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid), nn.ReLU(inplace=True),
+            nn.Conv2d(mid, mid, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(mid), nn.ReLU(inplace=True),
+            nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout),
+        )
+        self.skip = (
+            nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+            if stride != 1 or cin != cout else nn.Identity()
+        )
+
+    def forward(self, x):
+        return F.relu(self.body(x) + self.skip(x))
+
+
+class SmallResNet(nn.Module):
+    """ResNet-50's shape (stem, bottleneck stages, in-place ReLUs, BatchNorm), scaled down."""
+
+    def __init__(self, classes: int, width: int = 16, blocks: tuple[int, ...] = (2, 2, 2)):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True))
+        layers, cin = [], width
+        for i, n in enumerate(blocks):
+            mid = width * 2**i
+            for j in range(n):
+                layers.append(Bottleneck(cin, mid, 2 if j == 0 and i > 0 else 1))
+                cin = mid * 4
+        self.layers = nn.Sequential(*layers)
+        self.head = nn.Linear(cin, classes)
+
+    def forward(self, x):
+        return self.head(self.layers(self.stem(x)).mean(dim=(2, 3)))
+
+
+@dataclasses.dataclass
+class ResNetIsh(_Classifier):
+    classes: int = 100
+    input_shape = (3, 32, 32)
+
+    def build_model(self):
+        return SmallResNet(self.classes)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float, causal: bool):
+        super().__init__()
+        self.heads, self.dropout, self.causal = heads, dropout, causal
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(b, s, d))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float, causal: bool):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = CausalSelfAttention(dim, heads, dropout, causal)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class TinyGPT(nn.Module):
+    """GPT-2's structure (learned positions, pre-LN blocks, tied embedding/head) at a small size."""
+
+    def __init__(self, vocab: int, seq: int, dim: int, heads: int, layers: int, dropout: float):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(dim, heads, dropout, causal=True) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, ids):
+        x = self.drop(self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device)))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+@dataclasses.dataclass
+class TinyGPTWorkload(Workload):
+    """Causal LM loss the way transformers computes it: logits upcast to fp32, labels shifted."""
+
+    vocab: int = 4096
+    seq: int = 256
+    dim: int = 128
+    heads: int = 4
+    layers: int = 2
+    dropout: float = 0.1
+
+    def build_model(self):
+        return TinyGPT(self.vocab, self.seq, self.dim, self.heads, self.layers, self.dropout)
+
+    def _tokens(self):
+        g = torch.Generator().manual_seed(0)
+        return TensorDataset(torch.randint(0, self.vocab, (SAMPLES, self.seq), generator=g))
+
+    def train_data(self):
+        return self._tokens()
+
+    def eval_data(self):
+        return self._tokens()
+
+    def loss(self, model, batch):
+        (ids,) = batch
+        logits = model(ids).float()
+        return F.cross_entropy(logits[:, :-1].reshape(-1, self.vocab), ids[:, 1:].reshape(-1))
+
+
+class TinyViT(nn.Module):
+    def __init__(self, image: int, patch: int, dim: int, heads: int, layers: int, classes: int, dropout: float):
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, patch, stride=patch)
+        self.cls = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos = nn.Parameter(torch.zeros(1, (image // patch) ** 2 + 1, dim))
+        self.blocks = nn.ModuleList(Block(dim, heads, dropout, causal=False) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x[:, 0]))
+
+
+@dataclasses.dataclass
+class ViTIsh(_Classifier):
+    classes: int = 100
+    input_shape = (3, 64, 64)
+
+    def build_model(self):
+        return TinyViT(64, 8, 128, 4, 2, self.classes, dropout=0.0)
+
+
+# -- the zoo -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    make: Callable[[], Workload]
+    precision: str
+    batches: tuple[int, ...]  # where the accuracy benchmark compares predicted and true peaks
+    needs: tuple[str, ...] = ()  # modules that must be importable
+
+    def available(self) -> bool:
+        return all(importlib.util.find_spec(m) is not None for m in self.needs)
+
+
+GPU_ZOO = (
+    Entry("resnet50", ResNet50, "fp32", (32, 64, 128, 256), ("torchvision",)),
+    Entry("vit_b16_bf16", ViTB16, "bf16", (32, 64, 128, 256), ("timm",)),
+    Entry("gpt2_bf16_seq1024", GPT2, "bf16", (2, 4, 8, 12), ("transformers",)),
+    Entry("conv1d_19x15360", Conv1d, "fp32", (32, 64, 128, 256)),
+    Entry("gat", GAT, "fp32", (8, 32, 128), ("torch_geometric",)),
+)
+
+CPU_ZOO = (
+    Entry("mlp", MLPWorkload, "fp32", (8, 64, 256)),
+    Entry("cnn", CNNWorkload, "fp32", (8, 32, 64)),
+    Entry("staged_mlp", StagedMLPWorkload, "fp32", (8, 64, 256)),
+    Entry("resnet_ish", ResNetIsh, "fp32", (4, 16, 32)),
+    Entry("conv1d_19x1536", lambda: Conv1d(length=1536), "fp32", (4, 16, 32)),
+    Entry("tiny_gpt_bf16", TinyGPTWorkload, "bf16", (2, 4, 8)),
+    Entry("vit_ish_bf16", ViTIsh, "bf16", (4, 16, 32)),
+)
+
+
+def describe_bytes(n: float) -> str:
+    return f"{n / 2**30:.2f}G" if abs(n) >= 2**30 / 100 else f"{n / 2**20:.1f}M"
+
+
+def relative(predicted: float, true: float) -> float:
+    return predicted / true - 1 if true else math.nan
