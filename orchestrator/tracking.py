@@ -385,6 +385,7 @@ class _TrialLog:
     plans: list[dict] = field(default_factory=list)  # [{"epoch": e, "plan": {...}}], one per change
     oom_events_logged: int = 0
     restarts: int = 0
+    tags: dict[str, str] = field(default_factory=dict)  # as last queued: only changes are sent
     described: bool = False  # its once-only params were queued by this driver
 
 
@@ -450,8 +451,10 @@ class MlflowTracking(tune.Callback):
             self._put(LogArtifact(log.ref, "plan_history.json", list(log.plans)))
         if refusal := _refusal(result):
             tags["refusal"] = refusal[:MAX_TAG_CHARS]
-        if tags:
-            self._put(SetTags(log.ref, tags))
+        changed = {k: v for k, v in tags.items() if log.tags.get(k) != v}
+        if changed:
+            self._put(SetTags(log.ref, changed))
+            log.tags.update(changed)
         events = result.get("oom_events") or []
         if len(events) > log.oom_events_logged:
             self._put(LogArtifact(log.ref, "oom_events.json", list(events)))

@@ -75,8 +75,11 @@ def fake_trial(config: dict) -> None:
     case = config["cases"][str(config["lr"])]
     if case.get("refuse"):
         plan = _plan(64, 0, refusal="needs 8.0 GiB at micro-batch 1; the budget is 6.0 GiB")
-        tune.report({**result_for(plan, 0, []), "train_loss": float("nan"), "eval_loss": float("nan"),
-                     "refused": 1, "refusal": plan["refusal"]})
+        report = {**result_for(plan, 0, []), "train_loss": float("nan"), "eval_loss": float("nan"),
+                  "refused": 1, "refusal": plan["refusal"]}
+        for measured in ("memory_source", "peak_allocated_bytes", "prediction_error"):  # nothing ran
+            del report[measured]
+        tune.report(report)
         return
     state = {"epoch": 0, "micro_batch": 32, "reductions": 0, "events": []}
     checkpoint = tune.get_checkpoint()
@@ -86,7 +89,7 @@ def fake_trial(config: dict) -> None:
     marker = Path(config["scratch"], f"{tune.get_context().get_trial_id()}.oom")
     if checkpoint is not None and marker.exists() and not state["events"]:
         state["events"].append({
-            "phase": "train", "epoch": state["epoch"] + 1, "step": 3, "micro_batch": state["micro_batch"],
+            "phase": "train", "epoch": state["epoch"], "step": 3, "micro_batch": state["micro_batch"],
             "eval_batch": 64, "bytes_requested": 2 * GiB, "bytes_allocated": 5 * GiB, "bytes_reserved": 5 * GiB,
             "message": "CUDA out of memory. Tried to allocate 2.00 GiB", "action": "micro-batch 32->16",
         })

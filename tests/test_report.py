@@ -1,0 +1,118 @@
+"""``orchestrator report`` on sweeps recorded in real MLflow by a real local Ray sweep.
+
+The table, the summary, the Parquet file and the PNG are checked against what MLflow holds.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import pyarrow.parquet as pq
+import pytest
+
+from mlflow_server import MlflowServer
+from orchestrator.cli import main
+from test_tracking import GiB, local_ray, run_fake_sweep, runs_of  # noqa: F401 - local_ray is a fixture
+
+CASES = {0.01: {"epochs": 3}, 0.1: {"epochs": 3, "oom_at": 2}, 0.2: {"refuse": True}}
+
+
+@pytest.fixture(scope="module")
+def sqlite_sweep(local_ray, tmp_path_factory):  # noqa: F811
+    root = tmp_path_factory.mktemp("sweep")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    _, results = run_fake_sweep(root, uri, CASES)
+    assert not results.errors
+    return root, uri
+
+
+def report(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["report", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_report_table_summary_parquet_and_png_match_mlflow(sqlite_sweep, tmp_path, capsys):
+    _, uri = sqlite_sweep
+    out = tmp_path / "out"
+    code, text, _ = report(capsys, "tracking_test", "--tracking-uri", uri, "--out", str(out))
+    assert code == 0
+    client, parents, children = runs_of(uri)
+    by_lr = {run.data.params["config.lr"]: run for run in children.values()}
+    plain, retried, refused = by_lr["0.01"], by_lr["0.1"], by_lr["0.2"]
+
+    lines = {line.split()[0]: line for line in text.splitlines() if line.startswith("fake_trial_")}
+    assert set(lines) == set(children)
+    # trial, status, plan, predicted peak, measured peak, error, OOM retries, eval_loss
+    assert lines[plain.info.run_name].split() == [plain.info.run_name, "FINISHED", "32x2,", "eval", "64,", "fp32",
+                                                  "4.0", "GiB", "4.2", "GiB", "+5.0%", "0", "0.5000"]
+    assert lines[retried.info.run_name].split()[1:5] == ["FINISHED", "16x4,", "eval", "64,"]
+    assert lines[retried.info.run_name].split()[-2:] == ["1", "0.5000"]
+    # Its prediction (above the 6 GiB budget) and nothing measured.
+    assert lines[refused.info.run_name].split()[1:] == ["REFUSED", "64x1,", "eval", "64,", "fp32", "8.0", "GiB", "-", "-", "0", "-"]
+    assert "Trials: 3 (2 finished, 1 refused)" in text
+    assert "OOMs survived: 1 (in 1 of 2 finished trials)" in text
+    assert "Worst estimation error: +5.0%" in text
+    assert "GPU hours: 0.000 (no trial had a GPU)" in text
+
+    table = pq.read_table(out / "results.parquet")
+    rows = table.to_pylist()
+    assert len(rows) == 3 + 3 + 1  # one row per trial per epoch; the refused trial's epoch 0
+    for column in ("experiment", "trial", "trial_id", "status", "workload", "config.lr", "config.width", "epoch",
+                   "train_loss", "eval_loss", "peak_allocated_bytes", "predicted_peak_bytes", "prediction_error",
+                   "budget_bytes", "oom_retries", "micro_batch", "accum_steps", "estimator", "precision"):
+        assert column in table.column_names, column
+    assert str(table.schema.field("peak_allocated_bytes").type) == "int64"
+    assert str(table.schema.field("config.lr").type) == "double"
+    for run in (plain, retried, refused):
+        mine = [r for r in rows if r["run_id"] == run.info.run_id]
+        assert {r["trial"] for r in mine} == {run.info.run_name}
+        assert {r["experiment"] for r in mine} == {"tracking_test"}
+        for key in ("train_loss", "peak_allocated_bytes", "micro_batch", "prediction_error", "oom_retries"):
+            history = {int(m.step): m.value for m in client.get_metric_history(run.info.run_id, key)}
+            parquet = {r["epoch"]: r[key] for r in mine if r[key] is not None}
+            assert set(parquet) == set(history), key
+            for epoch, value in history.items():
+                assert parquet[epoch] == value or (math.isnan(value) and math.isnan(parquet[epoch])), (key, epoch)
+    assert {r["status"] for r in rows if r["run_id"] == refused.info.run_id} == {"REFUSED"}
+    assert {r["config.lr"] for r in rows} == {0.01, 0.1, 0.2}
+
+    width, height = png_size(out / "report.png")
+    assert width >= 900 and height >= 600
+    logged = {a.path for a in client.list_artifacts(parents[0].info.run_id, "report")}
+    assert logged == {"report/report.png", "report/results.parquet"}
+
+
+def test_report_defaults_to_the_newest_sweep(sqlite_sweep, tmp_path, capsys, monkeypatch):
+    root, _ = sqlite_sweep
+    monkeypatch.chdir(root)  # the default tracking URI is ./mlflow.db
+    code, text, _ = report(capsys, "--out", str(tmp_path / "out"))
+    assert code == 0 and "experiment 'tracking_test'" in text
+
+
+def test_report_errors_are_one_line(sqlite_sweep, tmp_path, capsys):
+    _, uri = sqlite_sweep
+    code, _, err = report(capsys, "--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}")
+    assert code == 2 and err.startswith("error: no MLflow database at") and not (tmp_path / "none.db").exists()
+    code, _, err = report(capsys, "nope", "--tracking-uri", uri)
+    assert code == 2 and "no MLflow experiment 'nope'" in err and "tracking_test" in err
+
+
+def test_report_against_a_tracking_server(local_ray, tmp_path, capsys):  # noqa: F811
+    with MlflowServer(tmp_path / "server") as server:
+        _, results = run_fake_sweep(tmp_path, server.uri, {0.01: {"epochs": 2}, 0.1: {"epochs": 2, "oom_at": 2}})
+        assert not results.errors
+        code, text, _ = report(capsys, "tracking_test", "--tracking-uri", server.uri, "--out", str(tmp_path / "out"))
+        assert code == 0
+        assert "Trials: 2 (2 finished)" in text and "OOMs survived: 1" in text
+        assert len(pq.read_table(tmp_path / "out" / "results.parquet")) == 4
+        client, parents, _ = runs_of(server.uri)
+        logged = {a.path for a in client.list_artifacts(parents[0].info.run_id, "report")}
+        assert logged == {"report/report.png", "report/results.parquet"}
