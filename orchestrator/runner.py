@@ -133,12 +133,15 @@ def _connect_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashb
             raise UserError("--ray-address: give the head's HOST:PORT; 'auto' can attach to another user's cluster")
         ray.init(address=address, runtime_env=runtime_env)
     else:
-        ray.init(
+        context = ray.init(
             address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=dashboard,
             dashboard_host=dashboard_host, runtime_env=runtime_env,
         )
         if dashboard:
-            print(f"Ray dashboard: http://{ray.get_runtime_context().dashboard_url or dashboard_host + ':8265'}")
+            from orchestrator.dashboard import how_to_open, token_required
+
+            url = f"http://{context.dashboard_url}"
+            print(how_to_open(url, token_required(url)))
     return True
 
 
