@@ -8,7 +8,7 @@ micro-batches (gradient accumulation) and an eval step, reading the device's pea
 Probe sizes: doubling from 2 until the peak has grown by half over the first probe, so the
 per-sample slope is visible (at tiny batches memory can be flat: ViT-B/16 used 1.68 GiB at
 b=1..8 on an H100, so a line through b=1,2 predicted nothing), or until the next probe is
-predicted to pass half the device, or ``MAX_PROBE``. An out-of-memory error ends the probing
+predicted to fill most of the device, or ``MAX_PROBE``. An out-of-memory error ends the probing
 with the points so far. On CUDA the allocator's statistics give peak allocated *and* reserved,
 so the profile's fragmentation is measured, not assumed; on the CPU (``CpuDevice``: live tensor
 bytes) the same code runs, which is what makes it testable here.
@@ -32,8 +32,8 @@ FIRST_PROBE = 2
 MAX_PROBE = 1024
 #: Stop doubling once the peak is this much above the first probe's: the slope is visible.
 VISIBLE_GROWTH = 0.5
-#: Never probe beyond this share of the device's capacity.
-CAPACITY_SHARE = 0.5
+#: Do not start a probe predicted to pass this share of the device's capacity.
+CAPACITY_SHARE = 0.8
 #: Without a capacity (the CPU), stop before probes hold more than this.
 CPU_PROBE_LIMIT = 2 * 2**30
 MICRO_BATCHES_PER_STEP = 2
@@ -69,6 +69,13 @@ class _Probe:
 
     def _after_step(self, *_):
         self.step_peak = self.device.reading().peak_allocated
+
+    def recover(self) -> None:
+        """Free what a step that ran out of memory left behind."""
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.device.torch_device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _batch(self, data, size: int):
         return take(data, [i % len(data) for i in range(size)])
@@ -128,14 +135,17 @@ def measured_profile(
     try:
         for phase in phases:
             enter_phase(workload, probe.model, phase, settings)
-            if phase.kind == "train":
-                probe.train(FIRST_PROBE, 1)  # warm-up: the optimizer's state comes to exist
-            for b in sizes or _doubling(probe, device, seen[phase.name]):
-                if b not in seen[phase.name]:
-                    seen[phase.name][b] = probe.train(b, MICRO_BATCHES_PER_STEP) if phase.kind == "train" else probe.eval(b)
+            try:
+                if phase.kind == "train":
+                    probe.train(FIRST_PROBE, 1)  # warm-up: the optimizer's state comes to exist
+                for b in sizes or _doubling(probe, device, seen[phase.name]):
+                    if b not in seen[phase.name]:
+                        seen[phase.name][b] = probe.train(b, MICRO_BATCHES_PER_STEP) if phase.kind == "train" else probe.eval(b)
+            except torch.OutOfMemoryError as exc:  # this phase's probing ends; the others go on
+                notes.append(f"{phase.name}: probing stopped by an out-of-memory error ({str(exc).splitlines()[0][:120]})")
+                exc.__traceback__ = None  # it pins the failed step's tensors
+                probe.recover()
             sizes = sizes or sorted(seen[phase.name])
-    except torch.OutOfMemoryError as exc:
-        notes.append(f"probing stopped by an out-of-memory error: {str(exc).splitlines()[0][:160]}")
     finally:
         breakdown, resident = _breakdown(probe), probe.resident_per_sample
         del probe
@@ -161,17 +171,17 @@ class MeasurementFailed(Exception):
 
 
 def _doubling(probe: _Probe, device: Device, seen: dict[int, tuple]):
-    """Probe sizes 2, 4, 8, ... until the slope is visible or the device is half full."""
+    """Probe sizes 2, 4, 8, ... until the slope is visible or the next probe would fill the device."""
     capacity = device.capacity() or CPU_PROBE_LIMIT
     b = FIRST_PROBE
     while b <= MAX_PROBE:
         seen[b] = probe.train(b, MICRO_BATCHES_PER_STEP)
         yield b
         first = seen[FIRST_PROBE][0]
-        if seen[b][0] >= first * (1 + VISIBLE_GROWTH) and len(seen) >= 3:
+        if len(seen) >= 3 and seen[b][0] >= first * (1 + VISIBLE_GROWTH):
             return
-        slope = (seen[b][0] - first) / (b - FIRST_PROBE) if b > FIRST_PROBE else seen[b][0] / b
-        if seen[b][0] + slope * b > CAPACITY_SHARE * capacity:
+        slope = (seen[b][0] - first) / (b - FIRST_PROBE) if b > FIRST_PROBE else 0
+        if len(seen) >= 2 and seen[b][0] + slope * b > CAPACITY_SHARE * capacity:
             return
         b *= 2
 
