@@ -387,6 +387,7 @@ class _TrialLog:
     restarts: int = 0
     tags: dict[str, str] = field(default_factory=dict)  # as last queued: only changes are sent
     described: bool = False  # its once-only params were queued by this driver
+    ended: bool = False  # Tune reported it complete or failed (an interrupted sweep's trials are not)
 
 
 class MlflowTracking(tune.Callback):
@@ -428,6 +429,7 @@ class MlflowTracking(tune.Callback):
 
     def on_trial_start(self, iteration, trials, trial, **info) -> None:
         log = self._log(trial)
+        log.ended = False  # also a trial restarted by a resumed sweep
         resources = trial.placement_group_factory.required_resources
         params = {f"config.{k}": _param_text(v) for k, v in trial.config.items() if k in self._hyper_parameter_names()}
         params.update({"resources.cpu": _param_text(resources.get("CPU", 0)), "resources.gpu": _param_text(resources.get("GPU", 0))})
@@ -479,10 +481,13 @@ class MlflowTracking(tune.Callback):
     def on_experiment_end(self, trials, **info) -> None:
         if self._outbox is None:
             return
-        unfinished = [t for t in trials if t.status not in ("TERMINATED", "ERROR")]
-        for trial in unfinished:  # interrupted; a resumed sweep marks them RUNNING again
-            self._put(EndRun(self._log(trial).ref, "KILLED"))
-        self._put(EndRun(None, "KILLED" if unfinished else "FINISHED"))
+        # Interrupted (Ctrl-C, SIGUSR1 before a SLURM requeue): Tune stops these trials as TERMINATED
+        # although they did not finish. A resumed sweep marks them RUNNING again.
+        for log in self._trials.values():
+            if not log.ended:
+                self._put(EndRun(log.ref, "KILLED"))
+        done = all(t.trial_id in self._trials and self._trials[t.trial_id].ended for t in trials)
+        self._put(EndRun(None, "FINISHED" if done else "KILLED"))
         if not self._outbox.drain(self.flush_timeout_s):
             logger.warning(
                 "MLflow at %s: %d write(s) still unsent after %.0f s; resuming the sweep sends the ones "
@@ -511,6 +516,7 @@ class MlflowTracking(tune.Callback):
         plan = (trial.last_result or {}).get("plan") or {}
         self._put(AddParams(log.ref, plan_params(plan)))
         self._put(EndRun(log.ref, status))
+        log.ended = True
 
 
 # -- what a result becomes --------------------------------------------------------------------

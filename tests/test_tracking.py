@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -67,7 +68,8 @@ def result_for(plan: dict, epoch: int, oom_events: list[dict]) -> dict:
 def fake_trial(config: dict) -> None:
     """Epochs of a trial, behaving as ``config["cases"][str(lr)]`` says. ``oom_at``: the first attempt
     dies there and Tune restarts it from its checkpoint with half the micro-batch. ``refuse``: report a
-    refusal at epoch 0 and stop. ``gates``: {epoch: file} - wait for the file before that epoch."""
+    refusal at epoch 0 and stop. ``gates``: {epoch: file} - wait for the file before that epoch.
+    ``checkpoint_every``: epochs between checkpoints (a restored trial repeats the epochs after its last)."""
     import tempfile
 
     from ray import tune
@@ -104,10 +106,13 @@ def fake_trial(config: dict) -> None:
             marker.touch()
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
         state["epoch"] = epoch
-        folder = tempfile.mkdtemp()
-        Path(folder, "state.json").write_text(json.dumps(state))
+        checkpoint = None
+        if epoch % case.get("checkpoint_every", 1) == 0:
+            folder = tempfile.mkdtemp()
+            Path(folder, "state.json").write_text(json.dumps(state))
+            checkpoint = tune.Checkpoint.from_directory(folder)
         plan = _plan(state["micro_batch"], state["reductions"])
-        tune.report(result_for(plan, epoch, list(state["events"])), checkpoint=tune.Checkpoint.from_directory(folder))
+        tune.report(result_for(plan, epoch, list(state["events"])), checkpoint=checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -377,3 +382,52 @@ def test_server_outage_mid_sweep_loses_and_duplicates_nothing(local_ray, tmp_pat
     finally:
         operator.join()
         server.stop()
+
+
+def test_interrupted_and_restored_sweep_continues_the_same_runs(local_ray, tmp_path):
+    """SIGUSR1 (what SLURM sends before a requeue) stops the sweep after epoch 3; ``Tuner.restore``
+    continues it from checkpoints of epoch 2, so epoch 3 is reported twice and logged once."""
+    from ray import tune
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    go = tmp_path / "go"
+    case = {"epochs": 5, "checkpoint_every": 2, "gates": {"4": str(go)}}
+    failures: list[BaseException] = []
+
+    def interrupt_after_epoch_3():
+        try:
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline:
+                try:
+                    _, _, children = runs_of(uri)
+                    if len(children) == 2 and all(r.data.metrics.get("epoch") == 3 for r in children.values()):
+                        break
+                except Exception:  # noqa: BLE001 - the experiment may not exist yet
+                    pass
+                time.sleep(0.5)
+            else:
+                raise TimeoutError("the trials did not reach epoch 3 in MLflow")
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            failures.append(exc)
+        finally:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    interrupter = threading.Thread(target=interrupt_after_epoch_3)
+    interrupter.start()
+    run_fake_sweep(tmp_path, uri, {0.01: case, 0.1: case})
+    interrupter.join()
+    assert not failures, failures
+    _, parents, children = runs_of(uri)
+    assert parents[0].info.status == "KILLED" and {r.info.status for r in children.values()} == {"KILLED"}
+
+    go.touch()
+    restored = tune.Tuner.restore(str(tmp_path / "tune" / "tracking_test_run"), trainable=fake_trial, resume_unfinished=True)
+    results = restored.fit()
+    assert not results.errors and {r.metrics["epoch"] for r in results} == {5}
+
+    client, parents, after = runs_of(uri)
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert {name: r.info.run_id for name, r in after.items()} == {name: r.info.run_id for name, r in children.items()}
+    for run in after.values():
+        assert run.info.status == "FINISHED"
+        assert steps(client, run) == [1, 2, 3, 4, 5] and steps(client, run, "train_loss") == [1, 2, 3, 4, 5]
