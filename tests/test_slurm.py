@@ -224,7 +224,9 @@ if sys.argv[1] == "-":  # the wait-for-nodes snippet: until every worker's `ray 
     sys.exit(0)
 record("python")
 if os.environ.get("FAKE_DRIVER") == "wait_for_usr1":
-    signal.signal(signal.SIGUSR1, lambda *_: sys.exit(1))  # like Tune: stop, save, not all done
+    # Like Tune: stop and save; the status is the driver's to choose (0 here, to show the
+    # script requeues a stopped sweep whatever the driver says).
+    signal.signal(signal.SIGUSR1, lambda *_: sys.exit(int(os.environ.get("FAKE_DRIVER_RC", "0"))))
     open(os.environ["FAKE_DIR"] + "/driver.started", "w").close()
     time.sleep(60)
 sys.exit(int(os.environ.get("FAKE_DRIVER_RC", "0")))
@@ -409,10 +411,11 @@ def wait_for(predicate, timeout: float, what: str, cluster: LocalSlurm, log: Pat
     pytest.fail(f"timed out waiting for {what}\n--- job log\n{log_text[-6000:]}\n--- slurm\n{cluster.logs(10)}")
 
 
-def trial_runs(job_dir: Path, experiment: str):
+def trial_runs(tracking_uri: str, experiment: str):
+    """The sweep's trial runs: from the job's MLflow server while it runs, from its SQLite file after."""
     import mlflow
 
-    client = mlflow.MlflowClient(f"sqlite:///{job_dir}/mlflow.db")
+    client = mlflow.MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     assert exp is not None, "the sweep's MLflow experiment is missing"
     return client.search_runs([exp.experiment_id], "tags.`orchestrator.role` = 'trial'")
@@ -452,10 +455,10 @@ def test_submit_runs_the_sweep_on_slurm(slurm, tmp_path):
     assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", text[-6000:]
     assert "2/2 trials finished" in text
     if slurm.has_gpus:
-        assert "Ray cluster: 1/1 nodes, CPU 2, GPU 2" in text  # gres -> CUDA_VISIBLE_DEVICES -> Ray
+        assert "/2 GPUs" in text  # Tune's resource line: gres -> ray start --num-gpus
     assert "ssh -N -L 8265:" in text
 
-    runs = trial_runs(job_dir, config.stem)
+    runs = trial_runs(f"sqlite:///{job_dir}/mlflow.db", config.stem)
     assert len(runs) == 2 and {r.info.status for r in runs} == {"FINISHED"}
     assert sorted(float(r.data.params["config.lr"]) for r in runs) == [0.003, 0.03]
     assert processes_left(job_id, job_dir) == []
@@ -476,17 +479,20 @@ def test_time_limit_requeues_and_resumes_only_unfinished_trials(slurm, tmp_path)
     )
     log = tmp_path / "logs" / f"orch-{config.stem}-{job_id}.out"
 
-    def some_finished():
-        if job_state(slurm, job_id).get("JobState") != "RUNNING" or not (job_dir / "mlflow.db").exists():
-            return False
+    def finished_runs() -> set[str] | None:
+        """Ids of finished trial runs, asked of the job's MLflow server (only it writes the store)."""
+        cluster_env = job_dir / "cluster.env"
+        if job_state(slurm, job_id).get("JobState") != "RUNNING" or not cluster_env.exists():
+            return None
+        uri = dict(line.split("=", 1) for line in cluster_env.read_text().split())["MLFLOW_TRACKING_URI"]
         try:
-            runs = trial_runs(job_dir, config.stem)
-        except Exception:  # the experiment is not created yet
-            return False
-        return 1 <= sum(r.info.status == "FINISHED" for r in runs) < 3
+            runs = trial_runs(uri, config.stem)
+        except Exception:  # the sweep has not created its experiment yet
+            return None
+        return {r.info.run_id for r in runs if r.info.status == "FINISHED"}
 
-    wait_for(some_finished, 400, "a first trial to finish", slurm, log)
-    finished_before = {r.info.run_id for r in trial_runs(job_dir, config.stem) if r.info.status == "FINISHED"}
+    finished_before = wait_for(lambda: (ids := finished_runs()) and len(ids) < 3 and ids, 400,
+                               "a first trial to finish", slurm, log)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm.env(), check=True)
 
     wait_for(lambda: int(job_state(slurm, job_id).get("Restarts", "0")) >= 1, 300, "the requeue", slurm, log)
@@ -497,7 +503,7 @@ def test_time_limit_requeues_and_resumes_only_unfinished_trials(slurm, tmp_path)
     text = log.read_text()
     assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", text[-6000:]
     assert "time limit near" in text and "attempt 2" in text and "Resuming " in text
-    runs = trial_runs(job_dir, config.stem)
+    runs = trial_runs(f"sqlite:///{job_dir}/mlflow.db", config.stem)
     assert len(runs) == 3 and {r.info.status for r in runs} == {"FINISHED"}, [(r.info.run_name, r.info.status) for r in runs]
     assert finished_before <= {r.info.run_id for r in runs}
     assert processes_left(job_id, job_dir) == []
