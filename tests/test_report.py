@@ -5,15 +5,17 @@ The table, the summary, the Parquet file and the PNG are checked against what ML
 
 from __future__ import annotations
 
+import json
 import math
 import struct
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
 from mlflow_server import MlflowServer
 from orchestrator.cli import main
-from test_tracking import GiB, local_ray, run_fake_sweep, runs_of  # noqa: F401 - local_ray is a fixture
+from test_tracking import ROOT, local_ray, run_fake_sweep, runs_of  # noqa: F401 - local_ray is a fixture
 
 CASES = {0.01: {"epochs": 3}, 0.1: {"epochs": 3, "oom_at": 2}, 0.2: {"refuse": True}}
 
@@ -116,3 +118,38 @@ def test_report_against_a_tracking_server(local_ray, tmp_path, capsys):  # noqa:
         client, parents, _ = runs_of(server.uri)
         logged = {a.path for a in client.list_artifacts(parents[0].info.run_id, "report")}
         assert logged == {"report/report.png", "report/results.parquet"}
+
+
+def test_real_sweep_with_ooms_reported_from_mlflow(local_ray, tmp_path, capsys):  # noqa: F811
+    """The real runner and trainable on an emulated 8 MiB device: trials OOM, shrink and finish;
+    MLflow has every epoch once, the events and the final plan, and the report agrees with it."""
+    from orchestrator.config import load_spec
+    from orchestrator.runner import run_sweep
+
+    spec = load_spec(str(ROOT / "configs" / "demo_oom_cpu.yaml"),
+                     ["search_space.workload={grid: [cnn, staged_mlp]}", "search_space.width=48"])
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    outcome = run_sweep(spec, tracking_uri=uri, storage_path=str(tmp_path / "tune"))
+    assert outcome.ok
+
+    client, parents, children = runs_of(uri, "demo_oom_cpu")
+    assert len(parents) == 1 and len(children) == 2
+    total_ooms = 0
+    for run in children.values():
+        assert run.info.status == "FINISHED"
+        assert [int(m.step) for m in client.get_metric_history(run.info.run_id, "epoch")] == [1, 2, 3]
+        micro = sorted(client.get_metric_history(run.info.run_id, "micro_batch"), key=lambda m: m.step)[-1].value
+        assert run.data.params["plan.micro_batch"] == str(int(micro))
+        events = json.loads(Path(client.download_artifacts(run.info.run_id, "oom_events.json")).read_text())
+        assert len(events) == run.data.metrics["oom_retries"] > 0
+        total_ooms += len(events)
+
+    code, text, _ = report(capsys, "demo_oom_cpu", "--tracking-uri", uri, "--out", str(tmp_path / "out"))
+    assert code == 0
+    assert f"OOMs survived: {total_ooms} (in 2 of 2 finished trials)" in text
+    rows = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()
+    assert len(rows) == 6
+    for run in children.values():
+        last = max((r for r in rows if r["run_id"] == run.info.run_id), key=lambda r: r["epoch"])
+        assert last["oom_retries"] == run.data.metrics["oom_retries"]
+        assert last["peak_allocated_bytes"] == run.data.metrics["peak_allocated_bytes"]
