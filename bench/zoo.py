@@ -379,6 +379,82 @@ CPU_ZOO = (
 )
 
 
+class StepRunner:
+    """The loop's steps on a real device, for measuring truths and for the other tools' searches.
+
+    A train step is what the loop runs: two micro-batches of ``b`` (gradient accumulation),
+    built before the step as the loop builds them, then the optimizer step; the peak is read
+    from the device (``orchestrator.device``: CUDA's allocator, or the CPU/emulated tracker).
+    """
+
+    def __init__(self, workload: Workload, precision: str, device):
+        from trainables.step import make_grad_scaler
+
+        self.workload, self.precision, self.device = workload, precision, device
+        torch.manual_seed(0)
+        self.model = workload.build_model().to(device.torch_device)
+        self.optimizer = workload.build_optimizer(self.model)
+        self.scaler = make_grad_scaler(precision, device.torch_device)
+        self.train_data, self.eval_data = workload.train_data(), workload.eval_data()
+
+    def _state(self):
+        yield from self.model.parameters()
+        yield from self.model.buffers()
+        for state in self.optimizer.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+    def batch(self, data, b: int):
+        from trainables.workload import take
+
+        return take(data, [i % len(data) for i in range(b)])
+
+    def _window(self):
+        self.device.track(self._state())
+        if self.device.torch_device.type == "cuda":
+            torch.cuda.empty_cache()  # this window's reserved memory, not an earlier one's
+        self.device.reset_peak()
+        return self.device.measuring()
+
+    def train(self, b: int, micro_batches: int = 2):
+        """One train step; the device's reading (peak allocated, peak reserved) for it."""
+        from trainables.step import train_step
+
+        self.model.train()
+        with self._window():
+            batches = [self.batch(self.train_data, b) for _ in range(micro_batches)]
+            train_step(self.workload, self.model, self.optimizer, batches, self.device.torch_device,
+                       self.precision, self.scaler)
+            del batches
+        return self.device.reading()
+
+    def eval(self, b: int):
+        from trainables.step import eval_step
+
+        self.model.eval()
+        with self._window():
+            eval_step(self.workload, self.model, self.batch(self.eval_data, b), self.device.torch_device, self.precision)
+        return self.device.reading()
+
+    def recover(self) -> None:
+        """After an out-of-memory error: drop the failed step's gradients and cached blocks."""
+        import gc
+
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.device.torch_device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def fits(self, b: int) -> bool:
+        """Whether a train step at micro-batch ``b`` runs without running out of memory."""
+        try:
+            self.train(b)
+            return True
+        except torch.OutOfMemoryError as exc:
+            exc.__traceback__ = None
+            self.recover()
+            return False
+
+
 def describe_bytes(n: float) -> str:
     return f"{n / 2**30:.2f}G" if abs(n) >= 2**30 / 100 else f"{n / 2**20:.1f}M"
 

@@ -91,13 +91,16 @@ class FakeSetup:
         return total
 
 
-def fake_setup(workload: Workload, target: str) -> FakeSetup:
+def fake_setup(workload: Workload, target: str, trace_on: str | None = None) -> FakeSetup:
     """Build ``workload``'s model and optimizer on fake tensors of the device the trace runs on.
 
     That is fake *cuda* when the target is CUDA and a GPU is here (CUDA's own kernels), else
     fake *cpu*, with CUDA's allocations emulated (``cuda_emulation``) when the target is CUDA.
+    ``trace_on="cpu"`` forces the CPU way (what a head node without a GPU does), to measure it.
     """
-    device = torch.device("cuda" if target == "cuda" and torch.cuda.is_available() else "cpu")
+    if trace_on is None:
+        trace_on = "cuda" if target == "cuda" and torch.cuda.is_available() else "cpu"
+    device = torch.device(trace_on)
     emulate = target == "cuda" and device.type == "cpu"
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with translate_errors(), mode, device:  # built where it runs: fake tensors cannot be moved by swapping

@@ -145,6 +145,13 @@ def measured_profile(
                 notes.append(f"{phase.name}: probing stopped by an out-of-memory error ({str(exc).splitlines()[0][:120]})")
                 exc.__traceback__ = None  # it pins the failed step's tensors
                 probe.recover()
+            if not sizes and len(seen[phase.name]) == 1:  # only the first probe fit: add b=1 below it
+                try:
+                    seen[phase.name][1] = probe.train(1, MICRO_BATCHES_PER_STEP)
+                except (RuntimeError, ValueError) as exc:  # OOM, or a model that cannot take one sample
+                    notes.append(f"{phase.name}: no probe at b=1 either ({str(exc).splitlines()[0][:120]})")
+                    exc.__traceback__ = None
+                    probe.recover()
             sizes = sizes or sorted(seen[phase.name])
     finally:
         breakdown, resident = _breakdown(probe), probe.resident_per_sample

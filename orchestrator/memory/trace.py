@@ -38,12 +38,14 @@ def trace_profile(
     target: str,
     fragmentation: float,
     probes: tuple[int, int, int] = PROBE_BATCHES,
+    trace_on: str | None = None,
 ) -> MemoryProfile:
     """Trace every phase of ``workload`` and fit one profile per phase.
 
-    Raises ``memory.fake.Untraceable`` when the workload cannot run on fake tensors.
+    ``trace_on`` forces the fake device (see ``memory.fake.fake_setup``). Raises
+    ``memory.fake.Untraceable`` when the workload cannot run on fake tensors.
     """
-    setup = fake_setup(workload, target)
+    setup = fake_setup(workload, target, trace_on)
     phases = phases_of(workload)
     with running(setup) as emulation_notes:
         runs = _trace(setup, workload, settings, phases, probes)
