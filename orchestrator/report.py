@@ -261,7 +261,10 @@ def summary(sweep: SweepRecord) -> str:
     if errors:
         trial, predicted, measured, error = max(errors, key=lambda e: abs(e[3]))
         side = "above" if error > 0 else "below"
-        lines.append(f"Worst estimation error: {error:+.1%} ({trial.name}: measured {human(measured)} {side} predicted {human(predicted)})")
+        lines.append(
+            f"Worst estimation error: {error:+.1%} "
+            f"({trial.name}: measured {human(measured)} {side} predicted {human(predicted)})"
+        )
     else:
         lines.append("Worst estimation error: - (no trial has both a prediction and a measurement)")
     gpu_hours = sum(t.gpus() * (t.last("time_total_s") or t.duration_s or 0) for t in sweep.trials) / 3600
@@ -284,9 +287,8 @@ def result_rows(sweep: SweepRecord) -> list[dict[str, Any]]:
         }
         base.update({key: _typed(value) for key, value in sorted(trial.params.items()) if key.startswith("config.")})
         base.update({key: trial.params.get(key) or trial.tags.get(key) for key in TRIAL_COLUMNS})
-        base["precision"] = trial.params.get("plan.precision") or trial.tags.get("precision")
         for epoch in sorted(trial.epochs) or [None]:
-            rows.append({**base, EPOCH_METRIC: epoch, **(trial.epochs.get(epoch, {}) if epoch is not None else {})})
+            rows.append({**base, **trial.epochs.get(epoch, {}), EPOCH_METRIC: epoch})
     return rows
 
 

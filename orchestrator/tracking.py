@@ -386,7 +386,7 @@ class _TrialLog:
     oom_events_logged: int = 0
     restarts: int = 0
     tags: dict[str, str] = field(default_factory=dict)  # as last queued: only changes are sent
-    described: bool = False  # its once-only params were queued by this driver
+    described: bool = False  # its once-only params were queued
     ended: bool = False  # Tune reported it complete or failed (an interrupted sweep's trials are not)
 
 
@@ -432,7 +432,7 @@ class MlflowTracking(tune.Callback):
         log.ended = False  # also a trial restarted by a resumed sweep
         resources = trial.placement_group_factory.required_resources
         params = {f"config.{k}": _param_text(v) for k, v in trial.config.items() if k in self._hyper_parameter_names()}
-        params.update({"resources.cpu": _param_text(resources.get("CPU", 0)), "resources.gpu": _param_text(resources.get("GPU", 0))})
+        params.update({f"resources.{kind.lower()}": _param_text(resources.get(kind, 0)) for kind in ("CPU", "GPU")})
         self._put(StartRun(log.ref, params=params, tags={"tune.trial_path": str(trial.path or "")}))
         if not self._sweep_named:
             # Named like Tune's experiment folder, so the sweep is found from Tune's output.
