@@ -205,6 +205,7 @@ def accelerate_pick(entry: Entry, device) -> Pick:
     @find_executable_batch_size(starting_batch_size=ACCELERATE_START.get(entry.name, 1024))
     def train(batch_size):
         calls.append(batch_size)
+        runner.recover()  # what ``accelerator.free_memory()`` does at the top of such a function
         for _ in range(3):  # a few steps, as a training loop under the decorator would run
             runner.train(batch_size)
         return batch_size

@@ -87,9 +87,7 @@ class GPT2(Workload):
     def build_model(self):
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        config = GPT2Config(n_positions=max(self.seq, 1024))
-        config._attn_implementation = "sdpa"
-        return GPT2LMHeadModel(config)
+        return GPT2LMHeadModel(GPT2Config(n_positions=max(self.seq, 1024)))  # SDPA attention by default
 
     def _tokens(self):
         g = torch.Generator().manual_seed(0)

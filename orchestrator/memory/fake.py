@@ -106,9 +106,10 @@ def fake_setup(workload: Workload, target: str, trace_on: str | None = None) -> 
     with translate_errors(), mode, device:  # built where it runs: fake tensors cannot be moved by swapping
         model = workload.build_model()
         optimizer = workload.build_optimizer(model)
-    if emulate:
-        # CUDA's optimizers default to the foreach implementation, whose temporaries span every
-        # parameter at once; CPU's default is the per-parameter loop.
+    if target == "cuda":
+        # On CUDA, optimizers default to the foreach implementation, whose temporaries span every
+        # parameter at once. Fake parameters are not plain tensors, so the default would pick the
+        # per-parameter loop (CPU's default too): ask for foreach, as a real CUDA model gets.
         for group in optimizer.param_groups:
             if group.get("foreach", False) is None:
                 group["foreach"] = True
