@@ -25,6 +25,7 @@ same time would see CUDA's policy) and are removed on exit.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 
@@ -135,13 +136,14 @@ def _norm_with_dtype(name: str, args, kwargs):
     return torch.ops.aten.norm.ScalarOpt_dim_dtype(*args, dtype=torch.float32, **kwargs)
 
 
-def _cpu_autocast_ops() -> set[str]:
+@functools.lru_cache(maxsize=1)
+def _cpu_autocast_ops() -> frozenset[str]:
     """Ops with an explicit AutocastCPU kernel in this build (``conv2d``, ``pow.Scalar``, ...)."""
     found = set()
     for qualified in torch._C._dispatch_get_all_op_names():
         if qualified.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "AutocastCPU"):
             found.add(qualified[len("aten::"):])
-    return found
+    return frozenset(found)
 
 
 _lock = threading.Lock()
