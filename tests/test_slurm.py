@@ -266,6 +266,7 @@ def run_fake_job(tmp_path, fakes, nodes: list[str], script: str, *, driver_rc=0,
         "RAY_ADDRESS": "auto",  # inherited from the submitting shell: the script must drop it
     }
     env.pop("RAY_AUTH_TOKEN", None)
+    (tmp_path / "rt").mkdir(exist_ok=True)
     path = tmp_path / "job.sbatch"
     path.write_text(script)
     calls_file = tmp_path / "calls.jsonl"
@@ -303,12 +304,13 @@ def test_three_node_run_issues_head_and_worker_commands(tmp_path, fakes):
     assert 10000 <= gcs < 32768 and gcs % 500 == 0  # a per-job block below the ephemeral range
     assert opt(head, "node-ip-address") == "127.0.0.1" and opt(head, "dashboard-host") == "127.0.0.1"
     assert int(opt(head, "dashboard-port")) == gcs + 4 and opt(head, "num-gpus") == "2" and opt(head, "num-cpus") == "2"
-    assert "--block" in head and opt(head, "temp-dir") == f"{tmp_path}/rt/ray-4242"
+    assert "--block" in head and re.fullmatch(rf"{tmp_path}/rt/ray-4242-\w{{6}}", opt(head, "temp-dir"))
 
     assert len(workers) == 2
     for worker in workers:
         assert "--block" in worker and opt(worker, "address") == f"127.0.0.1:{gcs}"
         assert opt(worker, "node-manager-port") == opt(head, "node-manager-port")  # the job's block on every node
+        assert opt(worker, "temp-dir") == opt(head, "temp-dir")
         assert opt(worker, "min-worker-port") == str(gcs + 100) and opt(worker, "max-worker-port") == str(gcs + 499)
     starts = [argv for argv in sruns if "start" in argv]
     assert sorted(argv[argv.index("-w") + 1] for argv in starts) == ["n1", "n2", "n3"]
@@ -329,7 +331,7 @@ def test_three_node_run_issues_head_and_worker_commands(tmp_path, fakes):
     # Teardown: the workers' temp dirs are removed on their nodes; nothing we started is left.
     assert any("rm" in argv and "--exclude=n1" in argv for argv in sruns)
     assert not [c["pid"] for c in calls if c["tool"] in ("ray", "mlflow") and pid_alive(c["pid"])]
-    assert not (tmp_path / "rt" / "ray-4242").exists()
+    assert list((tmp_path / "rt").iterdir()) == []  # the head's temp dir is gone
     assert f"ssh -N -L 8265:127.0.0.1:{gcs + 4} alice@login1" in out
 
 
@@ -424,7 +426,7 @@ def trial_runs(tracking_uri: str, experiment: str):
 def processes_left(job_id: str, job_dir: Path) -> list[str]:
     """Processes still running from this job: Ray's name its temp dir, the MLflow server its store."""
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if f"/ray-{job_id}/" in line or str(job_dir) in line]
+    return [line for line in out.splitlines() if f"/ray-{job_id}-" in line or str(job_dir) in line]
 
 
 def small_sweep(workdir: Path, epochs: int, lrs: list[float]) -> Path:
