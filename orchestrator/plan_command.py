@@ -8,7 +8,9 @@ GPU: ``--device-memory 24GiB`` plans for a card of that size from any machine.
 
 Trials that differ only in ``lr`` or ``seed`` have the same memory: they are estimated once.
 A refused trial is a plan outcome, not an error of the command: the exit status is 0 with the
-refusals shown (and counted in the summary); user mistakes exit 2.
+refusals shown (and counted in the summary). A trial that could not be estimated at all (its
+model's library is not installed here, say) is shown with its error and the others still
+planned; the exit status is then 1. User mistakes exit 2.
 """
 
 from __future__ import annotations
@@ -45,16 +47,24 @@ def plan_command(args) -> int:
         if key not in cache:
             print(f"[{index + 1}/{len(configs)}] trial {index} ({config['workload']}): {policy.estimator} ...",
                   end="", file=sys.stderr, flush=True)
-            cache[key] = plan_with_profile(build_workload(config), policy, spec.effective_batch_size, budget, target=target)
+            try:
+                cache[key] = plan_with_profile(build_workload(config), policy, spec.effective_batch_size, budget, target=target)
+            except UserError:
+                raise
+            except Exception as exc:  # e.g. a model whose library is not installed here: show it, go on
+                cache[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             print(f" {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
-        plan, profile = cache[key]
-        results.append({"trial": index, "config": config, "plan": plan, "profile": profile})
+        if isinstance(cache[key], str):
+            results.append({"trial": index, "config": config, "error": cache[key]})
+        else:
+            plan, profile = cache[key]
+            results.append({"trial": index, "config": config, "plan": plan, "profile": profile})
 
     if args.json:
         print(json.dumps(_as_json(spec, policy, target, budget, results), indent=2, default=str))
     else:
         print(_as_text(policy, target, budget, results))
-    return 0
+    return 1 if any("error" in r for r in results) else 0
 
 
 def _target_and_budget(spec, policy, device_memory: str | None) -> tuple[str, int | None]:
@@ -97,6 +107,10 @@ def _as_text(policy, target: str, budget: int | None, results: list[dict]) -> st
     headers = ["trial", "workload", "phase", "params", "grads", "optim", "act/sample", "fixed", "ctx", "frag", "peak@b", ""]
     rows, plans, notes = [], [], []
     for r in results:
+        searched = " ".join(f"{k}={v}" for k, v in r["config"].items() if k != "workload")
+        if "error" in r:
+            plans.append(f"trial {r['trial']} ({r['config']['workload']} {searched}): could not be estimated: {r['error']}")
+            continue
         plan, profile = r["plan"], r["profile"]
         for phase in profile.phases:
             b = plan.micro_batch if phase.kind == "train" else plan.eval_batch
@@ -107,14 +121,14 @@ def _as_text(policy, target: str, budget: int | None, results: list[dict]) -> st
                 _size(phase.optimizer), _size(phase.activations_per_sample), _size(phase.buffers + phase.fixed_other),
                 _size(phase.context + phase.workspace), f"{phase.fragmentation:.0%}", f"{_size(peak)}@{b}", worst,
             ])
-        searched = " ".join(f"{k}={v}" for k, v in r["config"].items() if k != "workload")
         plans.append(f"trial {r['trial']} ({r['config']['workload']} {searched}): {plan.describe()}"
                      + (f" [{profile.settings.describe()} profile]" if plan.refusal else "")
                      + (f"; {plan.note}" if plan.note else ""))
         notes.extend(n for n in profile.notes if n not in notes)
     budget_text = "unbounded" if budget is None else _size(budget)
     margin = f" x safety margin {policy.safety_margin:g}" if budget is not None else ""
-    refused = sum(1 for r in results if r["plan"].refusal)
+    refused = sum(1 for r in results if "plan" in r and r["plan"].refusal)
+    errors = sum(1 for r in results if "error" in r)
     lines = [
         f"target {target}, budget {budget_text}{margin}, estimator {policy.estimator}; "
         "peak@b is reserved memory at the planned batch (micro-batch for train, eval batch for eval)",
@@ -123,7 +137,7 @@ def _as_text(policy, target: str, budget: int | None, results: list[dict]) -> st
         "",
         *plans,
         "",
-        f"{len(results)} trials, {refused} refused",
+        f"{len(results)} trials, {refused} refused" + (f", {errors} could not be estimated" if errors else ""),
         *(f"note: {n}" for n in notes),
     ]
     return "\n".join(lines)
@@ -138,7 +152,7 @@ def _as_json(spec, policy, target: str, budget: int | None, results: list[dict])
         "estimator": policy.estimator,
         "effective_batch": spec.effective_batch_size,
         "trials": [
-            {
+            {"trial": r["trial"], "config": r["config"], "error": r["error"]} if "error" in r else {
                 "trial": r["trial"],
                 "config": r["config"],
                 "plan": r["plan"].to_dict(),

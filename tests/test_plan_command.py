@@ -81,3 +81,20 @@ def test_user_mistakes_exit_2_with_one_line(sweep, capsys):
         plan_command(args(sweep(), device_memory="24XB"))
     assert main(["plan", sweep(), "--device-memory", "lots"]) == 2
     assert capsys.readouterr().err.strip().startswith("error: --device-memory")
+
+
+def test_a_trial_that_cannot_be_estimated_is_shown_and_the_rest_planned(sweep, capsys, monkeypatch):
+    import trainables.workload
+
+    build = trainables.workload.build_workload
+
+    def missing_library(config):
+        if config["workload"] == "cnn":
+            raise ModuleNotFoundError("No module named 'torchvision'")
+        return build(config)
+
+    monkeypatch.setattr(trainables.workload, "build_workload", missing_library)
+    assert plan_command(args(sweep(), device_memory="2GiB")) == 1
+    out = capsys.readouterr().out
+    assert "could not be estimated: ModuleNotFoundError: No module named 'torchvision'" in out
+    assert "trial 0 (staged_mlp" in out and "4 trials, 0 refused, 2 could not be estimated" in out
