@@ -11,8 +11,9 @@
 
 Nothing runs backward and nothing is fitted to a trace, so it is quick and errs high: it never
 budgets less than the step needs, and the planner's micro-batch from it is smaller than from
-``trace``. Where the forward cannot run on fake tensors (ops with data-dependent shapes), it
-runs on real CPU tensors at small batch sizes instead, and the profile says so.
+``trace``. Where the model cannot run on fake tensors (ops with data-dependent shapes, or
+anything else fake tensors trip over), it runs on real CPU tensors at small batch sizes
+instead, and the profile says so.
 """
 
 from __future__ import annotations
@@ -53,9 +54,12 @@ def static_profile(workload: Workload, settings: Settings, *, target: str, fragm
             }
         notes += [f"forward and optimizer step run on {describe(setup)}", *emulation_notes]
         resident = setup.input_per_sample()
-    except Untraceable as exc:
+    except ImportError:
+        raise  # a missing library fails on real tensors too
+    except Exception as exc:  # Untraceable, or a model fake tensors trip over in another way
+        reason = str(exc) if isinstance(exc, Untraceable) else f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         states, bounds, resident = _on_real_cpu(workload, settings, target)
-        notes.append(f"fake tensors failed ({exc}); forward run on real CPU tensors at b={REAL_PROBE_BATCHES}")
+        notes.append(f"fake tensors failed ({reason}); forward run on real CPU tensors at b={REAL_PROBE_BATCHES}")
     extra = {**overheads(target, fragmentation), "resident_input_per_sample": resident}
     phases = tuple(_phase(phase, states, bounds[phase.name], extra) for phase in phases_of(workload))
     return MemoryProfile("static", settings, target, phases, tuple(notes))
