@@ -20,11 +20,13 @@ on one node safe.
 
 from __future__ import annotations
 
+import getpass
 import math
 import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -282,6 +284,17 @@ def submit_command(args) -> int:
     return 0
 
 
+def expected_dashboard_port(job_id: str) -> int:
+    """The port the job's dashboard will most likely get: the template's first choice of port block.
+
+    The job moves to the next block when that one is busy on the head node, so the job log
+    has the final word.
+    """
+    port_min = int(os.environ.get("ORCHESTRATOR_PORT_MIN", 10000))
+    blocks = int(os.environ.get("ORCHESTRATOR_PORT_BLOCKS", 45))
+    return port_min + (int(job_id) % blocks) * 500 + 4
+
+
 def _write_job_dir(job: SlurmJob, spec: SweepSpec, script: str) -> Path:
     """The job folder: the config as it is now (a queued job doesn't see later edits) and the script."""
     job_dir = Path(job.job_dir)
@@ -320,8 +333,9 @@ def _print_submitted(job: SlurmJob, spec: SweepSpec, job_id: str, notes: list[st
     print(f"  job folder: {job.job_dir}")
     print(f"  results:    {job.storage_path}/{spec.experiment}_<start time>/")
     print(f"  MLflow:     {mlflow}")
-    print("  dashboard:  when the job runs, its log has the ssh tunnel line for your machine:")
-    print(f"              grep 'ssh -N' {log}")
+    tunnel = f"ssh -N -L 8265:<head node>:{expected_dashboard_port(job_id)} {getpass.getuser()}@{socket.gethostname()}"
+    print(f"  dashboard:  {tunnel}   then open http://localhost:8265")
+    print(f"              (once it runs; the log has the exact line: grep 'ssh -N' {log})")
     print(f"  status:     squeue -j {job_id}    stop: scancel {job_id}")
     for note in notes:
         print(f"note: {note}")

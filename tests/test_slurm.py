@@ -33,7 +33,7 @@ import yaml
 from orchestrator.cli import build_parser, main
 from orchestrator.config import load_spec
 from orchestrator.errors import UserError
-from orchestrator.slurm import parse_time_limit, plan_job, render, shared_tracking_uri
+from orchestrator.slurm import expected_dashboard_port, parse_time_limit, plan_job, render, shared_tracking_uri
 from slurm_cluster import LocalSlurm, SlurmStartError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -293,6 +293,7 @@ def test_three_node_run_issues_head_and_worker_commands(tmp_path, fakes):
                       "--set", "stop.epochs=1")
     rc, calls, out = run_fake_job(tmp_path, fakes, ["n1", "n2", "n3"], script, driver_rc=0)
     assert rc == 0, out
+    assert f":{expected_dashboard_port('4242')} alice@login1" in out  # what `submit` predicted
 
     sruns = [c["argv"] for c in calls if c["tool"] == "srun"]
     ray_starts = [c for c in calls if c["tool"] == "ray" and c["argv"][0] == "start"]
