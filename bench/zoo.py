@@ -4,7 +4,9 @@ Two families:
 
 * GPU models (``GPU_ZOO``), from the libraries the GPU machine has: ResNet-50 (torchvision),
   ViT-B/16 in bf16 (timm), GPT-2 124M in bf16 at sequence 1024 (transformers), a 1-d conv net on
-  (b, 19, 15360) EEG-like input, and a GAT (torch_geometric) on batches of small graphs.
+  (b, 19, 15360) EEG-like input, a GAT (torch_geometric) on batches of small graphs, and GPT-2
+  written with plain PyTorch in transformers' ops (a model whose every op we can see, to tell
+  the CUDA emulation's error from transformers' specifics).
 * CPU stand-ins (``CPU_ZOO``), hand-written with plain PyTorch so they run where those
   libraries are not installed: a bottleneck ResNet on small images, the same 1-d conv net on
   a shorter signal, a GPT-style causal transformer (``scaled_dot_product_attention`` with
@@ -316,6 +318,72 @@ class TinyGPTWorkload(Workload):
         return F.cross_entropy(logits[:, :-1].reshape(-1, self.vocab), ids[:, 1:].reshape(-1))
 
 
+class _HFConv1D(nn.Module):
+    """transformers' GPT-2 ``Conv1D``: a linear layer as ``addmm`` with an (in, out) weight."""
+
+    def __init__(self, out_features: int, in_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(in_features, out_features) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(out_features))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], self.weight.size(-1))
+
+
+class _GPT2Block(nn.Module):
+    """One GPT-2 block with transformers' ops: tanh GELU written out, SDPA with dropout."""
+
+    def __init__(self, dim: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.ln_1, self.ln_2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.c_attn, self.attn_proj = _HFConv1D(3 * dim, dim), _HFConv1D(dim, dim)
+        self.c_fc, self.mlp_proj = _HFConv1D(4 * dim, dim), _HFConv1D(dim, 4 * dim)
+        self.resid_drop, self.mlp_drop = nn.Dropout(dropout), nn.Dropout(dropout)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in self.c_attn(self.ln_1(x)).split(d, 2))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        x = x + self.resid_drop(self.attn_proj(y.transpose(1, 2).contiguous().view(b, t, d)))
+        h = self.c_fc(self.ln_2(x))
+        h = 0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * torch.pow(h, 3.0))))
+        return x + self.mlp_drop(self.mlp_proj(h))
+
+
+class GPT2StandIn(nn.Module):
+    """GPT-2 124M written with the ops transformers' GPT2LMHeadModel runs, loss included."""
+
+    def __init__(self, vocab: int = 50257, positions: int = 1024, dim: int = 768, heads: int = 12, layers: int = 12,
+                 dropout: float = 0.1):
+        super().__init__()
+        self.wte, self.wpe, self.drop = nn.Embedding(vocab, dim), nn.Embedding(positions, dim), nn.Dropout(dropout)
+        self.h = nn.ModuleList(_GPT2Block(dim, heads, dropout) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, ids):
+        x = self.drop(self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device)))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x)).float()  # transformers' loss upcasts the logits
+        labels = F.pad(ids, (0, 1), value=-100)[..., 1:].contiguous()
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1), ignore_index=-100)
+
+
+@dataclasses.dataclass
+class GPT2StandInWorkload(GPT2):
+    """GPT-2 124M without transformers: same shapes and ops, for machines without the library."""
+
+    def build_model(self):
+        return GPT2StandIn(positions=max(self.seq, 1024))
+
+    def loss(self, model, batch):
+        (ids,) = batch
+        return model(ids)
+
+
 class TinyViT(nn.Module):
     def __init__(self, image: int, patch: int, dim: int, heads: int, layers: int, classes: int, dropout: float):
         super().__init__()
@@ -364,6 +432,7 @@ GPU_ZOO = (
     Entry("gpt2_bf16_seq1024", GPT2, "bf16", (2, 4, 8, 12), ("transformers",)),
     Entry("conv1d_19x15360", Conv1d, "fp32", (32, 64, 128, 256)),
     Entry("gat", GAT, "fp32", (8, 32, 128), ("torch_geometric",)),
+    Entry("gpt2_standin_bf16_seq1024", GPT2StandInWorkload, "bf16", (2, 4, 8, 12)),
 )
 
 CPU_ZOO = (
