@@ -44,12 +44,11 @@ def auto_gpu_resources(spec: SweepSpec) -> Callable[[dict[str, Any]], Any]:
     from trainables.workload import build_workload
 
     total = device_total_bytes(spec)
-    context = nvml.DEFAULT_CUDA_CONTEXT_BYTES
 
     def resources(config: dict[str, Any]) -> PlacementGroupFactory:
-        plan = make_plan(build_workload(config), spec.memory, spec.effective_batch_size, total - context, target="cuda")
-        needed = (plan.predicted_peak_bytes or total) + context
-        share = gpu_fraction(needed, total, spec.memory.gpu_granularity)
+        # A CUDA profile's peak already counts the context, workspaces and fragmentation.
+        plan = make_plan(build_workload(config), spec.memory, spec.effective_batch_size, total, target="cuda")
+        share = gpu_fraction(plan.predicted_peak_bytes or total, total, spec.memory.gpu_granularity)
         return PlacementGroupFactory([{"CPU": spec.resources.cpu, "GPU": share}])
 
     return resources

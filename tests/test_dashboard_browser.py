@@ -26,8 +26,8 @@ CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--window-size=1400,900"]
-SWEEP = ["run", "configs/demo_cpu.yaml", "--set", "search_space.workload=mlp", "--set", "search_space.lr=0.01",
-         "--set", "search_space.width={grid: [16, 32]}", "--set", "stop.epochs=2"]
+SWEEP = ["run", "configs/demo_cpu.yaml", "--set", "search_space.workload=cnn", "--set", "search_space.lr=0.01",
+         "--set", "search_space.width={grid: [16, 32]}", "--set", "stop.epochs=6"]  # long enough to see live actors
 WAIT_S = 60
 
 pytestmark = pytest.mark.integration

@@ -52,6 +52,9 @@ class TrialRun:
         self.checkpointable = type(self.workload).supports_activation_checkpointing
         self.context = tune.get_context()
         self.metrics = TrialMetrics(spec.experiment, self.context.get_trial_id(), config["workload"])
+        # NVML's free memory before this process creates its CUDA context: plans count the
+        # context themselves, so the budget must not have it taken out already.
+        self.gpu_free_before_context = self._gpu_free() if torch.cuda.is_available() else None
         self.device = self._open_device()
         self.scratch = tempfile.mkdtemp(prefix="trial-state-")
         self.last_state: str | None = None  # path of the newest checkpointed state
@@ -215,17 +218,22 @@ class TrialRun:
     def _target(self) -> str:
         return "cuda" if isinstance(self.device, CudaDevice) else self.device.kind.replace("cpu_tensor_tracker", "cpu")
 
+    def _gpu_free(self) -> int | None:
+        info = nvml.gpu_info(0)
+        return info.free if info else None
+
     def _budget(self) -> int | None:
-        """Bytes the plan may fill (before the safety margin): the config's, else the device's."""
+        """Bytes the plan may fill (before the safety margin): the config's, else the device's.
+
+        On a GPU that is the memory free before this trial started (or its share of the card,
+        when it shares one); the plan's profile counts the CUDA context inside that.
+        """
         capacity = self.device.capacity()
         if isinstance(self.device, CudaDevice):
-            context = nvml.cuda_context_bytes(self.device.torch_device.index or 0)
-            share = self._gpu_share()
-            if share is None:
-                info = nvml.gpu_info(self.device.torch_device.index or 0)
-                available = (info.free if info else capacity) - context
+            if self._gpu_share() is None and self.gpu_free_before_context is not None:
+                available = min(self.gpu_free_before_context, capacity)
             else:
-                available = capacity  # the allocator cap; the context sits outside it
+                available = capacity  # the card, or this trial's capped share of it
             return min(self.policy.budget, available) if self.policy.budget else available
         if capacity is None:
             return self.policy.budget  # the CPU: unbounded unless the config says otherwise
