@@ -97,13 +97,22 @@ class LocalSlurm:
             pid = self.pids.get(name)
             if pid is None:
                 continue
-            _signal(pid, signal.SIGTERM)
+            if name == "munged":  # signal munged itself; its parent, runuser, then exits and reaps it
+                _signal(self._munged_pid() or pid, signal.SIGTERM)
+            else:
+                _signal(pid, signal.SIGTERM)
             if not _wait_gone(pid, 15):
                 _signal(pid, signal.SIGKILL)
                 _wait_gone(pid, 5)
             self.pids.pop(name, None)
         if getattr(self, "munge_dir", None):
             shutil.rmtree(self.munge_dir, ignore_errors=True)
+
+    def _munged_pid(self) -> int | None:
+        try:
+            return int((self.munge_dir / "munged.pid").read_text().strip())
+        except (AttributeError, OSError, ValueError):
+            return None
 
     def env(self, base: dict | None = None) -> dict:
         """The environment for SLURM client commands (and so for the jobs they submit)."""

@@ -167,6 +167,40 @@ def test_submit_without_sbatch_is_a_user_error(tmp_path, capsys, monkeypatch):
     assert "sbatch not found" in capsys.readouterr().err
 
 
+def test_submit_writes_the_job_folder_and_calls_sbatch(tmp_path, capsys, monkeypatch):
+    """With a fake sbatch: the config is copied (later edits don't reach the job), the script is
+    kept next to it, and the output names the job id, the log and the tunnel line."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/sbatch.args\necho '77;cluster'\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "sweep.yaml"
+    config.write_text(DEMO.read_text())
+
+    assert main(["submit", str(config), "--cpus-per-node", "2", "--storage-path", "store"]) == 0
+    out = capsys.readouterr().out
+    config.write_text("edited after submit\n")
+    [job_dir] = (tmp_path / "store" / "slurm").iterdir()
+    assert (job_dir / "config.yaml").read_text() == DEMO.read_text()
+    assert (tmp_path / "sbatch.args").read_text().split() == ["--parsable", str(job_dir / "job.sbatch")]
+    assert (tmp_path / "slurm_logs").is_dir()  # SLURM does not create the log folder itself
+    assert "Submitted SLURM job 77" in out and f"{tmp_path}/slurm_logs/orch-demo_cpu-77.out" in out
+    assert f"ssh -N -L 8265:<head node>:{expected_dashboard_port('77')} " in out
+
+
+def test_a_site_template_replaces_the_default(tmp_path, capsys):
+    site = tmp_path / "site.tmpl"
+    site.write_text("#!/bin/bash\n{{sbatch_directives}}\n#SBATCH --qos=high\nmodule load cuda\nNODES={{nodes}}\n")
+    assert main(["submit", str(DEMO), "--cpus-per-node", "2", "--template", str(site), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --qos=high" in out and "module load cuda" in out and "NODES=1" in out
+    site.write_text("{{no_such_thing}}\n")
+    assert main(["submit", str(DEMO), "--cpus-per-node", "2", "--template", str(site), "--dry-run"]) == 2
+    assert "unknown placeholder {{no_such_thing}}" in capsys.readouterr().err
+
+
 # -- the script run by bash against recording fakes -----------------------------------------
 
 FAKE_SRUN = """
