@@ -229,11 +229,13 @@ def listen(port):
     time.sleep(120)
 """
 FAKE_RAY = LISTEN + """
-import sys, time
+import os, sys, time
 record("ray")
 if sys.argv[1] == "get-auth-token":
     print("fake-token", end="")
 elif "--head" in sys.argv:
+    if os.environ.get("FAKE_HEAD_FAILS"):
+        sys.exit(1)
     listen(next(a.split("=")[1] for a in sys.argv if a.startswith("--port=")))
 else:
     time.sleep(120)
@@ -288,7 +290,7 @@ def fakes(tmp_path):
 
 
 def run_fake_job(tmp_path, fakes, nodes: list[str], script: str, *, driver_rc=0, driver=None, job_id="4242",
-                 on_start=None) -> tuple[int, list[dict], str]:
+                 on_start=None, extra_env=None) -> tuple[int, list[dict], str]:
     env = {
         **os.environ,
         "PATH": f"{fakes}{os.pathsep}{os.environ['PATH']}",
@@ -298,6 +300,7 @@ def run_fake_job(tmp_path, fakes, nodes: list[str], script: str, *, driver_rc=0,
         "ORCHESTRATOR_PYTHON": str(fakes / "python"), "ORCHESTRATOR_RAY": str(fakes / "ray"),
         "ORCHESTRATOR_MLFLOW": str(fakes / "mlflow"), "ORCHESTRATOR_RAY_TMP_ROOT": str(tmp_path / "rt"),
         "RAY_ADDRESS": "auto",  # inherited from the submitting shell: the script must drop it
+        **(extra_env or {}),
     }
     env.pop("RAY_AUTH_TOKEN", None)
     (tmp_path / "rt").mkdir(exist_ok=True)
@@ -377,6 +380,16 @@ def test_one_node_run_has_no_workers_and_returns_the_driver_status(tmp_path, fak
     assert [c["argv"][0] for c in calls if c["tool"] == "ray"] == ["get-auth-token", "start"]
     assert "driver exited with status 3" in out
     assert not [c for c in calls if c["tool"] == "scontrol" and c["argv"][0] == "requeue"]
+
+
+def test_a_head_that_dies_fails_the_job_at_once(tmp_path, fakes):
+    script = rendered(tmp_path, "--cpus-per-node", "2", "--storage-path", str(tmp_path / "store"))
+    started = time.monotonic()
+    rc, calls, out = run_fake_job(tmp_path, fakes, ["n1"], script, extra_env={"FAKE_HEAD_FAILS": "1"})
+    assert rc == 1 and "the Ray head (log: " in out and "exited before listening" in out, out
+    assert time.monotonic() - started < 30  # not the 180 s head timeout
+    assert not [c for c in calls if c["tool"] == "python"]  # no driver
+    assert not [c["pid"] for c in calls if c["tool"] == "mlflow" and pid_alive(c["pid"])]
 
 
 def test_usr1_stops_the_driver_requeues_and_the_next_attempt_resumes(tmp_path, fakes):
