@@ -64,23 +64,25 @@ class Trainer:
     def run_epoch(self) -> EpochResult:
         """One epoch of training and one eval pass, with the peak memory of both."""
         self.workload.set_epoch(self.model, self.epoch)
+        # The data order is host-side bookkeeping (on a GPU it never leaves the CPU), so it is
+        # drawn before the measured window opens.
+        order = torch.randperm(len(self.train_data), generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
         self.device.track(self._state_tensors())
         self.device.reset_peak()
         with self.device.measuring():
-            train_loss = self._train_epoch()
+            train_loss = self._train_epoch(order)
             eval_loss = self._evaluate()
         self.epoch += 1
         return EpochResult(self.epoch, train_loss, eval_loss, self.device.reading())
 
-    def _train_epoch(self) -> float:
+    def _train_epoch(self, order: list[int]) -> float:
         self.model.train()
         self.phase = "train"
         torch.manual_seed(self.seed * 100_003 + self.epoch)  # dropout etc.: same on a replayed epoch
-        order = torch.randperm(len(self.train_data), generator=torch.Generator().manual_seed(self.seed + self.epoch))
         effective, micro = self.plan.effective_batch, self.plan.micro_batch
         losses = []
         for self.step in range(self.steps_per_epoch):
-            indices = order[self.step * effective : (self.step + 1) * effective].tolist()
+            indices = order[self.step * effective : (self.step + 1) * effective]
             micro_batches = [take(self.train_data, indices[i : i + micro]) for i in range(0, len(indices), micro)]
             loss = train_step(
                 self.workload, self.model, self.optimizer, micro_batches,
