@@ -162,6 +162,11 @@ def _cpus_per_node(args, spec: SweepSpec) -> int:
             f"--gpus-per-node: the sweep's trials need GPUs (resources.gpu: {gpu}); "
             "ask for some, e.g. --gpus-per-node 4"
         )
+    if gpu != "auto" and gpu > args.gpus_per_node > 0:
+        raise UserError(
+            f"--gpus-per-node: {args.gpus_per_node} is fewer than one trial needs (resources.gpu: {gpu:g}); "
+            "a trial runs on one node"
+        )
     if args.cpus_per_node is None:
         if args.gpus_per_node == 0:
             raise UserError(

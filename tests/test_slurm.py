@@ -144,6 +144,7 @@ def test_time_limits(text, seconds):
     (["--cpus-per-node", "2", "--partition", "gpu; rm -rf /"], "--partition: unexpected characters"),
     (["--gpus-per-node", "0", "--cpus-per-node", "2", "--set", "resources.gpu=1"], "--gpus-per-node: the sweep's trials need GPUs"),
     (["--cpus-per-node", "1", "--set", "resources.cpu=2"], "fewer than one trial needs"),
+    (["--gpus-per-node", "1", "--set", "resources.gpu=2"], "--gpus-per-node: 1 is fewer than one trial needs"),
 ])
 def test_bad_flags_are_one_line_errors(flags, message):
     args = submit_args(*flags)
