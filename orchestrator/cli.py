@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="submit the sweep as a Ray Job to a cluster's dashboard, e.g. http://127.0.0.1:8265, and follow its logs; "
              "uploads the current directory and sends Ray's auth token (see docs/dashboard.md)",
     )
+    run.add_argument(
+        "--name", help="the sweep's folder under the storage path (default: EXPERIMENT_<timestamp>); "
+        "with --resume, the sweep to resume",
+    )
     run.add_argument("--resume", action="store_true", help="resume an interrupted sweep from its storage path")
     run.add_argument("--num-cpus", type=int, help="CPUs of the embedded local Ray (default: all)")
     run.add_argument("--num-gpus", type=float, help="GPUs of the embedded local Ray (default: detected)")

@@ -11,15 +11,16 @@ would not fit. The emulated device is the test double of the CUDA one: the whole
 from __future__ import annotations
 
 import os
-import weakref
 from dataclasses import dataclass
 from typing import Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from orchestrator.tensor_tracker import StorageTracker
 from orchestrator.units import human
+
+#: How tables and plots name each kind of reading (``MemoryReading.source``).
+MEMORY_LABELS = {"cuda_allocator": "reserved", "cpu_tensor_tracker": "tensor bytes", "emulated": "emulated"}
 
 #: What the allocator-settings knob defaults to; fragmentation 1.39 -> 1.07 on GPT-2 (FACTS.md).
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
@@ -46,41 +47,16 @@ class MemoryReading:
         return self.peak_reserved / self.peak_allocated
 
 
-class TensorBytesTracker(TorchDispatchMode):
-    """Counts the bytes of live tensor storages created while active (and those handed to track).
+class CapacityTracker(StorageTracker):
+    """The CPU tensor tracker with a capacity: an allocation past it raises
+    ``torch.OutOfMemoryError`` with the facts a CUDA OOM message carries."""
 
-    Each storage is counted once, however many views share it, and uncounted when Python frees
-    it. With a ``capacity``, an allocation that would pass it raises ``torch.OutOfMemoryError``
-    with the same facts a CUDA OOM message carries.
-    """
-
-    def __init__(self, capacity: int | None = None):
-        super().__init__()
+    def __init__(self, capacity: int):
+        super().__init__("cpu")
         self.capacity = capacity
-        self.allocated = 0
-        self.peak = 0
-        self._live: dict[int, int] = {}
 
-    def track(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Count tensors that exist already (parameters, optimizer state) without a capacity check."""
-        for tensor in tensors:
-            self._add(tensor, check=False)
-
-    def reset_peak(self) -> None:
-        self.peak = self.allocated
-
-    def _free(self, key: int) -> None:
-        self.allocated -= self._live.pop(key, 0)
-
-    def _add(self, tensor: torch.Tensor, check: bool = True) -> None:
-        if tensor.device.type == "meta":
-            return
-        storage = tensor.untyped_storage()
-        size = storage.nbytes()
-        key = storage.data_ptr()
-        if size == 0 or key in self._live:
-            return
-        if check and self.capacity is not None and self.allocated + size > self.capacity:
+    def admit(self, size: int) -> None:
+        if self.allocated + size > self.capacity:
             free = max(self.capacity - self.allocated, 0)
             raise torch.OutOfMemoryError(
                 f"CUDA out of memory (emulated device). Tried to allocate {human(size)}. "
@@ -88,17 +64,6 @@ class TensorBytesTracker(TorchDispatchMode):
                 f"{human(free)} is free. Of the allocated memory {human(self.allocated)} is "
                 f"allocated by PyTorch."
             )
-        self._live[key] = size
-        self.allocated += size
-        self.peak = max(self.peak, self.allocated)
-        weakref.finalize(storage, self._free, key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                self._add(leaf)
-        return out
 
 
 class Device:
@@ -109,7 +74,8 @@ class Device:
     created before measuring began (a no-op where the allocator sees everything anyway).
     """
 
-    kind: str
+    kind: str  # what a reading measured: cuda_allocator | cpu_tensor_tracker | emulated
+    target: str  # what plans for this device count: cuda | cpu | emulated
     torch_device: torch.device
 
     def measuring(self):
@@ -139,10 +105,11 @@ class CpuDevice(Device):
     """The CPU: peak = the most tensor bytes alive at once (not process RSS, not a GPU figure)."""
 
     kind = "cpu_tensor_tracker"
+    target = "cpu"
 
     def __init__(self, capacity: int | None = None):
         self.torch_device = torch.device("cpu")
-        self.tracker = TensorBytesTracker(capacity)
+        self.tracker = CapacityTracker(capacity) if capacity is not None else StorageTracker("cpu")
 
     def measuring(self):
         return self.tracker
@@ -164,6 +131,7 @@ class EmulatedDevice(CpuDevice):
     """A small GPU emulated on the CPU: tracked tensor bytes may not pass ``capacity``."""
 
     kind = "emulated"
+    target = "emulated"
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
@@ -176,6 +144,7 @@ class CudaDevice(Device):
     """A real GPU: PyTorch's allocator statistics, NVML's device view, an optional memory cap."""
 
     kind = "cuda_allocator"
+    target = "cuda"
 
     def __init__(self, index: int = 0, memory_fraction: float | None = None):
         from contextlib import nullcontext

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from orchestrator.device import MEMORY_LABELS
 from orchestrator.errors import UserError
 from orchestrator.table import format_table
 from orchestrator.tracking import EPOCH_METRIC, ROLE_TAG, SWEEP_ID_TAG, sqlite_path
@@ -39,7 +40,6 @@ METRIC_ORDER = (
 )
 #: Per-trial strings (params or tags) repeated on each of its rows.
 TRIAL_COLUMNS = ("estimator", "memory_source", "precision", "gpu_name", "refusal", "error")
-MEMORY_SOURCES = {"cuda_allocator": "reserved", "cpu_tensor_tracker": "tensor bytes", "emulated": "emulated allocator"}
 
 
 @dataclass(frozen=True)
@@ -352,7 +352,7 @@ def plot_peaks(sweep: SweepRecord, path: Path) -> None:
     width = 0.38
     tops = [0.0]
     sources = sorted({t.params.get("memory_source") or t.tags.get("memory_source", "") for t in trials} - {""})
-    measured_label = "measured peak" + (f" ({', '.join(MEMORY_SOURCES.get(s, s) for s in sources)})" if sources else "")
+    measured_label = "measured peak" + (f" ({', '.join(MEMORY_LABELS.get(s, s) for s in sources)})" if sources else "")
     for i, trial in enumerate(trials):
         predicted, measured, error = trial.peak()
         if predicted:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.config import SweepSpec, load_spec
+from orchestrator.device import MEMORY_LABELS
 from orchestrator.errors import UserError
 from orchestrator.table import format_table
 from orchestrator.units import human
@@ -30,7 +31,7 @@ class TrialRow:
 
     name: str
     config: str
-    status: str  # TERMINATED (finished), ERROR, REFUSED
+    status: str  # TERMINATED (finished, or stopped early by the scheduler), ERROR, REFUSED, INTERRUPTED
     epochs: int
     final_loss: float | None
     plan: str  # "16 x 4"
@@ -58,6 +59,7 @@ def run_command(args) -> int:
         tracking_uri=args.tracking_uri,
         storage_path=args.storage_path,
         ray_address=args.ray_address,
+        name=args.name,
         resume=args.resume,
         num_cpus=args.num_cpus,
         num_gpus=args.num_gpus,
@@ -84,6 +86,7 @@ def run_sweep(
     tracking_uri: str | None = None,
     storage_path: str | None = None,
     ray_address: str | None = None,
+    name: str | None = None,
     resume: bool = False,
     num_cpus: int | None = None,
     num_gpus: float | None = None,
@@ -97,7 +100,7 @@ def run_sweep(
     storage = os.path.abspath(storage_path or spec.storage_path)
     started_ray = _connect_ray(ray_address, num_cpus, num_gpus, dashboard, dashboard_host)
     try:
-        name, restore_from = _experiment_name(spec, storage, resume)
+        name, restore_from = _experiment_name(spec, storage, name, resume)
         trainable = _trainable(spec)
         if restore_from:
             print(f"Resuming {restore_from}: finishing the trials that did not finish")
@@ -145,10 +148,22 @@ def _connect_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashb
     return True
 
 
-def _experiment_name(spec: SweepSpec, storage: str, resume: bool) -> tuple[str, str | None]:
-    """Each run gets a fresh, timestamped folder; ``--resume`` picks the newest one of the experiment."""
+def _experiment_name(spec: SweepSpec, storage: str, name: str | None, resume: bool) -> tuple[str, str | None]:
+    """The sweep's folder, and the folder to restore from when resuming.
+
+    Each run gets a fresh, timestamped folder unless ``--name`` fixes it (a SLURM job does, so
+    its requeued attempts resume exactly their own sweep); ``--resume`` without a name picks
+    the newest folder of the experiment.
+    """
     from ray import tune
 
+    if name:
+        path = os.path.join(storage, name)
+        if resume and tune.Tuner.can_restore(path):
+            return name, path
+        if resume:
+            print(f"Nothing to resume at {path}: starting the sweep")
+        return name, None
     if resume:
         candidates = sorted(
             (p for p in glob.glob(os.path.join(storage, f"{spec.experiment}_*")) if tune.Tuner.can_restore(p)),
@@ -223,6 +238,8 @@ def _row(result, spec: SweepSpec) -> TrialRow:
         status = "ERROR"
     elif metrics.get("refused"):
         status = "REFUSED"
+    elif not metrics.get("done"):  # Tune marks a trial's last result done when it completes or is stopped
+        status = "INTERRUPTED"
     else:
         status = "TERMINATED"
     loss = metrics.get(spec.metric)
@@ -250,9 +267,6 @@ def error_summary(error: BaseException) -> str:
 
 def _short(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
-MEMORY_LABELS = {"cuda_allocator": "reserved", "cpu_tensor_tracker": "cpu tensors", "emulated": "emulated"}
 
 
 def summary_table(rows: list[TrialRow]) -> str:

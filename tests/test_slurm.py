@@ -366,7 +366,7 @@ def test_three_node_run_issues_head_and_worker_commands(tmp_path, fakes):
     job_dir = re.search(r"^JOB_DIR=(.*)$", script, re.M).group(1)
     assert driver == ["-u", "-m", "orchestrator", "run", f"{job_dir}/config.yaml", "--set", "stop.epochs=1",
                       "--ray-address", f"127.0.0.1:{gcs}", "--storage-path", str(storage),
-                      "--tracking-uri", f"http://127.0.0.1:{gcs + 9}"]
+                      "--tracking-uri", f"http://127.0.0.1:{gcs + 9}", "--name", os.path.basename(job_dir)]
     # Teardown: the workers' temp dirs are removed on their nodes; nothing we started is left.
     assert any("rm" in argv and "--exclude=n1" in argv for argv in sruns)
     assert not [c["pid"] for c in calls if c["tool"] in ("ray", "mlflow") and pid_alive(c["pid"])]

@@ -89,7 +89,7 @@ class TrialRun:
         if checkpoint is None:
             plan = make_plan(
                 self.workload, self.policy, self.spec.effective_batch_size, self._budget(),
-                target=self._target(), device=self.device,
+                target=self.device.target, device=self.device,
             )
         else:
             with checkpoint.as_directory() as folder:
@@ -214,9 +214,6 @@ class TrialRun:
             kind = "cuda" if torch.cuda.is_available() else "cpu"
         # A shared GPU's allocator is capped to the trial's share: its growth can't OOM a neighbour.
         return open_device(kind, capacity=self.policy.capacity, memory_fraction=self._gpu_share() if kind == "cuda" else None)
-
-    def _target(self) -> str:
-        return "cuda" if isinstance(self.device, CudaDevice) else self.device.kind.replace("cpu_tensor_tracker", "cpu")
 
     def _gpu_free(self) -> int | None:
         info = nvml.gpu_info(0)

@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._pytree import tree_leaves, tree_map
 
 from orchestrator.memory.cuda_emulation import cuda_semantics
-from orchestrator.memory.tracker import CUDA_BLOCK, StorageTracker
+from orchestrator.tensor_tracker import CUDA_BLOCK, StorageTracker
 from trainables.workload import Workload, take
 
 

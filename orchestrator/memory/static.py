@@ -24,7 +24,7 @@ from orchestrator.memory.fake import Untraceable, describe, fake_setup, running
 from orchestrator.memory.fit import line_through
 from orchestrator.memory.phases import Phase, enter_phase, phases_of
 from orchestrator.memory.profile import MemoryProfile, PhaseProfile, Settings, overheads
-from orchestrator.memory.tracker import CUDA_BLOCK, StorageTracker
+from orchestrator.tensor_tracker import CUDA_BLOCK, StorageTracker
 from trainables.step import autocast
 from trainables.workload import Workload, take, to_device
 

@@ -1,8 +1,8 @@
 """Counting tensor bytes the way a GPU allocator would see them, on real or fake tensors.
 
-``orchestrator.device.TensorBytesTracker`` keys storages by ``data_ptr``, which is 0 for every
-fake tensor; this tracker keys them by the storage object itself, so it works under
-``FakeTensorMode`` (no memory used) as well as on real CPU tensors. It counts only storages on
+Storages are keyed by the storage object itself (``data_ptr`` is 0 for every fake tensor), so
+this works under ``FakeTensorMode`` (no memory used) as well as on real CPU tensors, where it is
+what ``orchestrator.device`` measures the CPU and the emulated GPU with. It counts only storages on
 one device type (the batch waiting on ``meta`` before its host-to-device copy is not device
 memory), can round every storage up the way the CUDA caching allocator does (512 bytes), and
 keeps a peak per window; it can also record the allocated bytes after every op (``events``),
@@ -59,6 +59,9 @@ class StorageTracker(TorchDispatchMode):
         nbytes = tensor.untyped_storage().nbytes()
         return math.ceil(nbytes / self.round_to) * self.round_to
 
+    def admit(self, size: int) -> None:
+        """Called before a new storage of ``size`` bytes is counted; a subclass may refuse it."""
+
     def _free(self, key: int) -> None:
         self.allocated -= self._live.pop(key, 0)
 
@@ -72,6 +75,7 @@ class StorageTracker(TorchDispatchMode):
         size = self.size_of(tensor)
         if size == 0:
             return
+        self.admit(size)
         self._live[key] = size
         self.allocated += size
         self.total += size
