@@ -67,7 +67,7 @@ def run_command(args) -> int:
         dashboard_host=args.dashboard_host,
     )
     print()
-    print(summary_table(outcome.rows))
+    print(summary_table(outcome.rows, spec.epochs))
     finished = sum(r.status == "TERMINATED" for r in outcome.rows)
     print(f"\n{finished}/{len(outcome.rows)} trials finished. Results: {outcome.experiment_path}")
     print(f"MLflow: {outcome.tracking_uri} (experiment {spec.experiment!r}); see `orchestrator report {spec.experiment}`")
@@ -269,12 +269,13 @@ def _short(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def summary_table(rows: list[TrialRow]) -> str:
-    """trial, config, final loss, micro-batch x accumulation, peak memory, status."""
+def summary_table(rows: list[TrialRow], epochs: int) -> str:
+    """trial, config, epochs run, final loss, micro-batch x accumulation, peak memory, status."""
     body = [
         (
             r.name,
             r.config,
+            f"{r.epochs}/{epochs}",
             f"{r.final_loss:.4f}" if r.final_loss is not None else "-",
             r.plan,
             f"{human(r.peak_bytes)} ({MEMORY_LABELS.get(r.memory_source, r.memory_source)})" if r.peak_bytes else "-",
@@ -283,4 +284,4 @@ def summary_table(rows: list[TrialRow]) -> str:
         )
         for r in rows
     ]
-    return format_table(["trial", "config", "final loss", "micro x accum", "peak memory", "OOMs", "status"], body)
+    return format_table(["trial", "config", "epochs", "final loss", "micro x accum", "peak memory", "OOMs", "status"], body)

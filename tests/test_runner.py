@@ -35,7 +35,8 @@ def test_refused_and_errored_trials():
     assert refused.status == "REFUSED" and refused.note == "needs 31 GiB" and refused.plan == "-"
     errored = _row(result({}, error=RuntimeError("ray::train()\n\x1b[36mTraceback\nValueError: bad width\n")), SPEC)
     assert errored.status == "ERROR" and errored.note == "ValueError: bad width"
-    assert "REFUSED: needs 31 GiB" in summary_table([refused])
+    assert "REFUSED: needs 31 GiB" in summary_table([refused], 3)
+    assert "  3/3  " in summary_table([_row(result({**METRICS, "done": True}), SPEC)], 3)
 
 
 def test_error_summary_finds_the_innermost_exception_line():
