@@ -238,7 +238,9 @@ def _row(result, spec: SweepSpec) -> TrialRow:
         status = "ERROR"
     elif metrics.get("refused"):
         status = "REFUSED"
-    elif not metrics.get("done"):  # Tune marks a trial's last result done when it completes or is stopped
+    elif not metrics.get("done") and metrics.get("epoch", 0) < spec.epochs:
+        # Tune marks a trial's last result done when it completes or its scheduler stops it; a
+        # trial that trained every epoch just before an interruption is finished all the same.
         status = "INTERRUPTED"
     else:
         status = "TERMINATED"

@@ -27,7 +27,7 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--window-size=1400,900"]
 SWEEP = ["run", "configs/demo_cpu.yaml", "--set", "search_space.workload=cnn", "--set", "search_space.lr=0.01",
-         "--set", "search_space.width={grid: [16, 32]}", "--set", "stop.epochs=6"]  # long enough to see live actors
+         "--set", "search_space.width={grid: [16, 32]}", "--set", "stop.epochs=2"]
 WAIT_S = 60
 
 pytestmark = pytest.mark.integration
@@ -101,15 +101,15 @@ def test_dashboard_shows_the_sweep_job_after_token_login(browser, ray_head, arti
     text_shown("orchestrator demo_cpu")  # the Name column, from the job's metadata
     shoot(browser, artifacts, "dashboard-jobs.png")
 
-    # The trials run as Tune actors of the job (function trainables are `ImplicitFunc`).
-    browser.get(f"{ray_head.dashboard_url}/#/actors")
+    # The trials run as Tune actors of the job (function trainables are `ImplicitFunc`). The page
+    # lists finished actors too, so this holds however fast the trials were; it is reloaded
+    # until they appear.
     deadline = time.monotonic() + 180
+    browser.get(f"{ray_head.dashboard_url}/#/actors")
     while not browser.find_elements(By.XPATH, "//*[contains(text(), 'ImplicitFunc')]"):
-        status = client.get_job_status(submission_id)
-        assert not status.is_terminal(), f"job {status} before any trial actor showed:\n" + \
-            client.get_job_logs(submission_id)[-3000:]
-        assert time.monotonic() < deadline, "no trial actor on the Actors page"
+        assert time.monotonic() < deadline, "no trial actor on the Actors page:\n" + client.get_job_logs(submission_id)[-3000:]
         time.sleep(2)
+        browser.refresh()
     shoot(browser, artifacts, "dashboard-actors.png")
 
     deadline = time.monotonic() + 300

@@ -28,6 +28,8 @@ def test_an_interrupted_trial_is_not_finished_and_fails_the_sweep():
     rows = [_row(result({**METRICS, "done": True}), SPEC), _row(result({**METRICS, "epoch": 2, "done": False}), SPEC)]
     assert rows[1].status == "INTERRUPTED"
     assert not SweepOutcome(rows, "/x", "sqlite:///m.db").ok
+    # Every epoch trained, interrupted before Tune saw it return: finished.
+    assert _row(result({**METRICS, "epoch": 3, "done": False}), SPEC).status == "TERMINATED"
 
 
 def test_refused_and_errored_trials():
