@@ -42,6 +42,11 @@ def _images(shape: tuple[int, ...], classes: int) -> TensorDataset:
     return TensorDataset(torch.randn(SAMPLES, *shape, generator=g), torch.randint(0, classes, (SAMPLES,), generator=g))
 
 
+def _tokens(vocab: int, seq: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randint(0, vocab, (SAMPLES, seq), generator=g))
+
+
 @dataclasses.dataclass
 class _Classifier(Workload):
     """Cross-entropy classification of synthetic inputs: the shape every vision zoo model shares."""
@@ -91,15 +96,11 @@ class GPT2(Workload):
 
         return GPT2LMHeadModel(GPT2Config(n_positions=max(self.seq, 1024)))  # SDPA attention by default
 
-    def _tokens(self):
-        g = torch.Generator().manual_seed(0)
-        return TensorDataset(torch.randint(0, 50257, (SAMPLES, self.seq), generator=g))
-
     def train_data(self):
-        return self._tokens()
+        return _tokens(50257, self.seq)
 
     def eval_data(self):
-        return self._tokens()
+        return _tokens(50257, self.seq)
 
     def loss(self, model, batch):
         (ids,) = batch
@@ -302,15 +303,11 @@ class TinyGPTWorkload(Workload):
     def build_model(self):
         return TinyGPT(self.vocab, self.seq, self.dim, self.heads, self.layers, self.dropout)
 
-    def _tokens(self):
-        g = torch.Generator().manual_seed(0)
-        return TensorDataset(torch.randint(0, self.vocab, (SAMPLES, self.seq), generator=g))
-
     def train_data(self):
-        return self._tokens()
+        return _tokens(self.vocab, self.seq)
 
     def eval_data(self):
-        return self._tokens()
+        return _tokens(self.vocab, self.seq)
 
     def loss(self, model, batch):
         (ids,) = batch
