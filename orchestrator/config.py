@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +94,21 @@ class SweepSpec:
 
 # -- loading --------------------------------------------------------------------------------
 
+
+class SweepLoader(yaml.SafeLoader):
+    """PyYAML reads YAML 1.1, where ``1e-3`` is a string; sweeps write learning rates that way.
+
+    YAML 1.2 (and every user) reads it as a number, so exponent floats without a dot are
+    resolved as floats here too.
+    """
+
+
+SweepLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
 TOP_LEVEL_KEYS = {
     "experiment", "workload", "search_space", "effective_batch_size", "stop", "num_samples",
     "metric", "mode", "scheduler", "resources", "memory", "storage_path", "tracking_uri", "seed",
@@ -103,7 +119,7 @@ def load_spec(path: str, overrides: list[str] | tuple[str, ...] = ()) -> SweepSp
     """Read, override (``key.path=value``) and validate a sweep file."""
     try:
         with open(path) as f:
-            raw = yaml.safe_load(f)
+            raw = yaml.load(f, Loader=SweepLoader)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
     except yaml.YAMLError as exc:
@@ -131,7 +147,7 @@ def apply_override(raw: dict, override: str) -> None:
             raise ConfigError(f"--set {override}: {'.'.join(keys[: i + 1])} is not a mapping")
         node = child
     try:
-        node[keys[-1]] = yaml.safe_load(text)
+        node[keys[-1]] = yaml.load(text, Loader=SweepLoader)
     except yaml.YAMLError:
         raise ConfigError(f"--set {override}: value is not valid YAML") from None
 
@@ -290,6 +306,28 @@ def _check_workload_parameters(spec: SweepSpec) -> None:
                     f"{section}.{key}: not a parameter of workload {' or '.join(spec.workload_names())} "
                     f"(expected one of: {', '.join(sorted(accepted - {'workload'}))})"
                 )
+    for section, values in (("workload.params", spec.params), ("search_space", spec.search_space)):
+        for key, value in values.items():
+            if key != "workload":
+                _check_parameter_values(spec, f"{section}.{key}", key, value)
+
+
+def _check_parameter_values(spec: SweepSpec, path: str, key: str, value: Domain | Any) -> None:
+    """Every value a trial may get must fit the type each workload declares for ``key``."""
+    from trainables.workload import resolve_workload
+
+    if not isinstance(value, Domain):
+        candidates = [(path, value, f"got {value!r}")]
+    elif value.kind in ("choice", "grid"):
+        candidates = [(f"{path}.{value.kind}", v, f"got {v!r}") for v in value.args[0]]
+    else:  # a distribution: one of its samples stands for all (floats, or integers for randint)
+        sampled = "integers" if value.kind == "randint" else "floats"
+        candidates = [(f"{path}.{value.kind}", value.args[0], f"{value.kind} samples {sampled}")]
+    for name in spec.workload_names():
+        for where, candidate, got in candidates:
+            expected = resolve_workload(name).parameter_error(key, candidate)
+            if expected is not None:
+                raise ConfigError(f"{where}: workload {name}'s {key} expects {expected}, {got}")
 
 
 # -- scalar checks --------------------------------------------------------------------------

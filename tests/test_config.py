@@ -1,6 +1,7 @@
 """The config layer: valid sweeps parse; every class of mistake is one line naming its key, exit 2."""
 
 import glob
+import re
 import subprocess
 import sys
 
@@ -54,6 +55,13 @@ def test_set_overrides_a_key_as_yaml(tmp_path):
     assert spec.resources.gpu == 0.25
 
 
+def test_exponent_floats_are_numbers_as_in_yaml_1_2(tmp_path):
+    """PyYAML alone reads ``1e-4`` as a string; every sweep writes learning rates that way."""
+    spec = load_spec(write(tmp_path, VALID.replace("[0.0001, 0.1]", "[1e-4, 1E-1]")), ["workload.params.lr=3e-4"])
+    assert spec.search_space["lr"] == Domain("loguniform", (0.0001, 0.1))
+    assert spec.params["lr"] == 0.0003
+
+
 def test_grid_and_samples_expand_to_trial_configs(tmp_path):
     spec = load_spec(write(tmp_path, VALID), ["num_samples=3"])
     configs = trial_configs(spec)
@@ -80,6 +88,13 @@ BAD = [
     ("negative gpu", ["resources.gpu=-1"], "resources.gpu: expected a GPU count"),
     ("emulated without capacity", ["memory.device=emulated"], "memory.capacity: memory.device 'emulated' needs a capacity"),
     ("bad scheduler", ["scheduler=pbt"], "scheduler: expected one of fifo, asha"),
+    ("hyper-parameter of the wrong type", ["search_space.lr=fast"], "search_space.lr: workload mlp's lr expects a number, got 'fast'"),
+    ("wrong type inside a choice", ["search_space.width={choice: [16, wide]}"],
+     "search_space.width.choice: workload mlp's width expects an integer, got 'wide'"),
+    ("floats for an integer", ["search_space.width={uniform: [8, 64]}"],
+     "search_space.width.uniform: workload mlp's width expects an integer, uniform samples floats"),
+    ("value outside a Literal", ["workload.params.optimizer=lion"],
+     "workload.params.optimizer: workload mlp's optimizer expects one of sgd, adam, adamw, got 'lion'"),
 ]
 
 
@@ -111,3 +126,20 @@ def test_the_cli_prints_one_line_and_exits_2_without_starting_anything(tmp_path)
     assert proc.stderr.strip() == "error: search_space.lr.uniform: expected low < high, got [1, 0]"
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not (tmp_path / "results").exists() and not (tmp_path / "m.db").exists()
+
+
+def test_the_readme_examples_are_valid(tmp_path, monkeypatch):
+    """The sweep file and the own-model example a newcomer copies from the README."""
+    readme = open("README.md").read()
+    blocks = re.findall(r"```(yaml|python)\n(.*?)```", readme, re.S)
+    sweep = next(text for lang, text in blocks if lang == "yaml" and text.startswith("experiment: my_sweep"))
+    spec = load_spec(write(tmp_path, sweep))
+    assert spec.workload == "cnn" and spec.search_space["lr"] == Domain("loguniform", (0.0001, 0.1))
+
+    model = next(text for lang, text in blocks if lang == "python" and text.startswith("# my_models/wide.py"))
+    (tmp_path / "my_models").mkdir()
+    (tmp_path / "my_models" / "wide.py").write_text(model)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    snippet = next(text for lang, text in blocks if lang == "yaml" and "my_models.wide:WideNet" in text)
+    own = load_spec(write(tmp_path, snippet + "effective_batch_size: 64\nstop: {epochs: 1}\nexperiment: own\n", "own.yaml"))
+    assert own.search_space["lr"] == Domain("loguniform", (0.0001, 0.01))

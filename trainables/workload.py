@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, ClassVar, Sequence
+import types
+import typing
+from typing import Any, ClassVar, Literal, Sequence
 
 import torch
 from torch import nn
@@ -26,10 +28,12 @@ class Workload:
     """Base class of every workload; subclasses add their hyper-parameters as fields.
 
     ``lr`` and ``optimizer`` live here because every workload has them and sweeps search them.
+    Field annotations are checked against the sweep's values (:meth:`parameter_error`), so a
+    subclass whose ``build_optimizer`` knows more optimizers redeclares ``optimizer``.
     """
 
     lr: float = 1e-3
-    optimizer: str = "adamw"
+    optimizer: Literal["sgd", "adam", "adamw"] = "adamw"
     seed: int = 0
 
     #: Whether :meth:`set_activation_checkpointing` does anything (the planner may then use it).
@@ -88,6 +92,40 @@ class Workload:
     @classmethod
     def parameter_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def parameter_error(cls, name: str, value: Any) -> str | None:
+        """What ``value`` should have been for the hyper-parameter ``name``; None when it fits.
+
+        Read from the field's annotation (``int``, ``float``, ``str``, ``bool``, ``Literal[...]``,
+        unions of those), so ``lr: fast`` in a sweep fails before Ray starts instead of in every
+        trial. Annotations this does not know are not checked.
+        """
+        try:
+            hints = typing.get_type_hints(cls)
+        except Exception:  # a user's annotation that does not resolve: nothing to check against
+            return None
+        return None if name not in hints else _mismatch(hints[name], value)
+
+
+def _mismatch(annotation: Any, value: Any) -> str | None:
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        options = typing.get_args(annotation)
+        return None if value in options else "one of " + ", ".join(map(str, options))
+    if origin in (typing.Union, types.UnionType):
+        wanted = [_mismatch(arg, value) for arg in typing.get_args(annotation)]
+        return None if None in wanted else " or ".join(w for w in wanted if w)
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    checks = {
+        bool: (isinstance(value, bool), "true or false"),
+        int: (is_number and isinstance(value, int), "an integer"),
+        float: (is_number, "a number"),
+        str: (isinstance(value, str), "a string"),
+        type(None): (value is None, "null"),
+    }
+    fits, expected = checks.get(annotation, (True, ""))
+    return None if fits else expected
 
 
 BUILTIN_WORKLOADS: dict[str, str] = {

@@ -1,0 +1,56 @@
+"""The workload contract: names resolve to classes, and hyper-parameters are checked by their annotations."""
+
+import dataclasses
+from typing import Literal
+
+import pytest
+
+from trainables.mlp import MLPWorkload
+from trainables.workload import Workload, WorkloadNotFound, build_workload, resolve_workload
+
+
+@dataclasses.dataclass
+class Annotated(Workload):
+    heads: int = 4
+    dropout: float = 0.1
+    norm: Literal["layer", "rms"] = "layer"
+    warmup: int | None = None
+    tied: bool = True
+    schedule: "list[int]" = dataclasses.field(default_factory=list)  # not a checked kind
+
+
+@pytest.mark.parametrize(
+    "name,value,expected",
+    [
+        ("heads", 8, None),
+        ("heads", 8.0, "an integer"),
+        ("heads", True, "an integer"),  # YAML's true is not a count
+        ("dropout", 0, None),  # an integer is a number
+        ("dropout", "0.1", "a number"),
+        ("norm", "rms", None),
+        ("norm", "batch", "one of layer, rms"),
+        ("warmup", None, None),
+        ("warmup", 100, None),
+        ("warmup", "soon", "an integer or null"),
+        ("tied", 1, "true or false"),
+        ("schedule", [1, 2], None),
+        ("not_a_field", "anything", None),  # unknown keys are the config layer's check
+    ],
+)
+def test_parameter_error_reads_the_annotation(name, value, expected):
+    assert Annotated.parameter_error(name, value) == expected
+
+
+def test_builtin_names_and_import_paths_resolve():
+    assert resolve_workload("mlp") is MLPWorkload
+    assert resolve_workload("trainables.mlp:MLPWorkload") is MLPWorkload
+    with pytest.raises(WorkloadNotFound, match="unknown workload 'resnet'"):
+        resolve_workload("resnet")
+    with pytest.raises(WorkloadNotFound, match="not a subclass of trainables.Workload"):
+        resolve_workload("trainables.workload:build_workload")
+
+
+def test_build_workload_keeps_only_its_own_fields():
+    """A sweep over two workloads carries hyper-parameters only one of them has."""
+    workload = build_workload({"workload": "mlp", "width": 16, "channels": 8, "lr": 0.1})
+    assert (workload.width, workload.lr) == (16, 0.1)
