@@ -81,6 +81,7 @@ class SweepSpec:
     storage_path: str = "./orchestrator_results"
     tracking_uri: str | None = None
     seed: int = 0
+    max_failures: int = 0
     source: str | None = field(default=None, compare=False)
     raw: dict = field(default_factory=dict, compare=False)
 
@@ -112,6 +113,7 @@ SweepLoader.add_implicit_resolver(
 TOP_LEVEL_KEYS = {
     "experiment", "workload", "search_space", "effective_batch_size", "stop", "num_samples",
     "metric", "mode", "scheduler", "resources", "memory", "storage_path", "tracking_uri", "seed",
+    "max_failures",
 }
 
 
@@ -175,6 +177,7 @@ def parse_spec(raw: dict) -> SweepSpec:
         storage_path=_string(raw.get("storage_path", "./orchestrator_results"), "storage_path"),
         tracking_uri=_optional_string(raw.get("tracking_uri"), "tracking_uri"),
         seed=_int(raw.get("seed", 0), "seed"),
+        max_failures=_non_negative_int(raw.get("max_failures", 0), "max_failures"),
         raw=raw,
     )
     _check_workload_parameters(spec)

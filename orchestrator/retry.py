@@ -9,70 +9,57 @@ the restarted trial learns to apply one more reduction (the same mechanism PBT u
 configs). Every scheduling decision is still the wrapped scheduler's (FIFO, ASHA, ...).
 
 Tune decides whether to retry before this hook runs, from ``FailureConfig.max_failures``; a
-trial whose in-process retries ran out is therefore restarted once more, and told here to fail
-at once, with its failure count raised so that this failure is its last.
+trial whose in-process retries ran out, or that failed for another reason more often than the
+sweep's ``max_failures`` allows, is therefore restarted once more, and told here to fail at
+once, with its failure count raised so that this failure is its last.
 """
 
 from __future__ import annotations
 
 from ray.tune.schedulers import TrialScheduler
 
-from trainables.trainable import OOM_GAVE_UP_KEY, OOM_SHRINKS_KEY
-
-_GAVE_UP = ("OomRetriesExhausted",)
-_OOM = ("OutOfMemoryError", "out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
-_WORKER_DIED = ("RayActorError", "actor died unexpectedly", "ActorDiedError")
-
-
-def last_failure(error_file: str | None) -> str:
-    """The text of the newest ``Failure # N`` block Tune wrote for a trial."""
-    if not error_file:
-        return ""
-    try:
-        with open(error_file) as f:
-            text = f.read()
-    except OSError:
-        return ""
-    return text.rsplit("Failure # ", 1)[-1]
-
-
-def gave_up_message(failure: str) -> str:
-    """The ``OomRetriesExhausted`` message (reason and event lines) out of a failure's traceback."""
-    lines = failure.splitlines()
-    start = max(i for i, line in enumerate(lines) if "OomRetriesExhausted:" in line)
-    message = [lines[start].split("OomRetriesExhausted:", 1)[1].strip()]
-    message += [line for line in lines[start + 1 :] if line.startswith("  epoch ")]
-    return "\n".join(message)
-
-
-def classify(failure: str) -> str:
-    """``gave_up`` | ``oom`` | ``worker_died`` | ``other``."""
-    if any(s in failure for s in _GAVE_UP):
-        return "gave_up"
-    if any(s.lower() in failure.lower() for s in _OOM):
-        return "oom"
-    if any(s in failure for s in _WORKER_DIED):
-        return "worker_died"
-    return "other"
+from orchestrator.failures import classify, exception_line, gave_up_message, last_failure
+from trainables.trainable import NOT_RETRIED_KEY, OOM_GAVE_UP_KEY, OOM_SHRINKS_KEY, OTHER_FAILURES_KEY
 
 
 class OomAwareScheduler(TrialScheduler):
-    def __init__(self, inner: TrialScheduler):
+    """The user's scheduler, plus what each kind of failure means for the trial's restart.
+
+    Tune's retry budget (``FailureConfig.max_failures``) is ``max_oom_retries + max_failures``;
+    this wrapper spends it by kind: OOM restarts until the plan has no smaller step left,
+    other failures (a bug in the model, a bad file) at most ``max_failures`` times, as a Tune
+    user who set ``FailureConfig(max_failures=...)`` would expect.
+    """
+
+    def __init__(self, inner: TrialScheduler, max_failures: int = 0):
         super().__init__()
         self.inner = inner
+        self.max_failures = max_failures
 
     def on_trial_error(self, tune_controller, trial) -> None:
-        kind = classify(last_failure(trial.error_file))
+        failure = last_failure(trial.error_file)
+        kind = classify(failure)
         config = dict(trial.config)
         if kind in ("oom", "worker_died"):
             # A worker killed by memory cannot shrink its own plan: the restart does it.
             config[OOM_SHRINKS_KEY] = config.get(OOM_SHRINKS_KEY, 0) + 1
-            trial.set_config(config)
         elif kind == "gave_up" and not config.get(OOM_GAVE_UP_KEY):
-            config[OOM_GAVE_UP_KEY] = gave_up_message(last_failure(trial.error_file))
+            config[OOM_GAVE_UP_KEY] = gave_up_message(failure)
+            self._make_final(trial)
+        elif kind == "other" and not config.get(NOT_RETRIED_KEY):
+            config[OTHER_FAILURES_KEY] = config.get(OTHER_FAILURES_KEY, 0) + 1
+            if config[OTHER_FAILURES_KEY] > self.max_failures:
+                config[NOT_RETRIED_KEY] = exception_line(failure)
+                self._make_final(trial)
+        if config != trial.config:
             trial.set_config(config)
-            trial.run_metadata.num_failures = max(trial.max_failures, trial.run_metadata.num_failures)
         self.inner.on_trial_error(tune_controller, trial)
+
+    @staticmethod
+    def _make_final(trial) -> None:
+        """Tune restarts the trial anyway (it decided before this hook ran); that restart fails
+        at once from the key set in its config, and this count makes its failure the last."""
+        trial.run_metadata.num_failures = max(trial.max_failures, trial.run_metadata.num_failures)
 
     # -- everything else is the wrapped scheduler's decision ---------------------------------
     @property

@@ -11,7 +11,6 @@ from __future__ import annotations
 import glob
 import math
 import os
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 from orchestrator.config import SweepSpec, load_spec
 from orchestrator.device import MEMORY_LABELS
 from orchestrator.errors import UserError
+from orchestrator.failures import exception_line
 from orchestrator.table import format_table
 from orchestrator.units import human
 
@@ -208,7 +208,7 @@ def _tune_config(spec: SweepSpec):
         inner = FIFOScheduler()
     return tune.TuneConfig(
         metric=spec.metric, mode=spec.mode, num_samples=spec.num_samples,
-        scheduler=OomAwareScheduler(inner), reuse_actors=False,
+        scheduler=OomAwareScheduler(inner, max_failures=spec.max_failures), reuse_actors=False,
     )
 
 
@@ -221,8 +221,10 @@ def _run_config(spec: SweepSpec, name: str, storage: str, tracking_uri: str):
         name=name,
         storage_path=storage,
         callbacks=[MlflowTracking(tracking_uri, spec)],
-        # Tune-level retries are for workers that died; in-process OOMs are retried by the trainable.
-        failure_config=tune.FailureConfig(max_failures=spec.memory.max_oom_retries),
+        # In-process OOMs are retried by the trainable; Tune restarts workers that died (of
+        # memory, mostly) and, up to max_failures, trials that failed otherwise. The scheduler
+        # spends this shared budget by kind of failure.
+        failure_config=tune.FailureConfig(max_failures=spec.memory.max_oom_retries + spec.max_failures),
         checkpoint_config=tune.CheckpointConfig(num_to_keep=2),
     )
 
@@ -245,7 +247,7 @@ def _row(result, spec: SweepSpec) -> TrialRow:
     else:
         status = "TERMINATED"
     loss = metrics.get(spec.metric)
-    note = metrics.get("refusal") or (error_summary(result.error) if result.error else "")
+    note = metrics.get("refusal") or (exception_line(str(result.error))[:160] if result.error else "")
     return TrialRow(
         name=str(metrics.get("trial_id") or (os.path.basename(result.path) if result.path else "?")),
         config=", ".join(f"{k}={_short(v)}" for k, v in shown.items()),
@@ -258,13 +260,6 @@ def _row(result, spec: SweepSpec) -> TrialRow:
         oom_retries=int(metrics.get("oom_retries", 0) or 0),
         note=note,
     )
-
-
-def error_summary(error: BaseException) -> str:
-    """The line a person needs from a trial's error: the innermost exception's own message."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
-    raised = [line for line in text.splitlines() if re.match(r"^[\w.]+(Error|Exhausted|Refused)\b.*: ", line)]
-    return (raised[-1] if raised else text.strip().splitlines()[-1])[:160]
 
 
 def _short(value: Any) -> str:

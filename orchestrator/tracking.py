@@ -36,6 +36,7 @@ import yaml
 from ray import tune
 
 from orchestrator.config import Domain, SweepSpec
+from orchestrator.failures import exception_line, last_failure
 
 logger = logging.getLogger(__name__)
 
@@ -571,10 +572,5 @@ def _refusal(result: dict[str, Any]) -> str | None:
 
 
 def _error_summary(trial) -> str:
-    """The last line of the trial's newest failure (the exception and its message)."""
-    try:
-        text = Path(trial.error_file).read_text() if trial.error_file else ""
-    except OSError:
-        text = ""
-    lines = [line for line in text.rsplit("Failure # ", 1)[-1].splitlines() if line.strip()]
-    return (lines[-1] if lines else "unknown error")[:MAX_TAG_CHARS]
+    """The exception line of the trial's newest failure."""
+    return exception_line(last_failure(trial.error_file))[:MAX_TAG_CHARS]

@@ -1,11 +1,12 @@
-"""The Tune-level OOM handling: which failures shrink the plan, and which end the trial."""
+"""The Tune-level failure handling: which failures shrink the plan, and which end the trial."""
 
 from types import SimpleNamespace
 
 from ray.tune.schedulers import FIFOScheduler
 
-from orchestrator.retry import OomAwareScheduler, classify, last_failure
-from trainables.trainable import OOM_GAVE_UP_KEY, OOM_SHRINKS_KEY
+from orchestrator.failures import classify, exception_line, last_failure
+from orchestrator.retry import OomAwareScheduler
+from trainables.trainable import NOT_RETRIED_KEY, OOM_GAVE_UP_KEY, OOM_SHRINKS_KEY, OTHER_FAILURES_KEY
 
 
 def _trial(tmp_path, text, config=None, failures=1, max_failures=3):
@@ -58,8 +59,30 @@ def test_a_trial_that_gave_up_is_not_trained_again(tmp_path):
     assert trial.run_metadata.num_failures == trial.max_failures  # its next failure is its last
 
 
-def test_other_errors_are_left_to_tune(tmp_path):
+def test_other_errors_are_not_retried_by_default(tmp_path):
+    """As with Tune's own default (max_failures=0): a bug in the model fails its trial once."""
     scheduler = OomAwareScheduler(FIFOScheduler())
-    trial = _trial(tmp_path, "Failure # 1\nValueError: a bug\n")
+    trial = _trial(tmp_path, "Failure # 1\nTraceback\n  File x\nmy_models.wide.ShapeError: bad width 17\n")
     scheduler.on_trial_error(None, trial)
-    assert trial.config == {"lr": 0.1} and trial.run_metadata.num_failures == 1
+    assert trial.config == {"lr": 0.1, OTHER_FAILURES_KEY: 1, NOT_RETRIED_KEY: "ShapeError: bad width 17"}
+    assert trial.run_metadata.num_failures == trial.max_failures  # the restart Tune makes is the last
+
+
+def test_other_errors_are_retried_up_to_max_failures(tmp_path):
+    scheduler = OomAwareScheduler(FIFOScheduler(), max_failures=1)
+    trial = _trial(tmp_path, "Failure # 1\nOSError: stale file handle\n")
+    scheduler.on_trial_error(None, trial)
+    assert trial.config == {"lr": 0.1, OTHER_FAILURES_KEY: 1} and trial.run_metadata.num_failures == 1
+    trial = _trial(tmp_path, "Failure # 2\nOSError: stale file handle\n", config=trial.config, failures=2)
+    scheduler.on_trial_error(None, trial)
+    assert trial.config[NOT_RETRIED_KEY] == "OSError: stale file handle"
+
+
+def test_the_exception_line_is_the_innermost_without_its_module():
+    text = (
+        "ray.exceptions.RayTaskError(OomRetriesExhausted): \x1b[36mray::ImplicitFunc.train()\x1b[39m\n"
+        "  File x, in run\n    raise ValueError(f'a: {b}')\n"
+        "orchestrator.oom.OomRetriesExhausted: out of memory in train; 2 OOM event(s):\n  epoch 0 ...\n"
+    )
+    assert exception_line(text) == "OomRetriesExhausted: out of memory in train; 2 OOM event(s):"
+    assert exception_line("Traceback\n  File x\nKeyboardInterrupt\n") == "KeyboardInterrupt"

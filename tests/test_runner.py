@@ -4,7 +4,7 @@ import os
 from types import SimpleNamespace
 
 from orchestrator.config import parse_spec
-from orchestrator.runner import SweepOutcome, _experiment_name, _row, error_summary, summary_table
+from orchestrator.runner import SweepOutcome, _experiment_name, _row, summary_table
 
 SPEC = parse_spec({
     "experiment": "exp", "workload": "mlp", "search_space": {"lr": {"choice": [0.1, 0.01]}},
@@ -39,11 +39,6 @@ def test_refused_and_errored_trials():
     assert errored.status == "ERROR" and errored.note == "ValueError: bad width"
     assert "REFUSED: needs 31 GiB" in summary_table([refused], 3)
     assert "  3/3  " in summary_table([_row(result({**METRICS, "done": True}), SPEC)], 3)
-
-
-def test_error_summary_finds_the_innermost_exception_line():
-    text = "RayTaskError(OomRetriesExhausted): ray::ImplicitFunc.train()\n  File x\norchestrator.oom.OomRetriesExhausted: out of memory in train; 2 OOM event(s):\n  epoch 0 ..."
-    assert error_summary(RuntimeError(text)).startswith("orchestrator.oom.OomRetriesExhausted: out of memory in train")
 
 
 def test_each_run_gets_its_own_folder_unless_named(tmp_path):

@@ -1,4 +1,5 @@
-"""Trials on a real local Ray that run out of memory on an emulated small GPU, and survive."""
+"""Trials on a real local Ray that run out of memory on an emulated small GPU, and survive;
+and trials whose failure is not about memory, which are not retried beyond ``max_failures``."""
 
 import pytest
 import ray
@@ -102,3 +103,14 @@ def test_a_worker_killed_by_an_oom_is_restarted_by_tune_with_a_smaller_plan(tmp_
     assert state["trainer"]["epoch"] == 1
     # The eval OOM (batch 128 needs 6 MiB) was an ordinary exception: shrunk in-process.
     assert any(e["phase"] == "eval" for e in state["oom_events"]) and state["plan"]["eval_batch"] < 128
+
+
+@pytest.mark.parametrize("max_failures,attempts", [(0, 1), (1, 2)])
+def test_a_bug_is_not_retried_beyond_max_failures(tmp_path, max_failures, attempts):
+    log = tmp_path / "attempts.txt"
+    outcome = sweep(tmp_path, {"name": "tests.workloads:BuggyWorkload", "params": {"attempts_file": str(log)}},
+                    {"device": "cpu", "estimator": "none", "max_oom_retries": 3}, epochs=1, max_failures=max_failures)
+    (row,) = outcome.rows
+    assert not outcome.ok and row.status == "ERROR"
+    assert log.read_text().count("attempt") == attempts  # not 1 + max_oom_retries
+    assert row.note.startswith("NotRetriedError: ValueError: mat1 and mat2 shapes cannot be multiplied")

@@ -1,4 +1,4 @@
-"""Workloads that exist to put memory under pressure in tests (importable by Ray workers as
+"""Workloads that exist to put memory under pressure (or fail) in tests (importable by Ray workers as
 ``tests.workloads:Name``: the runner puts the working directory on the workers' path)."""
 
 import dataclasses
@@ -41,3 +41,18 @@ class DiesOnOomWorkload(CNNWorkload):
             if model.training:
                 os._exit(1)
             raise
+
+
+@dataclasses.dataclass
+class BuggyWorkload(MLPWorkload):
+    """A model with a bug that no retry fixes; every attempt leaves a line in ``attempts_file``."""
+
+    attempts_file: str = ""
+
+    def build_model(self):
+        with open(self.attempts_file, "a") as f:
+            f.write("attempt\n")
+        return super().build_model()
+
+    def loss(self, model, batch):
+        raise ValueError("mat1 and mat2 shapes cannot be multiplied (64x32 and 31x16)")

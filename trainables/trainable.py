@@ -19,6 +19,7 @@ import torch
 from orchestrator import nvml
 from orchestrator.config import SweepSpec
 from orchestrator.device import CudaDevice, Device, configure_allocator, open_device
+from orchestrator.failures import NotRetriedError
 from orchestrator.oom import OomEvent, OomRetriesExhausted, bytes_requested, is_oom, release_memory
 from orchestrator.planner import Plan, make_plan, next_reduction
 from trainables.loop import EpochResult, Trainer
@@ -30,11 +31,23 @@ OOM_SHRINKS_KEY = "_oom_shrinks"
 #: Set by the scheduler after this trial gave up on OOMs, so that the restart Tune insists on
 #: fails at once instead of training into the same OOM again.
 OOM_GAVE_UP_KEY = "_oom_gave_up"
+#: How often the trial failed for a reason other than memory (counted by the scheduler).
+OTHER_FAILURES_KEY = "_other_failures"
+#: Set by the scheduler, with the error's line, when such failures exceed the sweep's
+#: ``max_failures``: the restart fails at once instead of running into the same bug again.
+NOT_RETRIED_KEY = "_not_retried"
 STATE_FILE = "state.pt"
 
 
 def train_trial(config: dict[str, Any], spec: SweepSpec) -> None:
     """Tune entry point (wrapped with ``tune.with_parameters(train_trial, spec=spec)``)."""
+    if config.get(OOM_GAVE_UP_KEY):
+        raise OomRetriesExhausted(config[OOM_GAVE_UP_KEY])
+    if config.get(NOT_RETRIED_KEY):
+        raise NotRetriedError(
+            f"{config[NOT_RETRIED_KEY]} (failed {config.get(OTHER_FAILURES_KEY, 1)} time(s); errors other "
+            f"than out-of-memory are retried at most max_failures={spec.max_failures} time(s))"
+        )
     TrialRun(config, spec).run()
 
 
@@ -63,8 +76,6 @@ class TrialRun:
 
     # -- the story ---------------------------------------------------------------------------
     def run(self) -> None:
-        if self.config.get(OOM_GAVE_UP_KEY):
-            raise OomRetriesExhausted(self.config[OOM_GAVE_UP_KEY])
         self.plan = self._starting_plan()
         if self.plan.refusal:
             self._report_refusal()
