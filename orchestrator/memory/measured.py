@@ -208,20 +208,13 @@ def _fit(phase, seen: dict[int, tuple], breakdown: dict, extra: dict, on_gpu: bo
     points = tuple((b, seen[b][0]) for b in batches)
     (b0, m0), (b1, m1) = points[-2], points[-1]
     slope = math.ceil((m1 - m0) / (b1 - b0))
-    grads = breakdown["grads"] if phase.kind == "train" else 0
-    states = breakdown["params"] + grads + breakdown["optimizer"] + breakdown["buffers"]
     if on_gpu:  # the allocator's own reserved/allocated at the largest probe
         allocated, reserved = seen[b1][0], seen[b1][1]
         extra = {**extra, "fragmentation": max(reserved / allocated - 1, 0.0) if allocated else 0.0}
-    return PhaseProfile(
-        name=phase.name,
-        kind=phase.kind,
-        params=breakdown["params"],
-        grads=grads,
-        optimizer=breakdown["optimizer"],
-        buffers=breakdown["buffers"],
-        activations_per_sample=slope,
-        fixed_other=m1 - slope * b1 - states,
+    return PhaseProfile.from_line(
+        phase, params=breakdown["params"], grads=breakdown["grads"] if phase.kind == "train" else 0,
+        optimizer=breakdown["optimizer"], buffers=breakdown["buffers"],
+        slope=slope, intercept=m1 - slope * b1,
         step_floor=max((seen[b][2] for b in batches if len(seen[b]) == 3), default=0),
         points=points,
         **extra,

@@ -86,6 +86,16 @@ class PhaseProfile:
         if self.kind not in ("train", "eval"):
             raise ValueError(f"phase kind: expected train or eval, got {self.kind!r}")
 
+    @classmethod
+    def from_line(cls, phase, *, params: int, grads: int, optimizer: int, buffers: int,
+                  slope: int, intercept: int, **rest) -> PhaseProfile:
+        """A phase (anything with ``name`` and ``kind``) whose allocated bytes follow
+        ``intercept + slope * b``, split into the model's states and what the peak holds beyond them."""
+        return cls(
+            name=phase.name, kind=phase.kind, params=params, grads=grads, optimizer=optimizer, buffers=buffers,
+            activations_per_sample=slope, fixed_other=intercept - (params + grads + optimizer + buffers), **rest,
+        )
+
     @property
     def states(self) -> int:
         return self.params + self.grads + self.optimizer + self.buffers

@@ -138,15 +138,9 @@ def _phase(phase: Phase, states: dict[str, int], bounds: dict[int, int], extra: 
     held = states["params"] + grads + states["optimizer"] + states["buffers"]
     points = tuple((b, held + bound) for b, bound in sorted(bounds.items()))
     slope, intercept = line_through(points)
-    return PhaseProfile(
-        name=phase.name,
-        kind=phase.kind,
-        params=states["params"],
-        grads=grads,
-        optimizer=states["optimizer"],
-        buffers=states["buffers"],
-        activations_per_sample=slope,
-        fixed_other=intercept - held,
+    return PhaseProfile.from_line(
+        phase, params=states["params"], grads=grads, optimizer=states["optimizer"], buffers=states["buffers"],
+        slope=slope, intercept=intercept,
         step_floor=states["step_peak"] + states["scalar"] * STEP_SCALARS if train else 0,
         points=points,
         **extra,

@@ -132,16 +132,7 @@ def _fit(phase: Phase, runs: dict[int, _Run], probes, extra: dict) -> tuple[Phas
         )
     slope, intercept = line_through(points)
     last = runs[b3]
-    states = last.params + last.grads + last.optimizer + last.buffers
-    return PhaseProfile(
-        name=phase.name,
-        kind=phase.kind,
-        params=last.params,
-        grads=last.grads,
-        optimizer=last.optimizer,
-        buffers=last.buffers,
-        activations_per_sample=slope,
-        fixed_other=intercept - states,
-        points=points,
-        **extra,
+    return PhaseProfile.from_line(
+        phase, params=last.params, grads=last.grads, optimizer=last.optimizer, buffers=last.buffers,
+        slope=slope, intercept=intercept, points=points, **extra,
     ), note
