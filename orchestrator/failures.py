@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import re
 
+from orchestrator.oom import OOM_MESSAGES
+
 _GAVE_UP = ("OomRetriesExhausted",)
-_OOM = ("OutOfMemoryError", "out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
 _WORKER_DIED = ("RayActorError", "actor died unexpectedly", "ActorDiedError")
 
 #: ``package.module.SomeError: message`` (the module path is dropped when shown)
@@ -47,7 +48,7 @@ def classify(failure: str) -> str:
     """``gave_up`` | ``oom`` | ``worker_died`` | ``other``."""
     if any(s in failure for s in _GAVE_UP):
         return "gave_up"
-    if any(s.lower() in failure.lower() for s in _OOM):
+    if "OutOfMemoryError" in failure or OOM_MESSAGES.search(failure):  # the worker's own test, on text
         return "oom"
     if any(s in failure for s in _WORKER_DIED):
         return "worker_died"

@@ -16,7 +16,7 @@ import torch
 
 #: Messages of allocation failures that do not come as ``torch.OutOfMemoryError``
 #: (cuBLAS/cuDNN workspaces, the CUDA driver itself).
-_OOM_MESSAGES = re.compile(
+OOM_MESSAGES = re.compile(
     r"out of memory|CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED|cudaErrorMemoryAllocation",
     re.IGNORECASE,
 )
@@ -26,7 +26,7 @@ _UNIT = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or (
-        isinstance(exc, RuntimeError) and bool(_OOM_MESSAGES.search(str(exc)))
+        isinstance(exc, RuntimeError) and bool(OOM_MESSAGES.search(str(exc)))
     )
 
 

@@ -29,6 +29,7 @@ def test_the_newest_failure_block_is_read(tmp_path):
 def test_failures_are_classified():
     assert classify("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB") == "oom"
     assert classify("RuntimeError: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate") == "oom"
+    assert classify("RuntimeError: cuDNN error: CUDNN_STATUS_ALLOC_FAILED") == "oom"  # as the worker's is_oom
     assert classify("ray.exceptions.RayActorError: The actor died unexpectedly") == "worker_died"
     assert classify("orchestrator.oom.OomRetriesExhausted: out of memory in train and no smaller plan") == "gave_up"
     assert classify("ValueError: a bug in the model") == "other"
