@@ -292,33 +292,30 @@ def _memory(value: Any) -> MemoryPolicy:
 
 
 def _check_workload_parameters(spec: SweepSpec) -> None:
-    """Every parameter must belong to a workload of the sweep; catches typos such as ``widht``."""
+    """Every parameter must belong to a workload of the sweep (catches typos such as ``widht``),
+    and every value a trial may get must fit the type each workload declares for it."""
     from trainables.workload import WorkloadNotFound, resolve_workload
 
-    accepted: set[str] = {"workload"}
+    classes = {}
     for name in spec.workload_names():
         try:
-            accepted |= set(resolve_workload(name).parameter_names())
+            classes[name] = resolve_workload(name)
         except WorkloadNotFound as exc:
             where = "search_space.workload" if "workload" in spec.search_space else "workload.name"
             raise ConfigError(f"{where}: {exc}") from None
-    for section, keys in (("workload.params", spec.params), ("search_space", spec.search_space)):
-        for key in keys:
-            if key not in accepted:
-                raise ConfigError(
-                    f"{section}.{key}: not a parameter of workload {' or '.join(spec.workload_names())} "
-                    f"(expected one of: {', '.join(sorted(accepted - {'workload'}))})"
-                )
+    accepted = {"workload"}.union(*(cls.parameter_names() for cls in classes.values()))
     for section, values in (("workload.params", spec.params), ("search_space", spec.search_space)):
         for key, value in values.items():
+            if key not in accepted:
+                raise ConfigError(
+                    f"{section}.{key}: not a parameter of workload {' or '.join(classes)} "
+                    f"(expected one of: {', '.join(sorted(accepted - {'workload'}))})"
+                )
             if key != "workload":
-                _check_parameter_values(spec, f"{section}.{key}", key, value)
+                _check_parameter_values(classes, f"{section}.{key}", key, value)
 
 
-def _check_parameter_values(spec: SweepSpec, path: str, key: str, value: Domain | Any) -> None:
-    """Every value a trial may get must fit the type each workload declares for ``key``."""
-    from trainables.workload import resolve_workload
-
+def _check_parameter_values(classes: dict, path: str, key: str, value: Domain | Any) -> None:
     if not isinstance(value, Domain):
         candidates = [(path, value, f"got {value!r}")]
     elif value.kind in ("choice", "grid"):
@@ -326,9 +323,9 @@ def _check_parameter_values(spec: SweepSpec, path: str, key: str, value: Domain 
     else:  # a distribution: one of its samples stands for all (floats, or integers for randint)
         sampled = "integers" if value.kind == "randint" else "floats"
         candidates = [(f"{path}.{value.kind}", value.args[0], f"{value.kind} samples {sampled}")]
-    for name in spec.workload_names():
+    for name, cls in classes.items():
         for where, candidate, got in candidates:
-            expected = resolve_workload(name).parameter_error(key, candidate)
+            expected = cls.parameter_error(key, candidate)
             if expected is not None:
                 raise ConfigError(f"{where}: workload {name}'s {key} expects {expected}, {got}")
 
