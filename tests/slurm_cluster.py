@@ -92,7 +92,9 @@ class LocalSlurm:
         self._wait_until_idle(timeout)
 
     def stop(self) -> None:
-        """SIGTERM the daemons we started (slurmd first), then SIGKILL what is left."""
+        """Cancel the jobs still in the queue, then SIGTERM the daemons we started (slurmd first)
+        and SIGKILL what is left."""
+        self._cancel_jobs()
         for name in ("slurmd", "slurmctld", "munged"):
             pid = self.pids.get(name)
             if pid is None:
@@ -107,6 +109,21 @@ class LocalSlurm:
             self.pids.pop(name, None)
         if getattr(self, "munge_dir", None):
             shutil.rmtree(self.munge_dir, ignore_errors=True)
+
+    def _cancel_jobs(self, timeout: float = 90) -> None:
+        """A job a failed test left running gets SLURM's own cancel (its script's TERM trap tears
+        its Ray cluster down); stopping slurmd under it would orphan those processes instead."""
+        if "slurmctld" not in self.pids:
+            return
+        env = self.env()
+        queue = lambda: subprocess.run(["squeue", "-h", "-o", "%A"], env=env, capture_output=True, text=True).stdout.split()  # noqa: E731
+        jobs = queue()
+        if not jobs:
+            return
+        subprocess.run(["scancel", *jobs], env=env, capture_output=True)
+        deadline = time.monotonic() + timeout
+        while queue() and time.monotonic() < deadline:
+            time.sleep(1)
 
     def _munged_pid(self) -> int | None:
         try:
