@@ -468,9 +468,9 @@ class StepRunner:
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
     def batch(self, data, b: int):
-        from trainables.workload import take
+        from trainables.workload import sample_batch
 
-        return take(data, [i % len(data) for i in range(b)])
+        return sample_batch(self.workload, data, b)
 
     def _window(self):
         self.device.track(self._state())

@@ -16,7 +16,7 @@ import torch
 
 from orchestrator.device import Device, MemoryReading
 from trainables.step import eval_step, make_grad_scaler, train_step
-from trainables.workload import Workload, take
+from trainables.workload import Workload
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class Trainer:
         losses = []
         for self.step in range(self.steps_per_epoch):
             indices = order[self.step * effective : (self.step + 1) * effective]
-            micro_batches = [take(self.train_data, indices[i : i + micro]) for i in range(0, len(indices), micro)]
+            micro_batches = [self._collate(self.train_data, indices[i : i + micro]) for i in range(0, len(indices), micro)]
             loss = train_step(
                 self.workload, self.model, self.optimizer, micro_batches,
                 self.device.torch_device, self.plan.precision, self.scaler,
@@ -99,9 +99,17 @@ class Trainer:
         for self.step in range(math.ceil(count / batch)):
             indices = list(range(self.step * batch, min((self.step + 1) * batch, count)))
             total += eval_step(
-                self.workload, self.model, take(self.eval_data, indices), self.device.torch_device, self.plan.precision
+                self.workload, self.model, self._collate(self.eval_data, indices), self.device.torch_device, self.plan.precision
             ).item()
         return total / count
+
+    def _collate(self, dataset, indices):
+        from torch.utils.data import TensorDataset
+
+        if isinstance(dataset, TensorDataset):  # a gather, not views of the dataset's storage
+            index = torch.as_tensor(indices, dtype=torch.long)
+            return tuple(t[index] for t in dataset.tensors)
+        return self.workload.collate([dataset[i] for i in indices])
 
     def _state_tensors(self):
         yield from self.model.parameters()

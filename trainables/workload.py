@@ -1,10 +1,11 @@
 """The contract between a model and the orchestrator.
 
 A workload is everything the generic training loop, the memory estimators and the planner
-need to know about one model: how to build it and its optimizer, where its data comes from, and
-how to compute its loss. Hyper-parameters are dataclass fields, so a sweep's YAML can be checked
-against them before anything starts, and a user's own model plugs in by subclassing
-:class:`Workload` and naming it as ``my_package.my_module:MyWorkload``.
+need to know about one model: how to build it and its optimizer, where its data come from and
+how they are batched, how to compute its loss and what to measure on the eval set.
+Hyper-parameters are dataclass fields, so a sweep's YAML can be checked against them before
+anything starts, and a user's own model plugs in by subclassing :class:`Workload` and naming it
+as ``my_package.my_module:MyWorkload``.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import dataclasses
 import importlib
 import types
 import typing
-from typing import Any, ClassVar, Literal, Sequence
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
-#: A batch is whatever ``Dataset.__getitem__`` yields, collated: usually a tuple of tensors.
+#: A batch is whatever :meth:`Workload.collate` makes of a list of samples: usually a tuple or
+#: dict of tensors, but anything the workload's ``loss`` understands (a graph batch, say).
 Batch = Any
 
 
@@ -38,22 +40,58 @@ class Workload:
 
     #: Whether :meth:`set_activation_checkpointing` does anything (the planner may then use it).
     supports_activation_checkpointing: ClassVar[bool] = False
+    #: What :meth:`summarize_metrics` reports, each as ``eval_<name>``. Declared, so that a
+    #: sweep's ``metric: eval_accuracy`` is checked before anything starts.
+    metrics: ClassVar[tuple[str, ...]] = ("loss",)
 
     # -- what a subclass must provide ---------------------------------------------------------
     def build_model(self) -> nn.Module:
         raise NotImplementedError
 
     def train_data(self) -> Dataset:
+        """A map-style dataset (``len`` and ``[i]``); the loop batches it through a DataLoader."""
         raise NotImplementedError
 
     def eval_data(self) -> Dataset:
         raise NotImplementedError
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        """Mean loss over the batch (the loop rescales it for gradient accumulation)."""
+        """Mean loss over the batch (the loop weights it by the batch's share of the step)."""
         raise NotImplementedError
 
     # -- what a subclass may override ---------------------------------------------------------
+    def collate(self, samples: list) -> Batch:
+        """Samples -> one batch, in the DataLoader's worker processes. Override for batches that
+        stacking cannot make: padded variable-length sequences, graphs, dicts of ragged data."""
+        return default_collate(samples)
+
+    def largest_sample(self) -> Any:
+        """One sample at least as large as any the training data holds.
+
+        The estimators build every batch they measure from copies of it, so memory is planned
+        for the worst batch. The first sample is right for fixed-size data; with variable-length
+        sequences, return the longest (or one padded to the maximum length).
+        """
+        return self.train_data()[0]
+
+    def eval_metrics(self, model: nn.Module, batch: Batch, samples: int) -> dict[str, torch.Tensor]:
+        """Sums over the ``samples`` samples of an eval ``batch``, keyed by name.
+
+        The loop adds each over the eval set and hands the totals to :meth:`summarize_metrics`.
+        The default is the loss; a workload that reports accuracy computes both from one
+        forward pass, e.g. ``{"loss": F.cross_entropy(logits, y, reduction="sum"),
+        "accuracy": (logits.argmax(-1) == y).sum()}``, and declares ``metrics``. Return tensors,
+        not Python numbers: the loop reads them once per eval, not once per batch.
+        """
+        return {"loss": self.loss(model, batch) * samples}
+
+    def summarize_metrics(self, totals: dict[str, float], samples: int) -> dict[str, float]:
+        """The eval set's totals -> what is reported (``eval_<name>``); by default, per-sample means.
+
+        Override for metrics that are not means, e.g. perplexity ``exp(totals["loss"] / samples)``.
+        """
+        return {name: total / samples for name, total in totals.items()}
+
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         params = [p for p in model.parameters() if p.requires_grad]
         if self.optimizer == "sgd":
@@ -63,6 +101,13 @@ class Workload:
         if self.optimizer == "adamw":
             return torch.optim.AdamW(params, lr=self.lr)
         raise ValueError(f"optimizer: expected one of sgd, adam, adamw, got {self.optimizer!r}")
+
+    def build_scheduler(
+        self, optimizer: torch.optim.Optimizer, total_steps: int
+    ) -> torch.optim.lr_scheduler.LRScheduler | None:
+        """A learning-rate scheduler stepped once per optimizer step, or None for the sweep's
+        ``schedule`` (warm-up and decay written in YAML; constant when there is none)."""
+        return None
 
     def activation_schedule(self) -> dict[str, int]:
         """Epoch at which each optional module switches on (none by default).
@@ -88,6 +133,11 @@ class Workload:
     def stage_epochs(self) -> list[int]:
         """First epoch of every distinct module-activation stage (0 included)."""
         return sorted({0, *self.activation_schedule().values()})
+
+    @classmethod
+    def overrides(cls, method: str) -> bool:
+        """Whether this workload defines ``method`` itself rather than inheriting the base's."""
+        return getattr(cls, method) is not getattr(Workload, method)
 
     @classmethod
     def parameter_names(cls) -> list[str]:
@@ -171,20 +221,18 @@ def build_workload(config: dict[str, Any]) -> Workload:
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
+    """Move every tensor of a batch (nested tuples, lists, dicts) to ``device``; others stay."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
+    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
         return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, tuple):  # a namedtuple
+        return type(batch)(*(to_device(b, device) for b in batch))
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     return batch
 
 
-def take(dataset: Dataset, indices: Sequence[int]) -> Batch:
-    """Collate ``dataset[i] for i in indices`` the way a DataLoader would."""
-    from torch.utils.data import TensorDataset, default_collate
-
-    if isinstance(dataset, TensorDataset):  # one gather per tensor instead of one per sample
-        index = torch.as_tensor(indices, dtype=torch.long)
-        return tuple(t[index] for t in dataset.tensors)
-    return default_collate([dataset[i] for i in indices])
+def sample_batch(workload: Workload, dataset: Dataset, size: int) -> Batch:
+    """``size`` samples of ``dataset`` (cycling when it is shorter), collated as the loop does."""
+    return workload.collate([dataset[i % len(dataset)] for i in range(size)])

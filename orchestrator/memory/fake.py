@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from orchestrator.memory.cuda_emulation import cuda_semantics
 from orchestrator.tensor_tracker import CUDA_BLOCK, StorageTracker
-from trainables.workload import Workload, take
+from trainables.workload import Workload
 
 
 class Untraceable(Exception):
@@ -113,7 +113,7 @@ def fake_setup(workload: Workload, target: str, trace_on: str | None = None) -> 
         for group in optimizer.param_groups:
             if group.get("foreach", False) is None:
                 group["foreach"] = True
-    sample = take(workload.train_data(), [0])
+    sample = workload.collate([workload.largest_sample()])
     return FakeSetup(mode, device, model, optimizer, sample, CUDA_BLOCK if target == "cuda" else 1, emulate)
 
 

@@ -26,7 +26,7 @@ from orchestrator.device import CpuDevice, CudaDevice, Device
 from orchestrator.memory.phases import enter_phase, phases_of
 from orchestrator.memory.profile import CUBLAS_WORKSPACE_BYTES, MemoryProfile, PhaseProfile, Settings, overheads
 from trainables.step import eval_step, make_grad_scaler, train_step
-from trainables.workload import Workload, take
+from trainables.workload import Workload, sample_batch
 
 FIRST_PROBE = 2
 MAX_PROBE = 1024
@@ -50,7 +50,7 @@ class _Probe:
         self.scaler = make_grad_scaler(settings.precision, dev)
         self.train_data, self.eval_data = workload.train_data(), workload.eval_data()
         self.fb_peak = self.fb_reserved = self.step_peak = 0
-        sample = take(self.train_data, [0])
+        sample = sample_batch(workload, self.train_data, 1)
         on_host = dev.type == "cpu"  # the loop's batches are device memory as they are built
         self.resident_per_sample = sum(t.nbytes for t in tree_leaves(sample) if isinstance(t, torch.Tensor)) if on_host else 0
         self.optimizer.register_step_pre_hook(self._before_step)
@@ -78,15 +78,19 @@ class _Probe:
             torch.cuda.empty_cache()
 
     def _batch(self, data, size: int):
-        return take(data, [i % len(data) for i in range(size)])
+        return sample_batch(self.workload, data, size)
 
     def train(self, size: int, micro_batches: int) -> tuple[int, int, int]:
         """(forward/backward peak allocated, its peak reserved, optimizer-step peak) of one step."""
+        # The loop's micro-batches: collated on the host (indexing a dataset inside the window
+        # would count the dataset's storage), then resident on the CPU or copied to a GPU.
+        batch = self._batch(self.train_data, size)
         self.device.track(self._state())
+        self.device.track(self._tensors(batch))
         self.device.reset_peak()
         with self.device.measuring():
-            # the loop's micro-batches: built before the step (resident on the CPU, copied to a GPU)
-            batches = [self._batch(self.train_data, size)] * micro_batches
+            batches = [batch] * micro_batches
+            del batch
             train_step(
                 self.workload, self.model, self.optimizer, batches, self.device.torch_device,
                 self.settings.precision, self.scaler,
@@ -95,12 +99,18 @@ class _Probe:
         return self.fb_peak, self.fb_reserved, self.step_peak - self.resident_per_sample * size
 
     def eval(self, size: int) -> tuple[int, int]:
+        batch = self._batch(self.eval_data, size)
         self.device.track(self._state())
+        self.device.track(self._tensors(batch))
         self.device.reset_peak()
         with self.device.measuring():
-            eval_step(self.workload, self.model, self._batch(self.eval_data, size), self.device.torch_device, self.settings.precision)
+            eval_step(self.workload, self.model, batch, self.device.torch_device, self.settings.precision)
+            del batch
         reading = self.device.reading()
         return reading.peak_allocated, reading.peak_reserved or 0
+
+    def _tensors(self, batch):
+        return [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)] if self.device.torch_device.type == "cpu" else []
 
     def bytes_of(self, tensors) -> int:
         seen, total = set(), 0

@@ -26,7 +26,7 @@ from orchestrator.memory.phases import Phase, enter_phase, phases_of
 from orchestrator.memory.profile import MemoryProfile, PhaseProfile, Settings, overheads
 from orchestrator.tensor_tracker import CUDA_BLOCK, StorageTracker
 from trainables.step import autocast
-from trainables.workload import Workload, take, to_device
+from trainables.workload import Workload, sample_batch, to_device
 
 PROBE_BATCHES = (2, 128)
 #: Gradients alive at once during backward, in units of the largest forward tensor.
@@ -122,12 +122,12 @@ def _on_real_cpu(workload: Workload, settings: Settings, target: str):
     states = _states(model, optimizer, tracker)
     data = workload.train_data()
     device = torch.device("cpu")
-    make_batch = lambda b: take(data, [i % len(data) for i in range(b)])  # noqa: E731
+    make_batch = lambda b: sample_batch(workload, data, b)  # noqa: E731
     bounds = {
         phase.name: _forward_bounds(workload, model, phase, settings, device, round_to, make_batch, REAL_PROBE_BATCHES)
         for phase in phases_of(workload)
     }
-    sample = take(data, [0])
+    sample = sample_batch(workload, data, 1)
     resident = 0 if target == "cuda" else sum(t.nbytes for t in torch.utils._pytree.tree_leaves(sample) if isinstance(t, torch.Tensor))
     return states, bounds, resident
 
