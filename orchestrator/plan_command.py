@@ -114,7 +114,7 @@ def _as_text(policy, target: str, budget: int | None, results: list[dict]) -> st
         plan, profile = r["plan"], r["profile"]
         for phase in profile.phases:
             b = plan.micro_batch if phase.kind == "train" else plan.eval_batch
-            peak = phase.reserved_at(b, plan.effective_batch)
+            peak = phase.reserved_at(b)
             worst = "worst" if phase.name == plan.predicted_phase else ""
             rows.append([
                 r["trial"], r["config"]["workload"], phase.name, _size(phase.params), _size(phase.grads),

@@ -109,7 +109,7 @@ def plan_with_profile(
         profile = profiles.get(settings)
         if profile is None:
             continue
-        micro = _largest(lambda m: _train_peak(profile, m, effective_batch), limit, effective_batch)
+        micro = _largest(lambda m: _train_peak(profile, m), limit, effective_batch)
         eval_batch = _largest(lambda b: _eval_peak(profile, b), limit, eval_cap)
         if micro and eval_batch:
             micro, note = _prefer_divisor(micro, effective_batch)
@@ -198,8 +198,8 @@ def _eval_samples(workload) -> int:
         return 2**31
 
 
-def _train_peak(profile: MemoryProfile, micro: int, effective: int) -> int:
-    return max(p.reserved_at(micro, effective) for p in profile.phases_of("train"))
+def _train_peak(profile: MemoryProfile, micro: int) -> int:
+    return max(p.reserved_at(micro) for p in profile.phases_of("train"))
 
 
 def _eval_peak(profile: MemoryProfile, batch: int) -> int:
@@ -236,7 +236,7 @@ def _prefer_divisor(micro: int, effective: int) -> tuple[int, str]:
 
 
 def _plan(profile: MemoryProfile, micro: int, effective: int, eval_batch: int, budget: int | None, note: str) -> Plan:
-    phases = profile.phase_peaks(micro, eval_batch, effective)
+    phases = profile.phase_peaks(micro, eval_batch)
     worst = max(phases, key=phases.__getitem__)
     fallback = next((n for n in profile.notes if n.startswith("trace impossible")), None)
     return Plan(
@@ -262,10 +262,10 @@ def _refuse(workload, policy, effective: int, budget: int, limit: int, profiles:
         needs = f"could not be estimated ({profiles.errors.get(start, 'no profile')})"
         phases: dict[str, int] = {}
     else:
-        needs = f"needs {_breakdown_at_one(profile, effective)}"
-        phases = profile.phase_peaks(1, 1, effective)
+        needs = f"needs {_breakdown_at_one(profile)}"
+        phases = profile.phase_peaks(1, 1)
     margin = f" (x safety margin {policy.safety_margin:g} = {format_bytes(limit)})" if policy.safety_margin != 1 else ""
-    message = f"{needs}, budget {format_bytes(budget)}{margin}; {_what_would_fit(workload, policy, effective, limit, profiles, start)}"
+    message = f"{needs}, budget {format_bytes(budget)}{margin}; {_what_would_fit(workload, policy, limit, profiles, start)}"
     worst = max(phases, key=phases.__getitem__) if phases else None
     return Plan(
         1, effective, effective, 1, False, policy.precision, profile.estimator if profile else policy.estimator,
@@ -273,8 +273,8 @@ def _refuse(workload, policy, effective: int, budget: int, limit: int, profiles:
     )
 
 
-def _breakdown_at_one(profile: MemoryProfile, effective: int) -> str:
-    peak, name = profile.peak(1, 1, effective)
+def _breakdown_at_one(profile: MemoryProfile) -> str:
+    peak, name = profile.peak(1, 1)
     p = next(ph for ph in profile.phases if ph.name == name)
     parts = [("params", p.params), ("grads", p.grads), ("optim", p.optimizer), ("buffers", p.buffers),
              ("activations/sample", p.activations_per_sample), ("other", p.fixed_other), ("ctx", p.context + p.workspace)]
@@ -283,7 +283,7 @@ def _breakdown_at_one(profile: MemoryProfile, effective: int) -> str:
     return f"{format_bytes(peak)} at micro-batch 1 in {name} ({shown}{frag})"
 
 
-def _what_would_fit(workload, policy, effective: int, limit: int, profiles: _Profiles, start: Settings) -> str:
+def _what_would_fit(workload, policy, limit: int, profiles: _Profiles, start: Settings) -> str:
     """Try what the policy does not allow too, to say what would make the trial fit."""
     lower = policy.lower_precision or "bf16"
     options = []
@@ -298,7 +298,7 @@ def _what_would_fit(workload, policy, effective: int, limit: int, profiles: _Pro
     allowed = _candidates(start, policy, workload.supports_activation_checkpointing)
     for settings, label in options:
         profile = profiles.get(settings)
-        if profile is not None and _train_peak(profile, 1, effective) <= limit and _eval_peak(profile, 1) <= limit:
+        if profile is not None and _train_peak(profile, 1) <= limit and _eval_peak(profile, 1) <= limit:
             hint = "" if settings in allowed else " (which the memory policy does not allow)"
             return f"would fit with {label}{hint}"
     return f"would not fit even with {options[-1][1]}"

@@ -7,12 +7,12 @@ import json
 import pytest
 
 from orchestrator import planner
-from orchestrator.config import MemoryPolicy
+from orchestrator.config import MemoryPolicy, Stop
 from orchestrator.device import EmulatedDevice
 from orchestrator.memory import MemoryProfile, PhaseProfile, Settings
 from orchestrator.planner import Plan, make_plan, next_reduction
 from trainables.cnn import CNNWorkload
-from trainables.loop import LoopPlan, Trainer
+from trainables.loop import LoopPlan, LoopSettings, Trainer
 from trainables.mlp import MLPWorkload
 
 
@@ -180,7 +180,9 @@ def test_a_traced_plan_runs_on_the_emulated_device_without_oom():
     capacity = 3 * 2**20
     plan = make_plan(workload, policy(safety_margin=0.95), 64, capacity, target="emulated")
     assert plan.refusal is None and plan.accum_steps > 1
-    trainer = Trainer(workload, EmulatedDevice(capacity), LoopPlan(plan.micro_batch, 64, plan.eval_batch))
-    result = trainer.run_epoch()  # no OutOfMemoryError
-    # the loop's own epoch bookkeeping (its shuffled order, the losses) is the only difference
-    assert result.memory.peak_allocated == pytest.approx(plan.predicted_peak_bytes, rel=1e-3)
+    device = EmulatedDevice(capacity)
+    with device.measuring():  # counted from the model's construction on, as in a trial
+        trainer = Trainer(workload, device, LoopPlan(plan.micro_batch, 64, plan.eval_batch), LoopSettings(Stop(epochs=1)))
+        (milestone,) = trainer.run()  # no OutOfMemoryError
+    # the loop's own bookkeeping (its running loss) is the only difference
+    assert milestone.memory.peak_allocated == pytest.approx(plan.predicted_peak_bytes, rel=1e-3)

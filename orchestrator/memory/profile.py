@@ -61,10 +61,8 @@ class PhaseProfile:
     tiny batches, say) is not extrapolated from its flat part.
 
     A train phase is a step of two micro-batches of ``b`` (gradient accumulation: the second
-    runs with the first's gradients alive) holding ``b`` samples of input.
-    ``resident_input_per_sample`` is non-zero where the loop's host batches *are* device memory
-    (targets ``cpu``/``emulated``): the loop builds every micro-batch of the effective batch
-    before the step, so ``effective_batch`` samples of input stay for the whole step.
+    runs with the first's gradients alive), each taken by the step when it needs it and
+    dropped before the next: ``b`` samples of input at a time, on every target.
     """
 
     name: str
@@ -80,7 +78,6 @@ class PhaseProfile:
     fragmentation: float = 0.0
     step_floor: int = 0
     points: tuple[tuple[int, int], ...] = ()
-    resident_input_per_sample: int = 0
 
     def __post_init__(self):
         if self.kind not in ("train", "eval"):
@@ -105,15 +102,8 @@ class PhaseProfile:
         """Allocated bytes at ``b = 0`` on the extrapolation line."""
         return self.states + self.fixed_other
 
-    def allocated_at(self, batch: int, effective_batch: int | None = None) -> int:
-        """Predicted peak allocated (tensor) bytes at batch size ``batch``.
-
-        ``effective_batch`` (train phases) counts the input the loop keeps resident for the step.
-        """
-        resident = 0
-        if self.kind == "train" and effective_batch is not None:
-            resident = self.resident_input_per_sample * max(effective_batch - batch, 0)
-        floor = self.step_floor + self.resident_input_per_sample * (effective_batch or batch) if self.step_floor else 0
+    def allocated_at(self, batch: int) -> int:
+        """Predicted peak allocated (tensor) bytes at batch size ``batch``."""
         if len(self.points) >= 2:
             # the segment that contains ``batch``; the outer segments extend beyond the points
             for (b0, m0), (b1, m1) in zip(self.points, self.points[1:]):
@@ -122,11 +112,11 @@ class PhaseProfile:
             curve = m0 + math.ceil((m1 - m0) * (batch - b0) / (b1 - b0))
         else:
             curve = self.fixed + self.activations_per_sample * batch
-        return max(curve + resident, floor, 0)
+        return max(curve, self.step_floor, 0)
 
-    def reserved_at(self, batch: int, effective_batch: int | None = None) -> int:
+    def reserved_at(self, batch: int) -> int:
         """What a plan budgets: allocated plus fragmentation, workspaces and the CUDA context."""
-        allocated = self.allocated_at(batch, effective_batch)
+        allocated = self.allocated_at(batch)
         fragmentation = math.ceil(round(allocated * self.fragmentation, 3))  # no float noise in whole bytes
         return allocated + fragmentation + self.workspace + self.context
 
@@ -155,15 +145,13 @@ class MemoryProfile:
     def batch_for(self, phase: PhaseProfile, micro_batch: int, eval_batch: int) -> int:
         return micro_batch if phase.kind == "train" else eval_batch
 
-    def phase_peaks(self, micro_batch: int, eval_batch: int, effective_batch: int | None = None) -> dict[str, int]:
+    def phase_peaks(self, micro_batch: int, eval_batch: int) -> dict[str, int]:
         """Predicted reserved bytes of every phase at these batch sizes."""
-        return {
-            p.name: p.reserved_at(self.batch_for(p, micro_batch, eval_batch), effective_batch) for p in self.phases
-        }
+        return {p.name: p.reserved_at(self.batch_for(p, micro_batch, eval_batch)) for p in self.phases}
 
-    def peak(self, micro_batch: int, eval_batch: int, effective_batch: int | None = None) -> tuple[int, str]:
+    def peak(self, micro_batch: int, eval_batch: int) -> tuple[int, str]:
         """The worst phase's reserved bytes at these batch sizes, and that phase's name."""
-        peaks = self.phase_peaks(micro_batch, eval_batch, effective_batch)
+        peaks = self.phase_peaks(micro_batch, eval_batch)
         name = max(peaks, key=peaks.__getitem__)
         return peaks[name], name
 
