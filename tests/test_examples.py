@@ -19,7 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from orchestrator.config import Stop
+from orchestrator.device import CpuDevice
 from tests.conftest import ROOT
+from trainables.loop import LoopPlan, LoopSettings, Trainer
 from trainables.examples.causal_lm import IGNORE, PAD, CausalLMWorkload, MarkovSequences, pad_batch
 from trainables.examples.graphs import Graph, GraphWorkload, collate_graphs
 
@@ -91,17 +94,34 @@ def test_the_largest_sequence_is_as_long_as_any_and_the_first_is_shorter():
     assert all(PAD not in s for s in workload.train_data().sequences)
 
 
-def test_padding_changes_neither_the_loss_nor_the_eval_sums():
+def test_padding_adds_nothing_to_the_eval_sums():
     pytest.importorskip("transformers")
     workload = CausalLMWorkload(architecture="llama", max_length=16)
     torch.manual_seed(0)
     model = workload.build_model().eval()
     short, long = torch.randint(1, 256, (5,)), torch.randint(1, 256, (12,))
-    padded = pad_batch([short, long])
     alone = [workload.eval_metrics(model, pad_batch([s]), 1) for s in (short, long)]
-    together = workload.eval_metrics(model, padded, 2)
+    together = workload.eval_metrics(model, pad_batch([short, long]), 2)
     torch.testing.assert_close(together["nll"], alone[0]["nll"] + alone[1]["nll"], rtol=1e-4, atol=1e-4)
     assert together["tokens"] == 4 + 11
+
+
+def test_lm_micro_batches_of_varying_lengths_make_the_whole_batch_update():
+    """The loss is a mean over sequences, so cutting a step of 8 sequences into 3 + 3 + 2
+    (each padded to its own longest) updates the weights as the uncut step does."""
+    pytest.importorskip("transformers")
+    workload = CausalLMWorkload(architecture="llama", layers=1, hidden=32, min_length=4, max_length=24,
+                                train_sequences=32, eval_sequences=8, lr=0.01)
+    settings = LoopSettings(Stop(steps=2))
+    trained = []
+    for micro_batch in (8, 3):
+        device = CpuDevice()
+        with device.measuring():
+            trainer = Trainer(workload, device, LoopPlan(micro_batch, 8, 8), settings)
+            list(trainer.run())
+        trained.append([p.detach().clone() for p in trainer.model.parameters()])
+    for whole, cut in zip(*trained):
+        torch.testing.assert_close(whole, cut, rtol=1e-4, atol=1e-5)
 
 
 # -- the sweeps, planned and run --------------------------------------------------------------

@@ -142,7 +142,7 @@ class Trainer:
     def _train_step(self, batches) -> None:
         self.model.train()
         self.phase, self.position = "train", self.progress.step
-        torch.manual_seed(step_seed(self.seed, self.progress.step))
+        seed_generators(step_seed(self.seed, self.progress.step), self.device.torch_device)
         sizes = self.cut.sizes
         loss = train_step(
             self.workload, self.model, self.optimizer, self._take(batches, len(sizes)), sizes,
@@ -192,7 +192,7 @@ class Trainer:
         """The workload's eval metrics over the whole eval set, as ``eval_<name>``."""
         self.model.eval()
         self.phase = "eval"
-        torch.manual_seed(step_seed(self.seed, self.progress.step) + 2**40)
+        seed_generators(step_seed(self.seed, self.progress.step) + 2**40, self.device.torch_device)
         totals: dict[str, torch.Tensor] = {}
         with self.device.host():
             batches = iter(self.eval_loader)
@@ -250,6 +250,20 @@ class Trainer:
 def step_seed(seed: int, step: int) -> int:
     """The random seed of optimizer step ``step``: the same whenever the step is replayed."""
     return seed * 1_000_003 + step
+
+
+def seed_generators(seed: int, device: torch.device) -> None:
+    """Seed the random generators a step draws from: the CPU's (dropout on the CPU, augmentation
+    in the main process) and, on a GPU, that GPU's.
+
+    Not ``torch.manual_seed``, which also seeds every other backend and, while CUDA is not
+    initialised (every CPU trial), formats the Python stack to queue a seed for later: 1-5 ms per
+    call, once per optimizer step (``bench/loop_throughput.py``).
+    """
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
 
 
 def _due(every: Every, progress: Progress, epoch_ended: bool, seconds_since: float) -> bool:

@@ -10,7 +10,8 @@ stacking cannot), and ``largest_sample`` is a ``max_length`` sequence, so the es
 every batch as if all its sequences were as long as any can be; a plan from the first sample
 would be too small for the batch that happens to hold the longest ones. Evaluation reports the
 per-token loss and its perplexity (``summarize_metrics``: a perplexity is not a mean of
-per-sample values).
+per-sample values); training minimises each sequence's mean next-token loss, averaged over
+sequences (see ``loss``).
 
 The chain's transitions are peaked (each token has ``branching`` likely successors), so the
 loss falls from log(vocab) towards the chain's entropy within a minute on a CPU.
@@ -133,15 +134,30 @@ class CausalLMWorkload(Workload):
         return torch.full((self.max_length,), 1, dtype=torch.long)
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return model(**batch).loss  # mean over the batch's real (unpadded) next-token predictions
+        """Each sequence's mean next-token loss, averaged over the sequences.
+
+        A mean over samples, as the loop's accumulation assumes (it weights each micro-batch by
+        its share of the step's samples), so a step cut into micro-batches makes the same update
+        as the whole batch. transformers' own ``.loss`` is a mean over the micro-batch's tokens,
+        whose weight would change with the cut when lengths vary.
+        """
+        nll, tokens = _token_nll(model, batch)
+        return (nll.sum(dim=1) / tokens.clamp(min=1)).mean()
 
     def eval_metrics(self, model: nn.Module, batch: dict[str, torch.Tensor], samples: int) -> dict[str, torch.Tensor]:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        targets = batch["labels"][:, 1:]
-        nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
-        return {"nll": nll, "tokens": (targets != IGNORE).sum()}
+        nll, tokens = _token_nll(model, batch)
+        return {"nll": nll.sum(), "tokens": tokens.sum()}
 
     def summarize_metrics(self, totals: dict[str, float], samples: int) -> dict[str, float]:
         """Per-token loss over the whole eval set, and its perplexity (not a mean of per-batch ones)."""
         loss = totals["nll"] / totals["tokens"]
         return {"loss": loss, "perplexity": math.exp(loss)}
+
+
+def _token_nll(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token losses ``(sequences, positions)`` (0 where the target is padding), and each
+    sequence's count of real targets."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    targets = batch["labels"][:, 1:]
+    nll = F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), targets, ignore_index=IGNORE, reduction="none")
+    return nll, (targets != IGNORE).sum(dim=1)
