@@ -127,19 +127,19 @@ def _connect_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashb
 
     if ray.is_initialized():
         return False
-    # Workers import the user's own workloads (``my_package.module:Class``) from the working directory.
-    path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
-    runtime_env = {"env_vars": {"PYTHONPATH": path}}
+    # Workers import the user's own workloads (``my_package.module:Class``) from the driver's
+    # working directory: Ray puts it on every worker's sys.path (a Ray Job's uploaded working_dir
+    # takes its place), as long as the driver runs with no working_dir of its own.
     if os.environ.get("RAY_ADDRESS"):  # inside a Ray Job: the job's runtime environment applies
         ray.init(address=os.environ["RAY_ADDRESS"])
     elif address:
         if address == "auto":
             raise UserError("--ray-address: give the head's HOST:PORT; 'auto' can attach to another user's cluster")
-        ray.init(address=address, runtime_env=runtime_env)
+        ray.init(address=address)
     else:
         context = ray.init(
             address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=dashboard,
-            dashboard_host=dashboard_host, runtime_env=runtime_env,
+            dashboard_host=dashboard_host,
         )
         if dashboard:
             from orchestrator.dashboard import how_to_open, token_required
