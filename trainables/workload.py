@@ -47,6 +47,9 @@ class Workload:
     #: What :meth:`summarize_metrics` reports, each as ``eval_<name>``. Declared, so that a
     #: sweep's ``metric: eval_accuracy`` is checked before anything starts.
     metrics: ClassVar[tuple[str, ...]] = ("loss",)
+    #: Hyper-parameters that cannot change memory: trials differing only in these share one
+    #: estimate. Extend it for such fields of your own (``Workload.memory_neutral + ("dropout",)``).
+    memory_neutral: ClassVar[tuple[str, ...]] = ("lr", "seed")
 
     # -- what a subclass must provide ---------------------------------------------------------
     def build_model(self) -> nn.Module:
