@@ -48,7 +48,8 @@ class MlflowServer:
         log = open(self.root / "server.log", "ab")
         self.process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, cwd=self.root, start_new_session=True,
-            env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"},
+            # no job-execution subsystem (seven huey workers for MLflow's GenAI jobs), as in the SLURM job
+            env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
         )
         log.close()
         deadline = time.monotonic() + timeout
