@@ -127,6 +127,7 @@ class SweepSpec:
     tracking_uri: str | None = None
     seed: int = 0
     max_failures: int = 0
+    reuse: bool = True  # Tune's reuse_actors: a finished trial's worker runs the next (trainables.reuse)
     eval_every: Every = Every("epochs", 1)
     checkpoint: CheckpointPolicy = CheckpointPolicy()
     data: DataLoading = DataLoading()
@@ -163,7 +164,7 @@ SweepLoader.add_implicit_resolver(
 TOP_LEVEL_KEYS = {
     "experiment", "workload", "search_space", "effective_batch_size", "stop", "num_samples",
     "metric", "mode", "scheduler", "resources", "memory", "storage_path", "tracking_uri", "seed",
-    "max_failures", "eval_every", "checkpoint", "data", "schedule", "max_grad_norm",
+    "max_failures", "reuse", "eval_every", "checkpoint", "data", "schedule", "max_grad_norm",
 }
 LR_DECAYS = ("constant", "linear", "cosine")
 
@@ -227,6 +228,7 @@ def parse_spec(raw: dict) -> SweepSpec:
         tracking_uri=_optional_string(raw.get("tracking_uri"), "tracking_uri"),
         seed=_int(raw.get("seed", 0), "seed"),
         max_failures=_non_negative_int(raw.get("max_failures", 0), "max_failures"),
+        reuse=_bool(raw.get("reuse", True), "reuse"),
         eval_every=_every(raw.get("eval_every", {"epochs": 1}), "eval_every"),
         checkpoint=_checkpoint(raw.get("checkpoint", {})),
         data=_data(raw.get("data", {})),

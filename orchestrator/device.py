@@ -171,8 +171,8 @@ class CudaDevice(Device):
 
     def __init__(self, index: int = 0, memory_fraction: float | None = None):
         self.torch_device = torch.device("cuda", index)
-        if memory_fraction is not None:
-            torch.cuda.set_per_process_memory_fraction(memory_fraction, index)
+        # Always set: a reused worker keeps the previous trial's cap otherwise.
+        torch.cuda.set_per_process_memory_fraction(1.0 if memory_fraction is None else memory_fraction, index)
         self._fraction = memory_fraction
 
     def measuring(self):

@@ -240,7 +240,7 @@ def _tune_config(spec: SweepSpec):
     os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")
     return tune.TuneConfig(
         metric=spec.metric, mode=spec.mode, num_samples=spec.num_samples,
-        scheduler=OomAwareScheduler(inner, max_failures=spec.max_failures), reuse_actors=False,
+        scheduler=OomAwareScheduler(inner, max_failures=spec.max_failures), reuse_actors=spec.reuse,
     )
 
 

@@ -195,3 +195,22 @@ def test_a_finished_or_failed_trial_leaves_no_scratch_and_tune_keeps_the_newest_
     trial_ids = [row.name for row in outcome.rows + failed.rows]
     leftovers = [p for t in trial_ids for p in glob.glob(os.path.join(tempfile.gettempdir(), f"orchestrator-{t}-*"))]
     assert leftovers == []
+
+
+def test_a_reused_worker_plans_and_measures_each_trial_as_a_fresh_one_would(tmp_path):
+    """One trial at a time (each takes both CPUs): a finished trial's worker runs the next one,
+    even after an OOM it recovered from, and every trial plans, measures and trains as it does
+    with ``reuse: false``, where each trial has a worker of its own."""
+    def trials(outcome):
+        last = {rows[-1]["trial_id"]: rows[-1] for rows in reports(outcome)}
+        keys = ("micro_batch", "oom_retries", "peak_allocated_bytes", "train_loss")
+        return [int(last[t]["pid"]) for t in sorted(last)], [tuple(last[t][k] for k in keys) for t in sorted(last)]
+
+    staged = {**STAGED, "params": {**STAGED["params"], "aux_width": 8}}
+    memory = {**SMALL_GPU, "estimator": "none"}
+    search_space = {"aux_width": {"grid": [4096, 8, 16]}}  # 4096 runs out of memory at epoch 2 and recovers
+    reused_pids, reused = trials(sweep(tmp_path / "reused", staged, memory, search_space=search_space, resources={"cpu": 2}))
+    fresh_pids, fresh = trials(sweep(tmp_path / "fresh", staged, memory, search_space=search_space, resources={"cpu": 2},
+                                     reuse=False))
+    assert len(set(reused_pids)) == 1 and len(set(fresh_pids)) == 3
+    assert int(reused[0][1]) >= 1 and reused == fresh

@@ -26,6 +26,7 @@ from orchestrator.failures import NotRetriedError
 from orchestrator.oom import OomEvent, OomRetriesExhausted, bytes_requested, is_oom, release_memory
 from orchestrator.planner import Plan, make_plan, next_reduction
 from trainables.loop import LoopSettings, Milestone, Trainer
+from trainables.reuse import HISTORY
 from trainables.workload import build_workload
 
 #: Config key the OOM-aware scheduler sets when Tune restarts a trial after its worker died of
@@ -74,7 +75,10 @@ class TrialRun:
         self.metrics = TrialMetrics(spec.experiment, trial_id, config["workload"])
         # NVML's free memory before this process creates its CUDA context: plans count the
         # context themselves, so the budget must not have it taken out already.
-        self.gpu_free_before_context = self._gpu_free() if torch.cuda.is_available() else None
+        self.gpu_free_before_context = None
+        if torch.cuda.is_available():
+            release_memory()  # a reused worker: the previous trial's cached blocks go back first
+            self.gpu_free_before_context = HISTORY.gpu_free_before_context(self._gpu_free())
         self.device = self._open_device()
         self.scratch = _fresh_scratch(trial_id)
         self.local_checkpoint: str | None = None  # folder of the newest checkpoint, this process's copy
@@ -90,9 +94,11 @@ class TrialRun:
                 self._report_refusal()
                 return
             with self.device.measuring():  # the emulated device counts every byte from here on
+                self.device.reset_peak()  # not the peak of the trial this worker ran before
                 self._train()
         finally:
             shutil.rmtree(self.scratch, ignore_errors=True)
+            self._remember_cuda_context()
 
     def _train(self) -> None:
         """Train to the end; after an OOM, release the attempt, shrink the plan, resume."""
@@ -267,6 +273,16 @@ class TrialRun:
     def _gpu_free(self) -> int | None:
         info = nvml.gpu_info(0)
         return info.free if info else None
+
+    def _remember_cuda_context(self) -> None:
+        """What this process holds on the GPU outside PyTorch's allocator, for the budget of
+        the next trial it runs (``trainables.reuse``)."""
+        if not isinstance(self.device, CudaDevice) or HISTORY.cuda_context_bytes is not None:
+            return
+        free = self._gpu_free()
+        if free is not None and self.gpu_free_before_context is not None:
+            held = self.gpu_free_before_context - free - torch.cuda.memory_reserved(self.device.torch_device)
+            HISTORY.cuda_context_bytes = max(held, 0)
 
     def _budget(self) -> int | None:
         """Bytes the plan may fill (before the safety margin): the config's, else the device's.
