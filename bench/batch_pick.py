@@ -42,7 +42,7 @@ from bench.zoo import CPU_ZOO, GPU_ZOO, Entry, StepRunner  # noqa: E402
 
 EFFECTIVE_BATCH = 1_000_003  # prime: the planned micro-batch is the largest that fits
 ACCELERATE_START = {"gpt2_bf16_seq1024": 64}  # starting batch for Accelerate (default 1024)
-PICK_MODELS = ("resnet50", "vit_b16_bf16", "gpt2_bf16_seq1024", "conv1d_19x15360")
+PICK_MODELS = ("resnet50", "vit_b16_bf16", "gpt2_bf16_seq1024", "tcn_eeg")
 CPU_PICK_MODELS = ("cnn", "resnet_ish", "tiny_gpt_bf16")
 
 
