@@ -233,7 +233,14 @@ def print_summary(rows: list[dict], on_gpu: bool) -> None:
 #: The ground truth's protocol (gpu-truth/measure_zoo.py): steps on one batch, no accumulation.
 TRUTH_STEPS = 3
 TRUTH_PROBES = (2, 16, 128)
-GiB = 2**30
+GiB, MiB = 2**30, 2**20
+#: cuBLAS workspaces the truth's allocator holds and a trace cannot see: PyTorch allocates one per
+#: (cuBLAS handle, stream) from the caching allocator at the first matmul, 32 MiB on an H100
+#: (sm90; 8 MiB + 128 KiB elsewhere), and backward runs on the autograd engine's own thread, whose
+#: handle is another one. Only models that multiply matrices have them (not a pure conv net).
+#: Plans budget them in their workspace allowance instead.
+H100_CUBLAS_WORKSPACES = (32 * MiB, 32 * MiB)
+CUBLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "_scaled_mm"})
 
 
 def compare_with_truth(path: str, wanted: set[str] | None) -> list[dict]:
@@ -248,7 +255,8 @@ def compare_with_truth(path: str, wanted: set[str] | None) -> list[dict]:
     measured = {w["name"]: w for w in truth["workloads"]}
     config = AllocatorConfig()  # the truth ran PyTorch's default allocator
     print(f"# predicted on {describe_machine(False)} (fake CPU tensors, CUDA emulated, allocator model: "
-          f"PyTorch default) vs {truth['machine']}; cap {capacity / GiB:g} GiB", flush=True)
+          f"PyTorch default, with the H100's two 32 MiB cuBLAS workspaces) vs {truth['machine']}; "
+          f"cap {capacity / GiB:g} GiB", flush=True)
     rows = []
     for entry in GPU_ZOO:
         if entry.truth not in measured or (wanted and not wanted & {entry.name, entry.truth}):
@@ -257,32 +265,35 @@ def compare_with_truth(path: str, wanted: set[str] | None) -> list[dict]:
             print(f"# {entry.name}: skipped, needs {', '.join(entry.needs)}", flush=True)
             continue
         started = time.perf_counter()
-        log = truth_log(entry)
+        log, cublas = truth_log(entry)
         seconds = time.perf_counter() - started
         if log is None:
             print(f"# {entry.name}: its allocations change with the batch size beyond their sizes; no prediction")
             continue
-        print(f"# {entry.name}: {len(log)} allocator events per run, traced in {seconds:.1f}s", flush=True)
+        held = H100_CUBLAS_WORKSPACES if cublas else ()
+        print(f"# {entry.name}: {len(log)} allocator events per run, traced in {seconds:.1f}s; "
+              f"{'matmuls: two 32 MiB cuBLAS workspaces' if cublas else 'no matmul: no cuBLAS workspace'}", flush=True)
         print(f"{'model':<18} {'b':>4}  {'allocated: true':>15} {'predicted':>10} {'err':>7}  "
               f"{'reserved: true':>14} {'predicted':>10} {'err':>7}  {'unpressured':>11}")
         for point in sorted(measured[entry.truth]["curve"], key=lambda p: p["b"]):
             # the truth was measured under its cap: the allocator freed its cache where it had to
-            result, free = _truth_replay(log, config, point["b"], capacity), _truth_replay(log, config, point["b"])
+            result = _truth_replay(log, config, point["b"], capacity, held)
+            free = _truth_replay(log, config, point["b"], held=held)
             row = {"model": entry.name, "b": point["b"], "true_allocated": point["alloc"],
                    "true_reserved": point["reserved"], "predicted_allocated": result.peak_allocated,
                    "predicted_reserved": result.peak_reserved, "predicted_oom": not result.fits,
                    "unpressured_reserved": free.peak_reserved}
             rows.append(row)
-            flag = " (cache flushed)" if result.retries else (" (OOM)" if not result.fits else "")
+            flag = " (out of memory)" if not result.fits else (" (cache flushed)" if result.retries else "")
             print(f"{entry.name:<18} {point['b']:>4}  {describe_bytes(point['alloc']):>15} "
                   f"{describe_bytes(result.peak_allocated):>10} {relative(result.peak_allocated, point['alloc']):>+7.1%}  "
                   f"{describe_bytes(point['reserved']):>14} {describe_bytes(result.peak_reserved):>10} "
                   f"{relative(result.peak_reserved, point['reserved']):>+7.1%}  "
                   f"{describe_bytes(free.peak_reserved):>11}{flag}", flush=True)
         true_max = measured[entry.truth]["max_b"]
-        fits = lambda b, cap=capacity: _truth_replay(log, config, b, cap).fits  # noqa: E731
+        fits = lambda b, cap=capacity: _truth_replay(log, config, b, cap, held).fits  # noqa: E731
         modelled = _largest(fits)
-        unpressured = _largest(lambda b: _truth_replay(log, config, b).peak_reserved <= capacity)
+        unpressured = _largest(lambda b: _truth_replay(log, config, b, held=held).peak_reserved <= capacity)
         low, high = _margins(fits, capacity, true_max)
         rows.append({"model": entry.name, "true_max_b": true_max, "predicted_max_b": modelled,
                      "unpressured_max_b": unpressured, "margin_low": low, "margin_high": high})
@@ -296,12 +307,14 @@ def compare_with_truth(path: str, wanted: set[str] | None) -> list[dict]:
 
 def truth_log(entry: Entry):
     """The truth's protocol (a fresh model moved to the GPU, one batch of ``b`` made there, three
-    steps) as an allocation log at every batch size: traced on fake CPU tensors at three batch
-    sizes like the trace estimator, or None when the logs are not affine in ``b``."""
+    steps) as an allocation log at every batch size, traced on fake CPU tensors at three batch
+    sizes like the trace estimator (None when the logs are not affine in ``b``), and whether the
+    steps multiply matrices (so that cuBLAS allocates its workspaces)."""
     import gc
 
     from orchestrator.memory.fake import Untraceable, fake_setup, running
     from orchestrator.memory.sequence import fit_log, states_in_creation_order
+    from orchestrator.memory.trace import gc_paused
     from trainables.step import autocast
     from trainables.workload import to_device
 
@@ -311,9 +324,9 @@ def truth_log(entry: Entry):
     except Untraceable:  # an initialisation fake tensors cannot run (torchvision's ViT on torch 2.14)
         setup = _setup_from_real_model(workload)
     model, optimizer, device = setup.model, setup.optimizer, setup.device
-    tracker = setup.tracker()
+    tracker, matmuls = setup.tracker(), _ops_seen_mode()
     logs = {}
-    with running(setup), tracker:
+    with running(setup), tracker, matmuls, gc_paused():
         for b in TRUTH_PROBES:
             optimizer.state.clear()  # a fresh optimizer per batch size, as the truth's
             gc.collect()
@@ -328,8 +341,37 @@ def truth_log(entry: Entry):
             del loss, batch
             logs[b] = tracker.stop_recording()
     b1, b2, b3 = TRUTH_PROBES
+    cublas = bool(matmuls.seen & CUBLAS_OPS)
     fitted = fit_log(logs[b1], logs[b2], b1, b2)
-    return fitted if fitted is not None and fitted.events(b3) == logs[b3] else None
+    if fitted is None:
+        print(f"# {entry.name}: logs at b={b1} and b={b2} differ at event {_first_difference(logs[b1], logs[b2])}")
+        return None, cublas
+    if fitted.events(b3) != logs[b3]:
+        print(f"# {entry.name}: the log at b={b3} differs from the fit at event {_first_difference(fitted.events(b3), logs[b3])}")
+        return None, cublas
+    return fitted, cublas
+
+
+def _ops_seen_mode():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpsSeen(TorchDispatchMode):
+        """The names of the aten ops that ran (``aten.addmm.default`` -> ``addmm``)."""
+
+        def __init__(self):
+            super().__init__()
+            self.seen: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(func._overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    return OpsSeen()
+
+
+def _first_difference(a: list[int], b: list[int]) -> str:
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if (x < 0) != (y < 0) or (x < 0 and x != y)), min(len(a), len(b)))
+    return f"{i} of {len(a)}/{len(b)}: {a[max(i - 2, 0):i + 3]} vs {b[max(i - 2, 0):i + 3]}"
 
 
 def _setup_from_real_model(workload):
@@ -360,10 +402,12 @@ def _setup_from_real_model(workload):
     return FakeSetup(mode, torch.device("cpu"), model, optimizer, sample, CUDA_BLOCK, True)
 
 
-def _truth_replay(log, config, b: int, capacity: int | None = None):
+def _truth_replay(log, config, b: int, capacity: int | None = None, held: tuple[int, ...] = ()):
+    """Replay the log at ``b``, after allocations ``held`` for good (the log is renumbered after them)."""
     from orchestrator.memory.allocator import replay
 
-    return replay(log.events(b), config, capacity)
+    events = [*held, *(e if e > 0 else ~(~e + len(held)) for e in log.events(b))]
+    return replay(events, config, capacity)
 
 
 def _largest(fits, start: int = 1, ceiling: int = 1 << 14) -> int:

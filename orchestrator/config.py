@@ -53,7 +53,7 @@ class MemoryPolicy:
     device: str = "auto"
     capacity: int | None = None  # bytes of the emulated device
     budget: int | None = None  # bytes a plan may use per GPU; None = auto (NVML free - context)
-    safety_margin: float = 0.9
+    safety_margin: float = 0.98  # from the allocator model's measured error: docs/ARCHITECTURE.md
     estimator: str = "trace"
     fragmentation: float = 0.10
     allocator_conf: str | None = "expandable_segments:True"

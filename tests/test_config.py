@@ -39,7 +39,7 @@ def test_a_valid_file_gives_a_typed_spec_with_defaults(tmp_path):
     assert spec.workload == "mlp" and spec.params == {"depth": 1}
     assert spec.search_space["lr"] == Domain("loguniform", (0.0001, 0.1))
     assert spec.epochs == 2 and spec.num_samples == 1 and spec.metric == "eval_loss" and spec.mode == "min"
-    assert spec.memory.estimator == "trace" and spec.memory.safety_margin == 0.9
+    assert spec.memory.estimator == "trace" and spec.memory.safety_margin == 0.98
     assert spec.memory.allocator_conf == "expandable_segments:True"
 
 

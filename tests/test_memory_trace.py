@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -121,6 +123,17 @@ def test_cuda_target_budgets_what_the_caching_allocator_reserves(allocator_conf)
         assert abs(train.replay(b).peak_allocated - train.allocated_at(b)) <= 1
     cpu = estimate(MLPWorkload(), "trace", target="cpu").phases[0]
     assert cpu.sequence is None and cpu.reserved_at(64) == cpu.allocated_at(64)  # tensor bytes, nothing else
+
+
+def test_a_modelled_profile_pickles_compactly_and_summarises_without_its_log():
+    profile = estimate(CNNWorkload(), "trace", target="cuda", allocator_conf="")
+    copy = pickle.loads(pickle.dumps(profile))
+    assert copy == profile and copy.phases[0].reserved_at(64) == profile.phases[0].reserved_at(64)
+    assert len(pickle.dumps(profile)) < 20_000  # sent from the driver to every trial
+    summary = json.loads(json.dumps(profile.to_dict()))
+    train = summary["phases"][0]
+    assert train["allocator"] == "default" and set(train["sequence"]) == {"allocations", "events"}
+    assert "codes" not in json.dumps(summary)
 
 
 def test_eval_runs_in_the_cache_training_left():

@@ -22,7 +22,7 @@ Each train step is two micro-batches of ``b`` (gradient accumulation, as ``trace
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from torch import nn
@@ -44,9 +44,9 @@ class AffineLog:
     """An allocation log at any batch size: codes ``>= 0`` allocate ``shapes[code]`` bytes
     (``intercept + slope * b``), codes ``< 0`` free allocation ``~code`` of the trial's log."""
 
-    codes: bytes  # int32 codes, machine order (a compact pickle)
-    shapes: tuple[tuple[int, int], ...]
-    allocations: int
+    codes: bytes = field(repr=False)  # int32 codes, machine order (a compact pickle)
+    shapes: tuple[tuple[int, int], ...] = field(repr=False)
+    allocations: int = 0
 
     def events(self, batch: int) -> list[int]:
         """The log at batch size ``batch``, as ``allocator.replay`` takes it."""
@@ -107,12 +107,15 @@ class TrialSequence:
                 "events": len(self.train) + (len(self.eval) if self.eval else 0)}
 
 
-@lru_cache(maxsize=512)
-def _replay(sequence: TrialSequence, config: AllocatorConfig, micro_batch: int, eval_batch: int | None,
-            capacity: int | None) -> Replay:
+def replay_trial(sequence: TrialSequence, config: AllocatorConfig, micro_batch: int, eval_batch: int | None = None,
+                 capacity: int | None = None) -> Replay:
+    """:meth:`TrialSequence.replay` without its cache (the planner asks for the same replays often)."""
     allocator = CachingAllocator(config, capacity)
     oom = allocator.run(sequence.train.events(micro_batch))
     if sequence.eval is not None and oom is None:
         allocator.reset_peaks()
         oom = allocator.run(sequence.eval.events(eval_batch if eval_batch is not None else micro_batch))
     return Replay(allocator.peak_allocated, allocator.peak_reserved, oom, allocator.retries)
+
+
+_replay = lru_cache(maxsize=512)(replay_trial)

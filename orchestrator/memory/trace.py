@@ -24,6 +24,7 @@ where the log is not affine in ``b`` it falls back to the flat ``fragmentation``
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 from orchestrator.memory.allocator import AllocatorConfig
@@ -71,15 +72,14 @@ def trace_profile(
     allocator = allocator or AllocatorConfig()
     if logged and not allocator.modelled:
         notes.append(f"backend:{allocator.backend} is not modelled: reserved = allocated x (1 + {fragmentation:g})")
-    for phase in phases:
-        if logged and allocator.modelled and sequences.get(phase.name) is None:
-            notes.append(f"{phase.name}: the allocations change with the batch size beyond their sizes; "
-                         f"reserved = allocated x (1 + {fragmentation:g}) instead of the allocator model")
     profiles = []
     for phase in phases:
         modelled = {}
-        if allocator.modelled and sequences.get(phase.name) is not None:
+        if logged and allocator.modelled and sequences[phase.name] is not None:
             modelled = {"sequence": sequences[phase.name], "allocator": allocator, "fragmentation": 0.0}
+        elif logged and allocator.modelled:
+            notes.append(f"{phase.name}: the allocations change with the batch size beyond their sizes; "
+                         f"reserved = allocated x (1 + {fragmentation:g}) instead of the allocator model")
         profile, note = _fit(phase, runs[phase.name], probes, {**extra, **modelled})
         profiles.append(profile)
         if note:
@@ -127,7 +127,7 @@ def _trace(setup: FakeSetup, workload, settings, phases, probes, logged: bool):
 
     runs: dict[str, dict[int, _Run]] = {p.name: {} for p in phases}
     logs: dict[str, dict[int, tuple[list[int], int, int]]] = {p.name: {} for p in phases}
-    with tracker:
+    with tracker, gc_paused(logged):
         for phase in phases:
             enter_phase(workload, model, phase, settings)
             if phase.kind == "train" and not logged:
@@ -139,6 +139,7 @@ def _trace(setup: FakeSetup, workload, settings, phases, probes, logged: bool):
                     log = tracker.record(states_in_creation_order(model))
                     train(b, MICRO_BATCHES_PER_STEP)
                 elif logged:
+                    gc.collect()
                     log = tracker.record()
                 if logged:
                     second = (len(log), sum(1 for e in log if e > 0))  # where the measured step starts
@@ -157,6 +158,21 @@ def _trace(setup: FakeSetup, workload, settings, phases, probes, logged: bool):
                 if logged:
                     logs[phase.name][b] = (tracker.stop_recording(), *second)
     return runs, logs
+
+
+@contextlib.contextmanager
+def gc_paused(paused: bool = True):
+    """No automatic garbage collection while allocation logs are taken: a collection frees what
+    reference cycles hold whenever Python's allocation counters say so, which would move frees
+    between probes; the logs collect explicitly before each probe instead."""
+    enabled = gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _sequences(phases: list[Phase], logs: dict, probes) -> dict[str, TrialSequence | None]:
