@@ -147,13 +147,12 @@ def run_entry(entry: Entry, on_gpu: bool, conf: str | None) -> list[dict]:
                    "true_reserved": reading.peak_reserved}
             for name, profile in profiles.items():
                 phase = profile.phases_of(kind)[0]  # stage 0: the zoo models have no schedule
-                effective = 2 * b if kind == "train" else None
                 if phase.sequence is not None:  # the allocator model: its replay of the same sequence
                     replay = phase.replay(b, micro_batch=b)
                     row[f"{name}_allocated"], row[f"{name}_reserved"] = replay.peak_allocated, replay.peak_reserved
                 else:
-                    row[f"{name}_allocated"] = phase.allocated_at(b, effective)
-                    row[f"{name}_reserved"] = phase.reserved_at(b, effective) - phase.overhead
+                    row[f"{name}_allocated"] = phase.allocated_at(b)
+                    row[f"{name}_reserved"] = phase.reserved_at(b) - phase.overhead
                 row[f"{name}_seconds"] = seconds[name]
             rows.append(row)
             print_row(row, list(profiles), on_gpu)
@@ -184,14 +183,13 @@ def measure_trial(entry: Entry, b: int, device):
     train_data, eval_data = workload.train_data(), workload.eval_data()
     model.train()
     for _ in range(2):
-        batches = [sample_batch(workload, train_data, b) for _ in range(2)]
-        train_step(workload, model, optimizer, batches, dev, entry.precision, scaler)
-        del batches
+        batches = (sample_batch(workload, train_data, b) for _ in range(2))  # taken one at a time, as in the loop
+        train_step(workload, model, optimizer, batches, [b, b], dev, entry.precision, scaler)
     torch.cuda.synchronize(dev)
     train = device.reading()
     device.reset_peak()
     model.eval()
-    eval_step(workload, model, sample_batch(workload, eval_data, b), dev, entry.precision)
+    eval_step(workload, model, sample_batch(workload, eval_data, b), b, dev, entry.precision)
     torch.cuda.synchronize(dev)
     evaluation = device.reading()
     del model, optimizer, scaler

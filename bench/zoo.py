@@ -494,8 +494,9 @@ class StepRunner:
     """The loop's steps on a real device, for measuring truths and for the other tools' searches.
 
     A train step is what the loop runs: two micro-batches of ``b`` (gradient accumulation),
-    built before the step as the loop builds them, then the optimizer step; the peak is read
-    from the device (``orchestrator.device``: CUDA's allocator, or the CPU/emulated tracker).
+    each collated on the host and taken by the step when it needs it, then the optimizer step;
+    the peak is read from the device (``orchestrator.device``: CUDA's allocator, or the
+    CPU/emulated tracker).
     """
 
     def __init__(self, workload: Workload, precision: str, device):
@@ -515,9 +516,12 @@ class StepRunner:
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
     def batch(self, data, b: int):
+        """``b`` samples collated on the host, then admitted to the device (the loop's way)."""
         from trainables.workload import sample_batch
 
-        return sample_batch(self.workload, data, b)
+        with self.device.host():
+            batch = sample_batch(self.workload, data, b)
+        return self.device.admit(batch)
 
     def _window(self):
         self.device.track(self._state())
@@ -532,10 +536,9 @@ class StepRunner:
 
         self.model.train()
         with self._window():
-            batches = [self.batch(self.train_data, b) for _ in range(micro_batches)]
-            train_step(self.workload, self.model, self.optimizer, batches, self.device.torch_device,
-                       self.precision, self.scaler)
-            del batches
+            batches = (self.batch(self.train_data, b) for _ in range(micro_batches))
+            train_step(self.workload, self.model, self.optimizer, batches, [b] * micro_batches,
+                       self.device.torch_device, self.precision, self.scaler)
         return self.device.reading()
 
     def eval(self, b: int):
@@ -543,7 +546,7 @@ class StepRunner:
 
         self.model.eval()
         with self._window():
-            eval_step(self.workload, self.model, self.batch(self.eval_data, b), self.device.torch_device, self.precision)
+            eval_step(self.workload, self.model, self.batch(self.eval_data, b), b, self.device.torch_device, self.precision)
         return self.device.reading()
 
     def recover(self) -> None:

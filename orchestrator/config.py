@@ -38,6 +38,51 @@ class SchedulerSpec:
     type: str = "fifo"  # fifo | asha
     grace_period: int = 1
     reduction_factor: int = 2
+    time_attr: str = "epoch"  # what ASHA's rungs count: "epoch" or "step" (optimizer steps)
+
+
+@dataclass(frozen=True)
+class Stop:
+    """A trial's training budget: whichever of the two comes first (at least one is set)."""
+
+    epochs: int | None = None
+    steps: int | None = None  # optimizer steps
+
+
+@dataclass(frozen=True)
+class Every:
+    """How often something happens during training: every ``count`` epochs, steps or minutes."""
+
+    unit: str  # "epochs" | "steps" | "minutes"
+    count: float
+
+    def describe(self) -> str:
+        return f"every {self.count:g} {self.unit}"
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    every: Every | None = None  # None: at every evaluation
+    keep: int = 2  # checkpoints Tune keeps per trial (the newest)
+
+
+@dataclass(frozen=True)
+class DataLoading:
+    """``torch.utils.data.DataLoader`` settings for the trials' training and eval data."""
+
+    num_workers: int = 0
+    pin_memory: bool | None = None  # None: when the trial trains on a GPU
+    prefetch_factor: int | None = None  # batches each worker loads ahead (DataLoader's default 2)
+    persistent_workers: bool = False
+
+
+@dataclass(frozen=True)
+class LrSchedule:
+    """The learning rate over a trial's optimizer steps: linear warm-up, then a decay to ``final_lr``."""
+
+    warmup_steps: int = 0
+    decay: str = "constant"  # constant | linear | cosine
+    final_lr: float = 0.0  # as a fraction of the workload's lr, reached at the last step
 
 
 @dataclass(frozen=True)
@@ -71,7 +116,7 @@ class SweepSpec:
     params: dict[str, Any]
     search_space: dict[str, Domain | Any]
     effective_batch_size: int
-    epochs: int
+    stop: Stop
     num_samples: int = 1
     metric: str = "eval_loss"
     mode: str = "min"
@@ -82,6 +127,11 @@ class SweepSpec:
     tracking_uri: str | None = None
     seed: int = 0
     max_failures: int = 0
+    eval_every: Every = Every("epochs", 1)
+    checkpoint: CheckpointPolicy = CheckpointPolicy()
+    data: DataLoading = DataLoading()
+    schedule: LrSchedule | None = None  # None: a workload's build_scheduler, else a constant lr
+    max_grad_norm: float | None = None
     source: str | None = field(default=None, compare=False)
     raw: dict = field(default_factory=dict, compare=False)
 
@@ -113,8 +163,9 @@ SweepLoader.add_implicit_resolver(
 TOP_LEVEL_KEYS = {
     "experiment", "workload", "search_space", "effective_batch_size", "stop", "num_samples",
     "metric", "mode", "scheduler", "resources", "memory", "storage_path", "tracking_uri", "seed",
-    "max_failures",
+    "max_failures", "eval_every", "checkpoint", "data", "schedule", "max_grad_norm",
 }
+LR_DECAYS = ("constant", "linear", "cosine")
 
 
 def load_spec(path: str, overrides: list[str] | tuple[str, ...] = ()) -> SweepSpec:
@@ -159,15 +210,13 @@ def parse_spec(raw: dict) -> SweepSpec:
     _no_unknown(raw, TOP_LEVEL_KEYS, "")
     workload, params = _workload(_require(raw, "workload", ""))
     search_space = _search_space(_require(raw, "search_space", ""))
-    stop = _mapping(raw.get("stop", {}), "stop")
-    _no_unknown(stop, {"epochs"}, "stop")
     spec = SweepSpec(
         experiment=_string(_require(raw, "experiment", ""), "experiment"),
         workload=workload,
         params=params,
         search_space=search_space,
         effective_batch_size=_positive_int(_require(raw, "effective_batch_size", ""), "effective_batch_size"),
-        epochs=_positive_int(_require(stop, "epochs", "stop"), "stop.epochs"),
+        stop=_stop(_require(raw, "stop", "")),
         num_samples=_positive_int(raw.get("num_samples", 1), "num_samples"),
         metric=_string(raw.get("metric", "eval_loss"), "metric"),
         mode=_one_of(raw.get("mode", "min"), ("min", "max"), "mode"),
@@ -178,8 +227,15 @@ def parse_spec(raw: dict) -> SweepSpec:
         tracking_uri=_optional_string(raw.get("tracking_uri"), "tracking_uri"),
         seed=_int(raw.get("seed", 0), "seed"),
         max_failures=_non_negative_int(raw.get("max_failures", 0), "max_failures"),
+        eval_every=_every(raw.get("eval_every", {"epochs": 1}), "eval_every"),
+        checkpoint=_checkpoint(raw.get("checkpoint", {})),
+        data=_data(raw.get("data", {})),
+        schedule=None if raw.get("schedule") is None else _schedule(raw["schedule"]),
+        max_grad_norm=None if raw.get("max_grad_norm") is None
+        else _positive_number(raw["max_grad_norm"], "max_grad_norm"),
         raw=raw,
     )
+    _check_scheduler_time(spec)
     _check_workload_parameters(spec)
     return spec
 
@@ -237,12 +293,90 @@ def _scheduler(value: Any) -> SchedulerSpec:
         kind = "fifo" if value in (None, "none") else value
         return SchedulerSpec(_one_of(kind, ("fifo", "asha"), "scheduler"))
     section = _mapping(value, "scheduler")
-    _no_unknown(section, {"type", "grace_period", "reduction_factor"}, "scheduler")
+    _no_unknown(section, {"type", "grace_period", "reduction_factor", "time_attr"}, "scheduler")
     kind = section.get("type", "fifo")
     return SchedulerSpec(
         type=_one_of("fifo" if kind == "none" else kind, ("fifo", "asha"), "scheduler.type"),
         grace_period=_positive_int(section.get("grace_period", 1), "scheduler.grace_period"),
         reduction_factor=_positive_int(section.get("reduction_factor", 2), "scheduler.reduction_factor"),
+        time_attr=_one_of(section.get("time_attr", "epoch"), ("epoch", "step"), "scheduler.time_attr"),
+    )
+
+
+def _check_scheduler_time(spec: SweepSpec) -> None:
+    """ASHA's rungs need the budget in the unit they count."""
+    if spec.scheduler.type != "asha":
+        return
+    unit = spec.scheduler.time_attr
+    budget = spec.stop.epochs if unit == "epoch" else spec.stop.steps
+    if budget is None:
+        raise ConfigError(f"scheduler.time_attr: {unit} needs stop.{unit}s (ASHA's last rung), which is not set")
+
+
+def _stop(value: Any) -> Stop:
+    section = _mapping(value, "stop")
+    _no_unknown(section, {"epochs", "steps"}, "stop")
+    if not section:
+        raise ConfigError("stop: expected epochs, steps or both (training ends at whichever comes first)")
+    return Stop(
+        epochs=None if section.get("epochs") is None else _positive_int(section["epochs"], "stop.epochs"),
+        steps=None if section.get("steps") is None else _positive_int(section["steps"], "stop.steps"),
+    )
+
+
+EVERY_UNITS = ("epochs", "steps", "minutes")
+
+
+def _every(value: Any, path: str) -> Every:
+    """``{steps: 500}``, ``{minutes: 10}`` or ``{epochs: 1}``; a bare number means steps."""
+    if _is_number(value):
+        value = {"steps": value}
+    section = _mapping(value, path)
+    if len(section) != 1 or next(iter(section)) not in EVERY_UNITS:
+        raise ConfigError(f"{path}: expected one of {{steps: N}}, {{minutes: N}}, {{epochs: N}}, got {value!r}")
+    unit, count = next(iter(section.items()))
+    if unit == "minutes":
+        return Every(unit, _positive_number(count, f"{path}.minutes"))
+    return Every(unit, _positive_int(count, f"{path}.{unit}"))
+
+
+def _checkpoint(value: Any) -> CheckpointPolicy:
+    section = _mapping(value, "checkpoint")
+    _no_unknown(section, {"every", "keep"}, "checkpoint")
+    return CheckpointPolicy(
+        every=None if section.get("every") is None else _every(section["every"], "checkpoint.every"),
+        keep=_positive_int(section.get("keep", 2), "checkpoint.keep"),
+    )
+
+
+def _data(value: Any) -> DataLoading:
+    section = _mapping(value, "data")
+    _no_unknown(section, {f.name for f in dataclasses.fields(DataLoading)}, "data")
+    workers = _non_negative_int(section.get("num_workers", 0), "data.num_workers")
+    prefetch = section.get("prefetch_factor")
+    persistent = _bool(section.get("persistent_workers", False), "data.persistent_workers")
+    for key, given in (("prefetch_factor", prefetch is not None), ("persistent_workers", persistent)):
+        if given and workers == 0:
+            raise ConfigError(f"data.{key}: needs worker processes (data.num_workers > 0), got num_workers 0")
+    pin = section.get("pin_memory")
+    return DataLoading(
+        num_workers=workers,
+        pin_memory=None if pin is None else _bool(pin, "data.pin_memory"),
+        prefetch_factor=None if prefetch is None else _positive_int(prefetch, "data.prefetch_factor"),
+        persistent_workers=persistent,
+    )
+
+
+def _schedule(value: Any) -> LrSchedule:
+    section = _mapping(value, "schedule")
+    _no_unknown(section, {f.name for f in dataclasses.fields(LrSchedule)}, "schedule")
+    final = section.get("final_lr", 0.0)
+    if not _is_number(final) or not 0 <= final <= 1:
+        raise ConfigError(f"schedule.final_lr: expected a fraction of lr in [0, 1], got {final!r}")
+    return LrSchedule(
+        warmup_steps=_non_negative_int(section.get("warmup_steps", 0), "schedule.warmup_steps"),
+        decay=_one_of(section.get("decay", "constant"), LR_DECAYS, "schedule.decay"),
+        final_lr=float(final),
     )
 
 
@@ -306,7 +440,8 @@ def _allocator_conf(value: Any) -> str | None:
 
 def _check_workload_parameters(spec: SweepSpec) -> None:
     """Every parameter must belong to a workload of the sweep (catches typos such as ``widht``),
-    and every value a trial may get must fit the type each workload declares for it."""
+    every value a trial may get must fit the type each workload declares for it, and the
+    sweep's metric must be one that every workload reports."""
     from trainables.workload import WorkloadNotFound, resolve_workload
 
     classes = {}
@@ -326,6 +461,15 @@ def _check_workload_parameters(spec: SweepSpec) -> None:
                 )
             if key != "workload":
                 _check_parameter_values(classes, f"{section}.{key}", key, value)
+    for name, cls in classes.items():
+        reported = ["train_loss", *(f"eval_{m}" for m in cls.metrics)]
+        if spec.metric not in reported:
+            raise ConfigError(f"metric: workload {name} does not report {spec.metric!r} (it reports: {', '.join(reported)})")
+        if spec.schedule is not None and cls.overrides("build_scheduler"):
+            raise ConfigError(
+                f"schedule: workload {name} builds its own scheduler (build_scheduler); "
+                "remove schedule from the sweep or build_scheduler from the workload"
+            )
 
 
 def _check_parameter_values(classes: dict, path: str, key: str, value: Domain | Any) -> None:

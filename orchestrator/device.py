@@ -10,11 +10,14 @@ would not fit. The emulated device is the test double of the CUDA one: the whole
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Iterable
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_leaves
 
 from orchestrator.tensor_tracker import StorageTracker
 from orchestrator.units import human
@@ -69,9 +72,13 @@ class CapacityTracker(StorageTracker):
 class Device:
     """Contract: a torch device plus a way to measure the peak memory of a window of work.
 
-    Use as ``with device.measuring(): ...`` around the work, ``device.reset_peak()`` at the
-    start of a window and ``device.reading()`` at its end. ``track`` registers state that was
-    created before measuring began (a no-op where the allocator sees everything anyway).
+    Use as ``with device.measuring(): ...`` around the work (a trial keeps it open for its
+    whole life, so the emulated device counts every byte at every moment),
+    ``device.reset_peak()`` at the start of a window and ``device.reading()`` at its end.
+    ``track`` registers state that was created before measuring began (a no-op where the
+    allocator sees everything anyway). Host-side work, loading and collating data, runs
+    inside ``with device.host():``, and a batch becomes device memory through ``admit``
+    when a step takes it (on a GPU, the step's copy to the device does that).
     """
 
     kind: str  # what a reading measured: cuda_allocator | cpu_tensor_tracker | emulated
@@ -83,6 +90,14 @@ class Device:
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         raise NotImplementedError
+
+    def host(self):
+        """Work whose tensors live in host memory, not on this device."""
+        return contextlib.nullcontext()
+
+    def admit(self, batch):
+        """``batch``, now counted as this device's memory until it is dropped."""
+        return batch
 
     def reset_peak(self) -> None:
         raise NotImplementedError
@@ -117,6 +132,14 @@ class CpuDevice(Device):
     def track(self, tensors):
         self.tracker.track(tensors)
 
+    def host(self):
+        # Host and device are one memory here: what is made outside the tracker is not counted.
+        return _disable_current_modes()
+
+    def admit(self, batch):
+        self.tracker.track(t for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
+        return batch
+
     def reset_peak(self):
         self.tracker.reset_peak()
 
@@ -147,16 +170,13 @@ class CudaDevice(Device):
     target = "cuda"
 
     def __init__(self, index: int = 0, memory_fraction: float | None = None):
-        from contextlib import nullcontext
-
         self.torch_device = torch.device("cuda", index)
-        self._nullcontext = nullcontext
         if memory_fraction is not None:
             torch.cuda.set_per_process_memory_fraction(memory_fraction, index)
         self._fraction = memory_fraction
 
     def measuring(self):
-        return self._nullcontext()
+        return contextlib.nullcontext()
 
     def track(self, tensors):
         return None

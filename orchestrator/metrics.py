@@ -1,6 +1,6 @@
 """Per-trial memory and OOM metrics as Ray metrics, so they show next to the sweep's job.
 
-The trainable calls :class:`TrialMetrics` once per epoch from inside its trial actor. Ray's
+The trainable calls :class:`TrialMetrics` with every report from inside its trial actor. Ray's
 metrics agent exports the values on the node's Prometheus endpoint (the metrics export port,
 no auth, all interfaces) about 15 s later, with Ray's ``ray_`` prefix:
 
@@ -36,7 +36,7 @@ class _RayMetrics:
         )
         self.measured_peak = Gauge(
             PREFIX + "measured_peak_bytes",
-            "Peak memory (bytes) measured during the last epoch; kind=allocated (tensors) or reserved (allocator)",
+            "Peak memory (bytes) measured since the previous report; kind=allocated (tensors) or reserved (allocator)",
             tag_keys=TRIAL_TAGS + ("kind",),
         )
         self.micro_batch = Gauge(
@@ -73,8 +73,8 @@ class TrialMetrics:
             self._metrics = _RayMetrics()
         return self._metrics
 
-    def record_epoch(self, result: dict[str, Any]) -> None:
-        """Publish the epoch's plan and measured peaks; keys missing or None are skipped."""
+    def record_result(self, result: dict[str, Any]) -> None:
+        """Publish a report's plan and measured peaks; keys missing or None are skipped."""
         metrics = self._ray()
         if metrics is None:
             return

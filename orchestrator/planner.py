@@ -9,9 +9,9 @@ here touches a GPU, Ray or MLflow, so every rule is unit-tested on its own.
   says: where it models the CUDA caching allocator, that the replay of the phase's allocations
   within the limit does not run out of memory, freeing the allocator's cache on the way as
   PyTorch does (so a batch whose unpressured reserved memory is above the limit may still fit);
-  elsewhere, that its reserved bytes are within the limit. When not even micro-batch 1 fits, it tries activation checkpointing and then
-  the lower precision; when nothing fits it refuses, saying what the trial needs and what would
-  make it fit.
+  elsewhere, that its reserved bytes are within the limit. When not even micro-batch 1 fits, it
+  tries activation checkpointing and then the lower precision; when nothing fits it refuses,
+  saying what the trial needs and what would make it fit.
 * :func:`next_reduction` is what to try after an out-of-memory error: halve the micro-batch,
   then activation checkpointing, then the lower precision, then give up. The effective batch is
   never changed: a reduced trial makes the same updates, only in more, smaller pieces.
@@ -23,8 +23,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Callable
 
-from orchestrator.device import effective_allocator_conf
-from orchestrator.memory import EstimationError, MemoryProfile, Settings, estimate
+from orchestrator.estimates import ProfileCache
+from orchestrator.memory import EstimationError, MemoryProfile, Settings
 from orchestrator.units import GiB, gib, human
 
 #: The eval batch is a throughput knob, not a hyper-parameter; beyond this many times the
@@ -77,7 +77,8 @@ class Plan:
 
 
 def make_plan(
-    workload, policy, effective_batch: int, budget_bytes: int | None, *, target: str, device=None
+    workload, policy, effective_batch: int, budget_bytes: int | None, *, target: str, device=None,
+    profiles: ProfileCache | None = None,
 ) -> Plan:
     """The plan for one trial of ``workload`` on a device of kind ``target`` with ``budget_bytes``.
 
@@ -85,13 +86,16 @@ def make_plan(
     profile counts the CUDA context itself, so this is the free memory *before* the trial's
     process initialises CUDA (or the card's size). None means unbounded (the CPU): the whole
     effective batch at once. ``policy`` is the sweep's ``MemoryPolicy``; ``device`` the worker's
-    ``Device``, which the ``measured`` estimator probes on.
+    ``Device``, which the ``measured`` estimator probes on; ``profiles`` the estimates made so
+    far (the driver's, handed to a trial), which the plan adds to where it needs more.
     """
-    return plan_with_profile(workload, policy, effective_batch, budget_bytes, target=target, device=device)[0]
+    return plan_with_profile(workload, policy, effective_batch, budget_bytes, target=target, device=device,
+                             profiles=profiles)[0]
 
 
 def plan_with_profile(
-    workload, policy, effective_batch: int, budget_bytes: int | None, *, target: str, device=None
+    workload, policy, effective_batch: int, budget_bytes: int | None, *, target: str, device=None,
+    profiles: ProfileCache | None = None,
 ) -> tuple[Plan, MemoryProfile | None]:
     """:func:`make_plan`, and the profile of the settings it planned with (to show its breakdown)."""
     if effective_batch < 1:
@@ -101,7 +105,7 @@ def plan_with_profile(
         plan = Plan(effective_batch, 1, effective_batch, effective_batch, False, policy.precision,
                     "none", budget_bytes, None, None)
         return plan, None
-    profiles = _Profiles(workload, policy, target, device)
+    profiles = profiles if profiles is not None else ProfileCache(workload, policy, target, device)
     eval_cap = min(EVAL_BATCH_CAP * effective_batch, _eval_samples(workload))
     if budget_bytes is None:
         profile = profiles.get(start)
@@ -115,7 +119,7 @@ def plan_with_profile(
         profile = profiles.get(settings)
         if profile is None:
             continue
-        micro = _largest(lambda m: _train_fits(profile, m, effective_batch, limit), effective_batch)
+        micro = _largest(lambda m: _train_fits(profile, m, limit), effective_batch)
         if not micro:
             continue
         micro, note = _prefer_divisor(micro, effective_batch)
@@ -165,28 +169,6 @@ def format_bytes(n: int) -> str:
     return gib(n) if abs(n) >= GiB / 100 else human(n).replace(" ", "")
 
 
-class _Profiles:
-    """Profiles by settings, estimated only when first asked for; None where estimation failed."""
-
-    def __init__(self, workload, policy, target: str, device):
-        self.workload, self.policy, self.target, self.device = workload, policy, target, device
-        self.cache: dict[Settings, MemoryProfile | None] = {}
-        self.errors: dict[Settings, str] = {}
-
-    def get(self, settings: Settings) -> MemoryProfile | None:
-        if settings not in self.cache:
-            try:
-                self.cache[settings] = estimate(
-                    self.workload, self.policy.estimator, settings, target=self.target,
-                    fragmentation=self.policy.fragmentation, device=self.device,
-                    allocator_conf=effective_allocator_conf(self.policy.allocator_conf),
-                )
-            except EstimationError as exc:
-                self.cache[settings] = None
-                self.errors[settings] = str(exc)
-        return self.cache[settings]
-
-
 def _candidates(start: Settings, policy, supports_checkpointing: bool) -> list[Settings]:
     """Settings to try in order: as configured, + checkpointing, + lower precision, + both."""
     checkpointing = supports_checkpointing and policy.allow_activation_checkpointing
@@ -208,8 +190,8 @@ def _eval_samples(workload) -> int:
         return 2**31
 
 
-def _train_fits(profile: MemoryProfile, micro: int, effective: int, limit: int) -> bool:
-    return all(p.fits(micro, limit, effective) for p in profile.phases_of("train"))
+def _train_fits(profile: MemoryProfile, micro: int, limit: int) -> bool:
+    return all(p.fits(micro, limit) for p in profile.phases_of("train"))
 
 
 def _eval_fits(profile: MemoryProfile, batch: int, micro: int, limit: int) -> bool:
@@ -247,8 +229,8 @@ def _prefer_divisor(micro: int, effective: int) -> tuple[int, str]:
 
 def _plan(profile: MemoryProfile, micro: int, effective: int, eval_batch: int, budget: int | None, note: str,
           limit: int | None = None) -> Plan:
-    phases = profile.phase_peaks(micro, eval_batch, effective, limit)
-    worst = profile.worst(phases, micro, eval_batch, effective)
+    phases = profile.phase_peaks(micro, eval_batch, limit)
+    worst = profile.worst(phases, micro, eval_batch)
     fallback = next((n for n in profile.notes if n.startswith("trace impossible")), None)
     return Plan(
         micro_batch=micro,
@@ -266,26 +248,26 @@ def _plan(profile: MemoryProfile, micro: int, effective: int, eval_batch: int, b
     )
 
 
-def _refuse(workload, policy, effective: int, budget: int, limit: int, profiles: _Profiles, start: Settings) -> Plan:
+def _refuse(workload, policy, effective: int, budget: int, limit: int, profiles: ProfileCache, start: Settings) -> Plan:
     """Nothing allowed fits: what the trial needs at micro-batch 1, and what (if anything) would fit."""
     profile = profiles.get(start)
     if profile is None:
         needs = f"could not be estimated ({profiles.errors.get(start, 'no profile')})"
         phases: dict[str, int] = {}
     else:
-        needs = f"needs {_breakdown_at_one(profile, effective)}"
-        phases = profile.phase_peaks(1, 1, effective)
+        needs = f"needs {_breakdown_at_one(profile)}"
+        phases = profile.phase_peaks(1, 1)
     margin = f" (x safety margin {policy.safety_margin:g} = {format_bytes(limit)})" if policy.safety_margin != 1 else ""
-    message = f"{needs}, budget {format_bytes(budget)}{margin}; {_what_would_fit(workload, policy, effective, limit, profiles, start)}"
-    worst = profile.worst(phases, 1, 1, effective) if phases else None
+    message = f"{needs}, budget {format_bytes(budget)}{margin}; {_what_would_fit(workload, policy, limit, profiles, start)}"
+    worst = profile.worst(phases, 1, 1) if phases else None
     return Plan(
         1, effective, effective, 1, False, policy.precision, profile.estimator if profile else policy.estimator,
         budget, phases.get(worst), worst, phases, refusal=message, safety_margin=policy.safety_margin,
     )
 
 
-def _breakdown_at_one(profile: MemoryProfile, effective: int) -> str:
-    peak, name = profile.peak(1, 1, effective)
+def _breakdown_at_one(profile: MemoryProfile) -> str:
+    peak, name = profile.peak(1, 1)
     p = next(ph for ph in profile.phases if ph.name == name)
     parts = [("params", p.params), ("grads", p.grads), ("optim", p.optimizer), ("buffers", p.buffers),
              ("activations/sample", p.activations_per_sample), ("other", p.fixed_other), ("ctx", p.context + p.workspace)]
@@ -294,7 +276,7 @@ def _breakdown_at_one(profile: MemoryProfile, effective: int) -> str:
     return f"{format_bytes(peak)} at micro-batch 1 in {name} ({shown}{frag})"
 
 
-def _what_would_fit(workload, policy, effective: int, limit: int, profiles: _Profiles, start: Settings) -> str:
+def _what_would_fit(workload, policy, limit: int, profiles: ProfileCache, start: Settings) -> str:
     """Try what the policy does not allow too, to say what would make the trial fit."""
     lower = policy.lower_precision or "bf16"
     options = []
@@ -309,7 +291,7 @@ def _what_would_fit(workload, policy, effective: int, limit: int, profiles: _Pro
     allowed = _candidates(start, policy, workload.supports_activation_checkpointing)
     for settings, label in options:
         profile = profiles.get(settings)
-        if profile is not None and _train_fits(profile, 1, effective, limit) and _eval_fits(profile, 1, 1, limit):
+        if profile is not None and _train_fits(profile, 1, limit) and _eval_fits(profile, 1, 1, limit):
             hint = "" if settings in allowed else " (which the memory policy does not allow)"
             return f"would fit with {label}{hint}"
     return f"would not fit even with {options[-1][1]}"

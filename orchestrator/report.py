@@ -2,7 +2,7 @@
 
 Prints one line per trial (status, plan, predicted and measured peak, estimation error, OOM
 retries, final metric) and a short summary; writes ``report.png`` (predicted vs measured peak
-per trial, the budget, the OOM events) and ``results.parquet`` (one row per trial per epoch);
+per trial, the budget, the OOM events) and ``results.parquet`` (one row per trial per result);
 logs both to the sweep's parent run. Everything comes from MLflow rather than Tune's folders,
 so a report can be made wherever the tracking store can be reached, also for a sweep that is
 still running or was interrupted.
@@ -20,20 +20,20 @@ from typing import Any
 from orchestrator.device import MEMORY_LABELS
 from orchestrator.errors import UserError
 from orchestrator.table import format_table
-from orchestrator.tracking import EPOCH_METRIC, ROLE_TAG, SWEEP_ID_TAG, sqlite_path
+from orchestrator.tracking import ROLE_TAG, STEP_METRIC, SWEEP_ID_TAG, sqlite_path
 from orchestrator.units import GiB, human
 
 #: The report reads many histories: retry a little, but never for minutes against a dead server.
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
 #: Metrics that are counts or bytes: integers in the Parquet file (MLflow stores every metric as a double).
 INT_METRICS = frozenset({
-    EPOCH_METRIC, "micro_batch", "accum_steps", "effective_batch", "eval_batch", "activation_checkpointing",
+    STEP_METRIC, "epoch", "micro_batch", "accum_steps", "effective_batch", "eval_batch", "activation_checkpointing",
     "plan_reductions", "oom_retries", "peak_allocated_bytes", "peak_reserved_bytes", "device_used_bytes",
     "predicted_peak_bytes", "budget_bytes", "gpu_total_bytes",
 })
-#: Column order of the per-epoch measurements; any other metric a workload reports follows, sorted.
+#: Column order of the measurements of each result; any other metric a workload reports follows, sorted.
 METRIC_ORDER = (
-    "train_loss", "eval_loss", "peak_allocated_bytes", "peak_reserved_bytes", "device_used_bytes",
+    "epoch", "train_loss", "eval_loss", "peak_allocated_bytes", "peak_reserved_bytes", "device_used_bytes",
     "fragmentation", "predicted_peak_bytes", "prediction_error", "budget_bytes", "oom_retries",
     "micro_batch", "accum_steps", "effective_batch", "eval_batch", "activation_checkpointing",
     "plan_reductions", "time_total_s",
@@ -44,7 +44,7 @@ TRIAL_COLUMNS = ("estimator", "memory_source", "precision", "gpu_name", "refusal
 
 @dataclass(frozen=True)
 class TrialRecord:
-    """One child run: its identity, what it logged per epoch, and its OOM events."""
+    """One child run: its identity, what it logged with each result, and its OOM events."""
 
     name: str
     trial_id: str
@@ -52,7 +52,7 @@ class TrialRecord:
     status: str  # MLflow's: RUNNING, FINISHED, FAILED, KILLED
     params: dict[str, str]
     tags: dict[str, str]
-    epochs: dict[int, dict[str, float]]  # epoch -> metric -> value
+    results: dict[int, dict[str, float]]  # optimizer step -> metric -> value
     oom_events: list[dict]
     duration_s: float | None  # wall time between the run's start and end, if it ended
 
@@ -61,19 +61,19 @@ class TrialRecord:
         return "REFUSED" if self.tags.get("refusal") else self.status
 
     def last(self, key: str) -> float | None:
-        for epoch in sorted(self.epochs, reverse=True):
-            if key in self.epochs[epoch]:
-                return self.epochs[epoch][key]
+        for step in sorted(self.results, reverse=True):
+            if key in self.results[step]:
+                return self.results[step][key]
         return None
 
     def peak(self) -> tuple[float | None, float | None, float | None]:
-        """(predicted, measured, error) at the epoch whose measured peak was highest.
+        """(predicted, measured, error) at the result whose measured peak was highest.
 
         Measured is what the prediction is compared with: reserved bytes on a GPU (the plan
         budgets reserved memory), tensor bytes elsewhere - the same rule the trainable uses for
         ``prediction_error``. A refused trial has a prediction and no measurement."""
         best: dict[str, float] | None = None
-        for metrics in self.epochs.values():
+        for metrics in self.results.values():
             measured = metrics.get("peak_reserved_bytes", metrics.get("peak_allocated_bytes"))
             if measured is not None and (best is None or measured > best["measured"]):
                 best = {**metrics, "measured": measured}
@@ -188,10 +188,10 @@ def _all_runs(client, experiment_id: str, filter_string: str) -> list:
 
 
 def _trial_record(client, run) -> TrialRecord:
-    epochs: dict[int, dict[str, float]] = {}
+    results: dict[int, dict[str, float]] = {}
     for key in run.data.metrics:
         for point in client.get_metric_history(run.info.run_id, key):
-            epochs.setdefault(int(point.step), {})[key] = point.value
+            results.setdefault(int(point.step), {})[key] = point.value
     events: list[dict] = []
     if run.data.metrics.get("oom_retries", 0) > 0:
         try:
@@ -202,7 +202,7 @@ def _trial_record(client, run) -> TrialRecord:
     duration = (info.end_time - info.start_time) / 1000 if info.end_time and info.start_time else None
     return TrialRecord(
         name=info.run_name, trial_id=run.data.tags.get("trial_id", ""), run_id=info.run_id, status=info.status,
-        params=dict(run.data.params), tags=dict(run.data.tags), epochs=epochs, oom_events=events, duration_s=duration,
+        params=dict(run.data.params), tags=dict(run.data.tags), results=results, oom_events=events, duration_s=duration,
     )
 
 
@@ -277,7 +277,7 @@ def summary(sweep: SweepRecord) -> str:
 
 
 def result_rows(sweep: SweepRecord) -> list[dict[str, Any]]:
-    """One row per trial per epoch (a trial that logged no epoch still gets one row)."""
+    """One row per trial per result (a trial that logged none still gets one row)."""
     rows = []
     for trial in sweep.trials:
         base = {
@@ -287,8 +287,8 @@ def result_rows(sweep: SweepRecord) -> list[dict[str, Any]]:
         }
         base.update({key: _typed(value) for key, value in sorted(trial.params.items()) if key.startswith("config.")})
         base.update({key: trial.params.get(key) or trial.tags.get(key) for key in TRIAL_COLUMNS})
-        for epoch in sorted(trial.epochs) or [None]:
-            rows.append({**base, **trial.epochs.get(epoch, {}), EPOCH_METRIC: epoch})
+        for step in sorted(trial.results) or [None]:
+            rows.append({**base, **trial.results.get(step, {}), STEP_METRIC: step})
     return rows
 
 
@@ -301,8 +301,8 @@ def write_parquet(sweep: SweepRecord, path: Path) -> None:
     keys = {key for row in rows for key in row}
     config = sorted(k for k in keys if k.startswith("config."))
     metrics = [k for k in METRIC_ORDER if k in keys]
-    metrics += sorted(keys - set(identity) - set(config) - set(metrics) - set(TRIAL_COLUMNS) - {EPOCH_METRIC})
-    columns = identity + config + [EPOCH_METRIC] + metrics + list(TRIAL_COLUMNS)
+    metrics += sorted(keys - set(identity) - set(config) - set(metrics) - set(TRIAL_COLUMNS) - {STEP_METRIC})
+    columns = identity + config + [STEP_METRIC] + metrics + list(TRIAL_COLUMNS)
     arrays = {}
     for column in columns:
         values = [row.get(column) for row in rows]

@@ -32,8 +32,9 @@ class TrialRow:
     name: str
     config: str
     status: str  # TERMINATED (finished, or stopped early by the scheduler), ERROR, REFUSED, INTERRUPTED
-    epochs: int
-    final_loss: float | None
+    epochs: int  # finished
+    steps: int  # optimizer steps
+    final_metric: float | None
     plan: str  # "16 x 4"
     peak_bytes: int | None
     memory_source: str
@@ -67,7 +68,7 @@ def run_command(args) -> int:
         dashboard_host=args.dashboard_host,
     )
     print()
-    print(summary_table(outcome.rows, spec.epochs))
+    print(summary_table(outcome.rows, spec))
     finished = sum(r.status == "TERMINATED" for r in outcome.rows)
     print(f"\n{finished}/{len(outcome.rows)} trials finished. Results: {outcome.experiment_path}")
     print(f"MLflow: {outcome.tracking_uri} (experiment {spec.experiment!r}); see `orchestrator report {spec.experiment}`")
@@ -98,10 +99,11 @@ def run_sweep(
 
     tracking_uri = resolve_tracking_uri(tracking_uri, spec)
     storage = os.path.abspath(storage_path or spec.storage_path)
+    estimates = estimate_before_start(spec)  # before Ray starts: its CPUs are free, a broken model stops here
     started_ray = _connect_ray(ray_address, num_cpus, num_gpus, dashboard, dashboard_host)
     try:
         name, restore_from = _experiment_name(spec, storage, name, resume)
-        trainable = _trainable(spec)
+        trainable = _trainable(spec, estimates)
         if restore_from:
             print(f"Resuming {restore_from}: finishing the trials that did not finish")
             tuner = tune.Tuner.restore(restore_from, trainable=trainable, resume_unfinished=True, resume_errored=False)
@@ -126,19 +128,19 @@ def _connect_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashb
 
     if ray.is_initialized():
         return False
-    # Workers import the user's own workloads (``my_package.module:Class``) from the working directory.
-    path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
-    runtime_env = {"env_vars": {"PYTHONPATH": path}}
+    # Workers import the user's own workloads (``my_package.module:Class``) from the driver's
+    # working directory: Ray puts it on every worker's sys.path (a Ray Job's uploaded working_dir
+    # takes its place), as long as the driver runs with no working_dir of its own.
     if os.environ.get("RAY_ADDRESS"):  # inside a Ray Job: the job's runtime environment applies
         ray.init(address=os.environ["RAY_ADDRESS"])
     elif address:
         if address == "auto":
             raise UserError("--ray-address: give the head's HOST:PORT; 'auto' can attach to another user's cluster")
-        ray.init(address=address, runtime_env=runtime_env)
+        ray.init(address=address)
     else:
         context = ray.init(
             address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=dashboard,
-            dashboard_host=dashboard_host, runtime_env=runtime_env,
+            dashboard_host=dashboard_host,
         )
         if dashboard:
             from orchestrator.dashboard import how_to_open, token_required
@@ -175,15 +177,41 @@ def _experiment_name(spec: SweepSpec, storage: str, name: str | None, resume: bo
     return f"{spec.experiment}_{time.strftime('%Y%m%d-%H%M%S')}", None
 
 
-def _trainable(spec: SweepSpec):
+def estimate_before_start(spec: SweepSpec):
+    """The trials' memory, estimated once per memory signature before the Tuner starts.
+
+    A workload whose estimate raises (its model or loss fails on the first batch) stops the sweep
+    here, in one line, instead of failing every trial after Ray has started.
+    """
+    from orchestrator.estimates import describe_signature, estimate_trials, planning_target
+    from orchestrator.space import memory_configs
+
+    target = planning_target(spec)
+    policy = spec.memory
+    budget = policy.budget
+    if target == "emulated":
+        budget = min(budget, policy.capacity) if budget else policy.capacity
+    started = time.perf_counter()
+    estimates = estimate_trials(memory_configs(spec), policy, target, budget, spec.effective_batch_size)
+    if estimates.errors:
+        signature, error = next(iter(estimates.errors.items()))
+        raise UserError(f"workload {describe_signature(signature, spec.search_space)}: the {policy.estimator} estimate failed ({error}); "
+                        "fix the workload, or set memory.estimator: none to start trials without an estimate")
+    if estimates.by_signature:
+        print(f"Estimated the memory of {len(estimates.by_signature)} distinct trial configuration(s) for a "
+              f"{target} device in {time.perf_counter() - started:.1f}s ({policy.estimator})", flush=True)
+    return estimates
+
+
+def _trainable(spec: SweepSpec, estimates):
     from ray import tune
 
     from orchestrator.packing import auto_gpu_resources
     from trainables.trainable import train_trial
 
-    trainable = tune.with_parameters(train_trial, spec=spec)
+    trainable = tune.with_parameters(train_trial, spec=spec, estimates=estimates)
     if spec.resources.gpu == "auto":
-        return tune.with_resources(trainable, auto_gpu_resources(spec))
+        return tune.with_resources(trainable, auto_gpu_resources(spec, estimates))
     return tune.with_resources(trainable, {"cpu": spec.resources.cpu, "gpu": spec.resources.gpu})
 
 
@@ -200,12 +228,16 @@ def _tune_config(spec: SweepSpec):
     from orchestrator.retry import OomAwareScheduler
 
     if spec.scheduler.type == "asha":
+        unit = spec.scheduler.time_attr
         inner = ASHAScheduler(
-            time_attr="epoch", max_t=spec.epochs,
+            time_attr=unit, max_t=spec.stop.epochs if unit == "epoch" else spec.stop.steps,
             grace_period=spec.scheduler.grace_period, reduction_factor=spec.scheduler.reduction_factor,
         )
     else:
         inner = FIFOScheduler()
+    # Checkpoint-only reports (checkpoint.every apart from eval_every) carry no eval metric; the
+    # metric's name was checked against every workload's declared metrics before Ray started.
+    os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")
     return tune.TuneConfig(
         metric=spec.metric, mode=spec.mode, num_samples=spec.num_samples,
         scheduler=OomAwareScheduler(inner, max_failures=spec.max_failures), reuse_actors=False,
@@ -225,7 +257,7 @@ def _run_config(spec: SweepSpec, name: str, storage: str, tracking_uri: str):
         # memory, mostly) and, up to max_failures, trials that failed otherwise. The scheduler
         # spends this shared budget by kind of failure.
         failure_config=tune.FailureConfig(max_failures=spec.memory.max_oom_retries + spec.max_failures),
-        checkpoint_config=tune.CheckpointConfig(num_to_keep=2),
+        checkpoint_config=tune.CheckpointConfig(num_to_keep=spec.checkpoint.keep),
     )
 
 
@@ -240,20 +272,21 @@ def _row(result, spec: SweepSpec) -> TrialRow:
         status = "ERROR"
     elif metrics.get("refused"):
         status = "REFUSED"
-    elif not metrics.get("done") and metrics.get("epoch", 0) < spec.epochs:
+    elif not metrics.get("done") and not metrics.get("training_done"):
         # Tune marks a trial's last result done when it completes or its scheduler stops it; a
-        # trial that trained every epoch just before an interruption is finished all the same.
+        # trial that spent its budget just before an interruption is finished all the same.
         status = "INTERRUPTED"
     else:
         status = "TERMINATED"
-    loss = metrics.get(spec.metric)
+    value = metrics.get(spec.metric)
     note = metrics.get("refusal") or (exception_line(str(result.error))[:160] if result.error else "")
     return TrialRow(
         name=str(metrics.get("trial_id") or (os.path.basename(result.path) if result.path else "?")),
         config=", ".join(f"{k}={_short(v)}" for k, v in shown.items()),
         status=status,
         epochs=int(metrics.get("epoch", 0) or 0),
-        final_loss=loss if isinstance(loss, (int, float)) and math.isfinite(loss) else None,
+        steps=int(metrics.get("step", 0) or 0),
+        final_metric=value if isinstance(value, (int, float)) and math.isfinite(value) else None,
         plan=f"{metrics['micro_batch']} x {metrics['accum_steps']}" if "micro_batch" in metrics else "-",
         peak_bytes=metrics.get("peak_reserved_bytes", metrics.get("peak_allocated_bytes")),
         memory_source=metrics.get("memory_source", ""),
@@ -266,14 +299,14 @@ def _short(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def summary_table(rows: list[TrialRow], epochs: int) -> str:
-    """trial, config, epochs run, final loss, micro-batch x accumulation, peak memory, status."""
+def summary_table(rows: list[TrialRow], spec: SweepSpec) -> str:
+    """trial, config, progress against the budget, the metric, micro-batch x accumulation, peak memory, status."""
     body = [
         (
             r.name,
             r.config,
-            f"{r.epochs}/{epochs}",
-            f"{r.final_loss:.4f}" if r.final_loss is not None else "-",
+            _progress(r, spec),
+            f"{r.final_metric:.4f}" if r.final_metric is not None else "-",
             r.plan,
             f"{human(r.peak_bytes)} ({MEMORY_LABELS.get(r.memory_source, r.memory_source)})" if r.peak_bytes else "-",
             r.oom_retries,
@@ -281,4 +314,10 @@ def summary_table(rows: list[TrialRow], epochs: int) -> str:
         )
         for r in rows
     ]
-    return format_table(["trial", "config", "epochs", "final loss", "micro x accum", "peak memory", "OOMs", "status"], body)
+    return format_table(["trial", "config", "trained", spec.metric, "micro x accum", "peak memory", "OOMs", "status"], body)
+
+
+def _progress(row: TrialRow, spec: SweepSpec) -> str:
+    """Epochs (and steps, where the budget counts them) run of the budget: '3/3 ep', '1 ep, 500/500 steps'."""
+    epochs = f"{row.epochs}/{spec.stop.epochs} ep" if spec.stop.epochs else f"{row.epochs} ep"
+    return epochs if spec.stop.steps is None else f"{epochs}, {row.steps}/{spec.stop.steps} steps"

@@ -4,7 +4,7 @@ Why not Ray's ``MLflowLoggerCallback``: it re-logs params at every actor start, 
 refuses a changed param ("Changing param values is not allowed", ray #27783) - exactly what a
 trial retried with a smaller plan does. Here what never changes during a trial (workload,
 hyper-parameters, estimator, budget, GPU) is logged as params once; what can change (the plan)
-is logged per epoch as metrics, as a ``plan_history.json`` artifact whenever it changes, and as
+is logged with every result as metrics, as a ``plan_history.json`` artifact whenever it changes, and as
 ``plan.*`` params only when the trial has ended. Params are only ever added, never changed.
 
 Why a queue: a tracking server can be away for a while (restart, network). Every write is an
@@ -13,7 +13,7 @@ on MLflow and a sweep never fails because of it. While the server is unreachable
 operations wait, are retried, and are part of this callback's Tune state (saved with the
 experiment checkpoint, so a resumed driver sends what the last one could not). Every
 operation is idempotent, so sending one twice is harmless: runs are looked up by tags before
-they are created, an epoch is sent only if the run does not have that step of the ``epoch``
+they are created, a result is sent only if the run does not have that step of the ``step``
 metric yet (re-read from MLflow after any failure, since a request may land although its
 reply was lost), params are only added, artifacts are overwritten.
 """
@@ -43,16 +43,17 @@ logger = logging.getLogger(__name__)
 SWEEP_ID_TAG = "orchestrator.sweep_id"
 ROLE_TAG = "orchestrator.role"  # "sweep" (the parent run) or "trial"
 PARENT_TAG = "mlflow.parentRunId"  # what makes a run nested in MLflow's UI
-EPOCH_METRIC = "epoch"  # logged with every epoch (step = epoch): the record of which epochs a run has
+#: Logged with every result at MLflow step = the trial's optimizer step: the record of which results a run has.
+STEP_METRIC = "step"
 
 #: Numeric keys of a Tune result that are bookkeeping, not measurements (``time_total_s`` is kept:
 #: it is the trial's training time across restarts, which GPU hours are computed from).
 TUNE_BOOKKEEPING = frozenset({
     "training_iteration", "timestamp", "pid", "time_this_iter_s", "time_since_restore",
-    "iterations_since_restore", "done", "refused",
+    "iterations_since_restore", "done", "refused", "training_done",
 })
 #: Per-trial facts that do not change while it runs: params, logged once.
-TRIAL_PARAM_KEYS = ("estimator", "memory_source", "budget_bytes", "gpu_name", "gpu_total_bytes")
+TRIAL_PARAM_KEYS = ("estimator", "estimated_by", "memory_source", "budget_bytes", "gpu_name", "gpu_total_bytes")
 #: Strings that can change with the plan: tags, which MLflow lets us overwrite.
 TRIAL_TAG_KEYS = ("precision", "predicted_phase", "memory_source")
 
@@ -117,11 +118,15 @@ class SetTags:
 
 
 @dataclass
-class LogEpoch:
-    """One epoch's metrics, at step = epoch; skipped if the run already has that epoch."""
+class LogResult:
+    """One result's metrics at MLflow step = the trial's optimizer step; skipped if the run has it.
+
+    A step reported twice (replayed after an OOM, a restart from an earlier checkpoint) keeps
+    what was logged first.
+    """
 
     target: TrialRef
-    epoch: int
+    step: int
     metrics: dict[str, float]
     timestamp_ms: int  # when Tune received the result, not when it reached MLflow
 
@@ -129,13 +134,13 @@ class LogEpoch:
         from mlflow.entities import Metric
 
         run_id = mlflow.run_id(self.target)
-        logged = mlflow.epochs(run_id)
-        if self.epoch in logged:
+        logged = mlflow.steps(run_id)
+        if self.step in logged:
             return
-        metrics = [Metric(k, v, self.timestamp_ms, self.epoch) for k, v in self.metrics.items()]
-        metrics.append(Metric(EPOCH_METRIC, float(self.epoch), self.timestamp_ms, self.epoch))
-        mlflow.client.log_batch(run_id, metrics=metrics)  # one transaction: all of an epoch or none
-        logged.add(self.epoch)
+        metrics = [Metric(k, v, self.timestamp_ms, self.step) for k, v in self.metrics.items()]
+        metrics.append(Metric(STEP_METRIC, float(self.step), self.timestamp_ms, self.step))
+        mlflow.client.log_batch(run_id, metrics=metrics)  # one transaction: all of a result or none
+        logged.add(self.step)
 
 
 @dataclass
@@ -163,13 +168,13 @@ class EndRun:
         mlflow.client.set_terminated(mlflow.run_id(self.target), self.status)
 
 
-Operation = StartRun | AddParams | SetTags | LogEpoch | LogArtifact | EndRun
+Operation = StartRun | AddParams | SetTags | LogResult | LogArtifact | EndRun
 
 
 def describe(op: Operation) -> str:
-    """``LogEpoch(epoch 3 of train_trial_ab12c_00001)``: for warnings, without payloads."""
+    """``LogResult(step 300 of train_trial_ab12c_00001)``: for warnings, without payloads."""
     target = op.target.name if op.target else "the sweep run"
-    detail = f"epoch {op.epoch} of " if isinstance(op, LogEpoch) else ""
+    detail = f"step {op.step} of " if isinstance(op, LogResult) else ""
     return f"{type(op).__name__}({detail}{target})"
 
 
@@ -186,7 +191,7 @@ class SweepIdentity:
 
 
 class _MlflowWriter:
-    """The outbox thread's MLflow client, with the run ids and logged epochs it has looked up."""
+    """The outbox thread's MLflow client, with the run ids and logged steps it has looked up."""
 
     def __init__(self, tracking_uri: str, sweep: SweepIdentity):
         from mlflow import MlflowClient
@@ -196,7 +201,7 @@ class _MlflowWriter:
         self.sweep = sweep
         self._experiment_id: str | None = None
         self._runs: dict[str | None, str] = {}  # trial id (None: the sweep) -> run id
-        self._epochs: dict[str, set[int]] = {}  # run id -> epochs MLflow has
+        self._steps: dict[str, set[int]] = {}  # run id -> steps MLflow has
 
     def reachable(self) -> bool:
         try:
@@ -205,9 +210,9 @@ class _MlflowWriter:
         except Exception:
             return False
 
-    def forget_epochs(self) -> None:
-        """After a failed request: what landed is unknown, so re-read it before sending epochs."""
-        self._epochs.clear()
+    def forget_steps(self) -> None:
+        """After a failed request: what landed is unknown, so re-read it before sending results."""
+        self._steps.clear()
 
     def experiment_id(self) -> str:
         if self._experiment_id is None:
@@ -220,11 +225,11 @@ class _MlflowWriter:
             self._runs[key] = self._find_run(target) or self._create_run(target)
         return self._runs[key]
 
-    def epochs(self, run_id: str) -> set[int]:
-        if run_id not in self._epochs:
-            history = self.client.get_metric_history(run_id, EPOCH_METRIC)
-            self._epochs[run_id] = {int(m.step) for m in history}
-        return self._epochs[run_id]
+    def steps(self, run_id: str) -> set[int]:
+        if run_id not in self._steps:
+            history = self.client.get_metric_history(run_id, STEP_METRIC)
+            self._steps[run_id] = {int(m.step) for m in history}
+        return self._steps[run_id]
 
     def add_params(self, run_id: str, params: dict[str, str]) -> None:
         """Log the params the run does not have yet. A different value for one it has is kept
@@ -337,7 +342,7 @@ class _Outbox:
             try:
                 op.apply(self._writer)
             except Exception as exc:  # noqa: BLE001 - tracking must never take the sweep down
-                self._writer.forget_epochs()
+                self._writer.forget_steps()
                 if not self._writer.reachable():
                     self._went_offline(exc)
                     self._pause(delay)
@@ -383,7 +388,7 @@ class _TrialLog:
     """What the driver remembers of a trial (saved in Tune's experiment state)."""
 
     ref: TrialRef
-    plans: list[dict] = field(default_factory=list)  # [{"epoch": e, "plan": {...}}], one per change
+    plans: list[dict] = field(default_factory=list)  # [{"step": s, "epoch": e, "plan": {...}}], one per change
     oom_events_logged: int = 0
     restarts: int = 0
     tags: dict[str, str] = field(default_factory=dict)  # as last queued: only changes are sent
@@ -450,7 +455,7 @@ class MlflowTracking(tune.Callback):
         tags = {k: str(result[k]) for k in TRIAL_TAG_KEYS if result.get(k) is not None}
         plan = result.get("plan")
         if plan and (not log.plans or log.plans[-1]["plan"] != plan):
-            log.plans.append({"epoch": result.get("epoch"), "plan": plan})
+            log.plans.append({"step": result.get("step"), "epoch": result.get("epoch"), "plan": plan})
             self._put(LogArtifact(log.ref, "plan_history.json", list(log.plans)))
         if refusal := _refusal(result):
             tags["refusal"] = refusal[:MAX_TAG_CHARS]
@@ -462,8 +467,8 @@ class MlflowTracking(tune.Callback):
         if len(events) > log.oom_events_logged:
             self._put(LogArtifact(log.ref, "oom_events.json", list(events)))
             log.oom_events_logged = len(events)
-        if isinstance(result.get("epoch"), int):
-            self._put(LogEpoch(log.ref, result["epoch"], epoch_metrics(result), int(time.time() * 1000)))
+        if isinstance(result.get("step"), int):
+            self._put(LogResult(log.ref, result["step"], result_metrics(result), int(time.time() * 1000)))
 
     def on_trial_recover(self, iteration, trials, trial, **info) -> None:
         """Tune restarts the trial (from its last checkpoint, possibly with a changed config)."""
@@ -523,19 +528,21 @@ class MlflowTracking(tune.Callback):
 # -- what a result becomes --------------------------------------------------------------------
 
 
-def epoch_metrics(result: dict[str, Any]) -> dict[str, float]:
-    """Every number the trial reported, except Tune's bookkeeping and the epoch itself."""
+def result_metrics(result: dict[str, Any]) -> dict[str, float]:
+    """Every number the trial reported, except Tune's bookkeeping and the step itself."""
     return {
         key: float(value)
         for key, value in result.items()
         if isinstance(value, (int, float)) and not isinstance(value, bool)
-        and key not in TUNE_BOOKKEEPING and key != EPOCH_METRIC
+        and key not in TUNE_BOOKKEEPING and key != STEP_METRIC
     }
 
 
 def plan_params(plan: dict[str, Any]) -> dict[str, str]:
-    """The final plan as ``plan.*`` params, ``predicted_phases`` as ``plan.predicted_phases.<phase>``."""
-    return {key: _param_text(value) for key, value in _flatten(plan, "plan").items() if value is not None}
+    """The final plan as ``plan.*`` params, ``predicted_phases`` as ``plan.predicted_phases.<phase>``
+    (a stage's phase ``train@epoch2`` as ``train:epoch2``: MLflow refuses ``@`` in a name)."""
+    flat = _flatten(plan, "plan")
+    return {key.replace("@", ":"): _param_text(value) for key, value in flat.items() if value is not None}
 
 
 def spec_params(spec: SweepSpec) -> dict[str, str]:

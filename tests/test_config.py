@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from orchestrator.config import Domain, load_spec
+from orchestrator.config import CheckpointPolicy, DataLoading, Domain, Every, LrSchedule, Stop, load_spec
 from orchestrator.errors import ConfigError
 from orchestrator.space import trial_configs
 
@@ -38,7 +38,9 @@ def test_a_valid_file_gives_a_typed_spec_with_defaults(tmp_path):
     spec = load_spec(write(tmp_path, VALID))
     assert spec.workload == "mlp" and spec.params == {"depth": 1}
     assert spec.search_space["lr"] == Domain("loguniform", (0.0001, 0.1))
-    assert spec.epochs == 2 and spec.num_samples == 1 and spec.metric == "eval_loss" and spec.mode == "min"
+    assert spec.stop == Stop(epochs=2) and spec.num_samples == 1 and spec.metric == "eval_loss" and spec.mode == "min"
+    assert spec.eval_every == Every("epochs", 1) and spec.checkpoint == CheckpointPolicy(every=None, keep=2)
+    assert spec.data == DataLoading() and spec.schedule is None and spec.max_grad_norm is None
     assert spec.memory.estimator == "trace" and spec.memory.safety_margin == 0.98
     assert spec.memory.allocator_conf == "expandable_segments:True"
 
@@ -50,7 +52,7 @@ def test_sizes_are_read_with_units(tmp_path):
 
 def test_set_overrides_a_key_as_yaml(tmp_path):
     spec = load_spec(write(tmp_path, VALID), ["stop.epochs=5", "search_space.width={grid: [8, 16]}", "resources.gpu=0.25"])
-    assert spec.epochs == 5
+    assert spec.stop.epochs == 5
     assert spec.search_space["width"] == Domain("grid", ((8, 16),))
     assert spec.resources.gpu == 0.25
 
@@ -99,6 +101,25 @@ BAD = [
      "search_space.width.uniform: workload mlp's width expects an integer, uniform samples floats"),
     ("value outside a Literal", ["workload.params.optimizer=lion"],
      "workload.params.optimizer: workload mlp's optimizer expects one of sgd, adam, adamw, got 'lion'"),
+    ("no budget", ["stop={}"], "stop: expected epochs, steps or both"),
+    ("unknown budget", ["stop.hours=3"], "stop.hours: unknown key (expected one of: epochs, steps)"),
+    ("fractional steps", ["stop.steps=2.5"], "stop.steps: expected a positive integer, got 2.5"),
+    ("eval cadence unit", ["eval_every={hours: 1}"], "eval_every: expected one of {steps: N}, {minutes: N}, {epochs: N}"),
+    ("negative eval cadence", ["eval_every.minutes=-5"], "eval_every.minutes: expected a positive number, got -5"),
+    ("checkpoint cadence", ["checkpoint.every={steps: 0}"], "checkpoint.every.steps: expected a positive integer, got 0"),
+    ("checkpoints kept", ["checkpoint.keep=0"], "checkpoint.keep: expected a positive integer, got 0"),
+    ("negative workers", ["data.num_workers=-1"], "data.num_workers: expected an integer >= 0, got -1"),
+    ("prefetch without workers", ["data.prefetch_factor=4"],
+     "data.prefetch_factor: needs worker processes (data.num_workers > 0), got num_workers 0"),
+    ("unknown data key", ["data.shuffle=false"], "data.shuffle: unknown key"),
+    ("unknown lr decay", ["schedule.decay=exponential"], "schedule.decay: expected one of constant, linear, cosine, got 'exponential'"),
+    ("negative warm-up", ["schedule.warmup_steps=-10"], "schedule.warmup_steps: expected an integer >= 0, got -10"),
+    ("final lr above lr", ["schedule.final_lr=2"], "schedule.final_lr: expected a fraction of lr in [0, 1], got 2"),
+    ("negative max_grad_norm", ["max_grad_norm=-1"], "max_grad_norm: expected a positive number, got -1"),
+    ("metric not reported", ["metric=eval_accuracy"],
+     "metric: workload mlp does not report 'eval_accuracy' (it reports: train_loss, eval_loss)"),
+    ("ASHA in steps without a step budget", ["scheduler={type: asha, time_attr: step}"],
+     "scheduler.time_attr: step needs stop.steps (ASHA's last rung), which is not set"),
 ]
 
 
@@ -108,6 +129,37 @@ def test_bad_input_names_the_key_and_what_was_expected(tmp_path, case, overrides
         load_spec(write(tmp_path, VALID), overrides)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_training_settings_are_read(tmp_path):
+    spec = load_spec(write(tmp_path, VALID), [
+        "stop={steps: 500}", "eval_every={minutes: 2.5}", "checkpoint={every: 100, keep: 3}",
+        "data={num_workers: 2, prefetch_factor: 4, persistent_workers: true}",
+        "schedule={warmup_steps: 50, decay: cosine, final_lr: 0.1}", "max_grad_norm=1",
+        "scheduler={type: asha, time_attr: step, grace_period: 100}",
+    ])
+    assert spec.stop == Stop(epochs=None, steps=500) and spec.eval_every == Every("minutes", 2.5)
+    assert spec.checkpoint == CheckpointPolicy(every=Every("steps", 100), keep=3)
+    assert spec.data == DataLoading(num_workers=2, pin_memory=None, prefetch_factor=4, persistent_workers=True)
+    assert spec.schedule == LrSchedule(50, "cosine", 0.1) and spec.max_grad_norm == 1.0
+    assert spec.scheduler.time_attr == "step" and spec.scheduler.grace_period == 100
+
+
+def test_a_metric_the_workload_declares_and_a_schedule_it_does_not_build_itself(tmp_path, monkeypatch):
+    (tmp_path / "accuracy_models.py").write_text(
+        "import dataclasses\n"
+        "from trainables.mlp import MLPWorkload\n"
+        "@dataclasses.dataclass\n"
+        "class Scored(MLPWorkload):\n"
+        "    metrics = ('loss', 'accuracy')\n"
+        "    def build_scheduler(self, optimizer, total_steps):\n"
+        "        return None\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = load_spec(write(tmp_path, VALID), ["workload.name=accuracy_models:Scored", "metric=eval_accuracy", "mode=max"])
+    assert spec.metric == "eval_accuracy"
+    with pytest.raises(ConfigError, match="^schedule: workload accuracy_models:Scored builds its own scheduler"):
+        load_spec(write(tmp_path, VALID), ["workload.name=accuracy_models:Scored", "schedule={decay: linear}"])
 
 
 def test_missing_file_and_broken_yaml(tmp_path):
@@ -132,18 +184,15 @@ def test_the_cli_prints_one_line_and_exits_2_without_starting_anything(tmp_path)
     assert not (tmp_path / "results").exists() and not (tmp_path / "m.db").exists()
 
 
-def test_the_readme_examples_are_valid(tmp_path, monkeypatch):
-    """The sweep file and the own-model example a newcomer copies from the README."""
+def test_the_readme_examples_are_valid(tmp_path, monkeypatch, own_model_project):
+    """The sweep file and the own-model example a newcomer copies from the README, as written."""
     readme = open("README.md").read()
     blocks = re.findall(r"```(yaml|python)\n(.*?)```", readme, re.S)
     sweep = next(text for lang, text in blocks if lang == "yaml" and text.startswith("experiment: my_sweep"))
     spec = load_spec(write(tmp_path, sweep))
     assert spec.workload == "cnn" and spec.search_space["lr"] == Domain("loguniform", (0.0001, 0.1))
 
-    model = next(text for lang, text in blocks if lang == "python" and text.startswith("# my_models/wide.py"))
-    (tmp_path / "my_models").mkdir()
-    (tmp_path / "my_models" / "wide.py").write_text(model)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    snippet = next(text for lang, text in blocks if lang == "yaml" and "my_models.wide:WideNet" in text)
-    own = load_spec(write(tmp_path, snippet + "effective_batch_size: 64\nstop: {epochs: 1}\nexperiment: own\n", "own.yaml"))
+    monkeypatch.syspath_prepend(str(own_model_project.folder))
+    own = load_spec(str(own_model_project.folder / own_model_project.config))
+    assert own.workload == "my_models.wide:WideNet"
     assert own.search_space["lr"] == Domain("loguniform", (0.0001, 0.01))

@@ -1,74 +1,173 @@
-"""The training loop: accumulation equals the full batch, resume equals no interruption,
-and the peak memory it reports is the tracker's."""
+"""The training loop: accumulation equals the full batch, a resumed trainer equals an uninterrupted
+one (mid-epoch too), budgets in epochs and steps, evaluation and checkpoint cadences, eval metrics,
+clipping on the accumulated gradient, and the memory it reports."""
 
+import dataclasses
 import math
 
+import pytest
 import torch
+import torch.nn.functional as F
 
+from orchestrator.config import DataLoading, Every, LrSchedule, Stop
 from orchestrator.device import CpuDevice
 from trainables.cnn import CNNWorkload
-from trainables.loop import LoopPlan, Trainer
+from trainables.loop import LoopPlan, LoopSettings, MetricsMismatch, Progress, Trainer
 from trainables.mlp import MLPWorkload
 
 
-def _weights(trainer):
+def weights(trainer):
     return [p.detach().clone() for p in trainer.model.parameters()]
 
 
-def _train(workload, plan, epochs, seed=0):
-    trainer = Trainer(workload, CpuDevice(), plan, seed=seed)
-    results = [trainer.run_epoch() for _ in range(epochs)]
-    return trainer, results
+def train(workload, plan, settings, seed=0, state=None):
+    """A trainer run to the end of its budget on the CPU (optionally resumed from ``state``)."""
+    device = CpuDevice()
+    with device.measuring():
+        trainer = Trainer(workload, device, plan, settings, seed=seed)
+        if state is not None:
+            trainer.load_state_dict(state)
+        milestones = list(trainer.run())
+    return trainer, milestones
+
+
+def epochs(n, **extra):
+    return LoopSettings(Stop(epochs=n), **extra)
 
 
 def test_micro_batch_8_x_4_makes_the_same_updates_as_32_x_1():
     workload = MLPWorkload(width=32, lr=0.01, train_samples=256, eval_samples=64)
-    full, _ = _train(workload, LoopPlan(micro_batch=32, effective_batch=32, eval_batch=64), epochs=2)
-    accumulated, _ = _train(workload, LoopPlan(micro_batch=8, effective_batch=32, eval_batch=16), epochs=2)
-    for a, b in zip(_weights(full), _weights(accumulated)):
+    full, _ = train(workload, LoopPlan(micro_batch=32, effective_batch=32, eval_batch=64), epochs(2))
+    accumulated, _ = train(workload, LoopPlan(micro_batch=8, effective_batch=32, eval_batch=16), epochs(2))
+    for a, b in zip(weights(full), weights(accumulated)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_uneven_micro_batches_keep_the_effective_batch_update():
     workload = MLPWorkload(width=16, lr=0.01, train_samples=120, eval_samples=30)
-    full, _ = _train(workload, LoopPlan(micro_batch=24, effective_batch=24, eval_batch=30), epochs=1)
-    uneven, _ = _train(workload, LoopPlan(micro_batch=10, effective_batch=24, eval_batch=7), epochs=1)  # 10+10+4
-    for a, b in zip(_weights(full), _weights(uneven)):
+    full, _ = train(workload, LoopPlan(micro_batch=24, effective_batch=24, eval_batch=30), epochs(1))
+    uneven, _ = train(workload, LoopPlan(micro_batch=10, effective_batch=24, eval_batch=7), epochs(1))  # 10+10+4
+    for a, b in zip(weights(full), weights(uneven)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_resume_from_a_checkpoint_equals_an_uninterrupted_run():
-    workload = CNNWorkload(width=8, train_samples=128, eval_samples=32)
+def test_clipping_acts_on_the_accumulated_gradient():
+    workload = MLPWorkload(width=32, lr=0.05, optimizer="sgd", train_samples=256, eval_samples=64)
+    clipped = epochs(1, max_grad_norm=0.05)
+    full, _ = train(workload, LoopPlan(32, 32, 64), clipped)
+    accumulated, _ = train(workload, LoopPlan(8, 32, 64), clipped)
+    unclipped, _ = train(workload, LoopPlan(32, 32, 64), epochs(1))
+    for a, b in zip(weights(full), weights(accumulated)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert any(not torch.allclose(a, b) for a, b in zip(weights(full), weights(unclipped)))
+
+
+def test_a_mid_epoch_checkpoint_resumes_as_if_never_interrupted():
+    """Dropout included: a step's randomness depends on (seed, step), not on where training resumed."""
+    workload = CNNWorkload(width=8, train_samples=256, eval_samples=32)
     plan = LoopPlan(micro_batch=16, effective_batch=32, eval_batch=32)
-    straight, straight_results = _train(workload, plan, epochs=3)
+    settings = LoopSettings(Stop(epochs=2), eval_every=Every("steps", 3), schedule=LrSchedule(2, "cosine"))
+    straight, straight_milestones = train(workload, plan, settings)
 
-    first, _ = _train(workload, plan, epochs=2)
+    device = CpuDevice()
+    first = Trainer(workload, device, plan, settings)
+    run = first.run()
+    next(run)
+    middle = next(run)  # step 6 of 8 per epoch: inside the first epoch
+    assert middle.progress == Progress(epoch=0, step_in_epoch=6, step=6)
     state = first.state_dict()
-    resumed = Trainer(workload, CpuDevice(), plan, seed=0)
-    resumed.load_state_dict(state)
-    last = resumed.run_epoch()
+    resumed, resumed_milestones = train(workload, plan, settings, state=state)
 
-    assert last.epoch == 3
-    assert last.eval_loss == straight_results[-1].eval_loss
-    for a, b in zip(_weights(straight), _weights(resumed)):
+    assert [m.progress.step for m in resumed_milestones] == [9, 12, 15, 16]
+    assert resumed_milestones[-1].eval == straight_milestones[-1].eval
+    for a, b in zip(weights(straight), weights(resumed)):
+        torch.testing.assert_close(a, b)
+    assert resumed.scheduler.get_last_lr() == straight.scheduler.get_last_lr()
+
+
+def test_a_step_budget_ends_mid_epoch_and_evaluates_at_its_cadence():
+    workload = MLPWorkload(width=16, train_samples=256, eval_samples=64)  # 8 steps per epoch
+    settings = LoopSettings(Stop(epochs=5, steps=13), eval_every=Every("steps", 5), checkpoint_every=Every("steps", 2))
+    trainer, milestones = train(workload, LoopPlan(32, 32, 64), settings)
+    assert trainer.total_steps == 13 and trainer.progress == Progress(epoch=1, step_in_epoch=5, step=13)
+    seen = [(m.progress.step, bool(m.eval), m.checkpoint, m.final) for m in milestones]
+    assert seen == [(2, False, True, False), (4, False, True, False), (5, True, False, False),
+                    (6, False, True, False), (8, False, True, False), (10, True, True, False),
+                    (12, False, True, False), (13, True, True, True)]
+    assert all(m.train_loss is not None for m in milestones)
+
+
+def test_eval_every_epochs_and_the_epoch_budget():
+    workload = MLPWorkload(width=16, train_samples=128, eval_samples=64)
+    trainer, milestones = train(workload, LoopPlan(32, 32, 64), epochs(4, eval_every=Every("epochs", 2)))
+    assert [(m.progress.epoch, m.progress.step, m.checkpoint) for m in milestones] == [(2, 8, True), (4, 16, True)]
+    assert trainer.done and set(milestones[-1].eval) == {"eval_loss"}
+
+
+@dataclasses.dataclass
+class Scored(MLPWorkload):
+    metrics = ("loss", "accuracy")
+
+    def eval_metrics(self, model, batch, samples):
+        x, y = batch
+        logits = model(x)
+        return {"loss": F.cross_entropy(logits, y, reduction="sum"), "accuracy": (logits.argmax(-1) == y).sum()}
+
+
+def test_eval_metrics_are_summed_over_the_eval_set_and_averaged():
+    workload = Scored(width=32, lr=0.01, train_samples=512, eval_samples=100)
+    trainer, milestones = train(workload, LoopPlan(64, 64, 32), epochs(3))  # eval batches 32+32+32+4
+    last = milestones[-1].eval
+    assert set(last) == {"eval_loss", "eval_accuracy"}
+    x, y = workload.eval_data().tensors
+    with torch.no_grad():
+        logits = trainer.model(x)
+    assert last["eval_accuracy"] == pytest.approx((logits.argmax(-1) == y).float().mean().item())
+    assert last["eval_loss"] == pytest.approx(F.cross_entropy(logits, y).item(), rel=1e-5)
+    assert last["eval_accuracy"] > 0.5  # it learned something
+
+
+def test_undeclared_eval_metrics_are_refused_by_name():
+    class Undeclared(Scored):
+        metrics = ("loss",)
+
+    with pytest.raises(MetricsMismatch, match="Undeclared.eval_metrics/summarize_metrics report accuracy, loss"):
+        train(Undeclared(train_samples=64, eval_samples=16), LoopPlan(32, 32, 16), epochs(1))
+
+
+def test_worker_processes_feed_the_same_steps():
+    workload = MLPWorkload(width=16, lr=0.01, train_samples=256, eval_samples=64)
+    inline, _ = train(workload, LoopPlan(16, 32, 64), epochs(2))
+    workers, _ = train(workload, LoopPlan(16, 32, 64), epochs(2, data=DataLoading(num_workers=2, persistent_workers=True)))
+    for a, b in zip(weights(inline), weights(workers)):
         torch.testing.assert_close(a, b)
 
 
 def test_loss_goes_down_on_the_synthetic_data():
     for workload in (MLPWorkload(lr=0.01), CNNWorkload(lr=0.01)):
-        _, results = _train(workload, LoopPlan(micro_batch=64, effective_batch=64, eval_batch=128), epochs=3)
+        _, milestones = train(workload, LoopPlan(64, 64, 128), epochs(3))
         chance = math.log(workload.classes)  # the loss of a model that learned nothing
-        assert results[-1].eval_loss < 0.6 * chance, (workload, [r.eval_loss for r in results])
-        assert results[-1].train_loss < results[0].train_loss
+        assert milestones[-1].eval["eval_loss"] < 0.6 * chance, (workload, [m.eval for m in milestones])
+        assert milestones[-1].train_loss < milestones[0].train_loss
 
 
 def test_cpu_peak_counts_parameters_gradients_optimizer_state_and_activations():
     workload = MLPWorkload(width=256, depth=1, in_features=256, classes=8, optimizer="adamw",
                            train_samples=64, eval_samples=64)
-    trainer, results = _train(workload, LoopPlan(micro_batch=64, effective_batch=64, eval_batch=64), epochs=1)
+    trainer, milestones = train(workload, LoopPlan(64, 64, 64), epochs(1))
     params = sum(p.numel() * 4 for p in trainer.model.parameters())
-    reading = results[0].memory
+    reading = milestones[0].memory
     assert reading.source == "cpu_tensor_tracker" and reading.peak_reserved is None
-    # weights + grads + two AdamW moments, plus the batch and its activations on top
+    # weights + grads + two AdamW moments, plus one micro-batch and its activations on top
     assert reading.peak_allocated > 4 * params
     assert reading.peak_allocated < 4 * params + 64 * (256 + 256 + 256 + 8) * 4 * 4
+
+
+def test_the_dataset_is_host_memory_and_a_batch_is_device_memory_while_in_use():
+    """On the CPU the tracker counts what a GPU would hold: not the dataset the loader reads."""
+    small = MLPWorkload(width=16, in_features=64, train_samples=64, eval_samples=64)
+    large = dataclasses.replace(small, train_samples=64 * 64)  # 64x the data, one step per epoch either way
+    settings = LoopSettings(Stop(steps=1))
+    _, (a,) = train(small, LoopPlan(64, 64, 64), settings)
+    _, (b,) = train(large, LoopPlan(64, 64, 64), settings)
+    assert a.memory.peak_allocated == b.memory.peak_allocated

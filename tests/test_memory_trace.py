@@ -32,7 +32,7 @@ def test_mlp_trace_matches_a_hand_count():
     n_params = 32 * 64 + 64 + 64 * 64 + 64 + 64 * 8 + 8
     params = F32 * n_params
     adam = 2 * params + F32 * 6  # exp_avg, exp_avg_sq, and a float32 step counter per tensor
-    sample_in = F32 * 32 + 8  # one input row and its int64 label, resident for the step on the CPU
+    sample_in = F32 * 32 + 8  # one input row and its int64 label: the micro-batch under way
     assert (train.params, train.grads, train.optimizer, train.buffers) == (params, params, adam, 0)
     for b in (1, 7, 64, 1000):
         # eval (no autograd): the input, then a hidden layer's pre-activation and ReLU output at once

@@ -22,7 +22,7 @@ EPOCH = {
 
 def test_outside_ray_every_call_is_a_no_op():
     metrics = TrialMetrics("exp", "trial_0", "mlp")
-    metrics.record_epoch(EPOCH)
+    metrics.record_result(EPOCH)
     metrics.record_oom("train")
     assert metrics._metrics is None
 
@@ -45,8 +45,8 @@ def test_actor_metrics_reach_the_prometheus_endpoint(isolated_environment, tmp_p
         class Trial:
             def run(self):
                 metrics = TrialMetrics("exp_m", "trial_a", "mlp")
-                metrics.record_epoch({**EPOCH, "peak_allocated_bytes": 1})
-                metrics.record_epoch({**EPOCH, "peak_reserved_bytes": None})  # a gauge keeps the last value
+                metrics.record_result({**EPOCH, "peak_allocated_bytes": 1})
+                metrics.record_result({**EPOCH, "peak_reserved_bytes": None})  # a gauge keeps the last value
                 metrics.record_oom("train")
                 metrics.record_oom("train")
                 metrics.record_oom("eval")

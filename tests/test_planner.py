@@ -6,15 +6,15 @@ import json
 
 import pytest
 
-from orchestrator import planner
-from orchestrator.config import MemoryPolicy
+from orchestrator.config import MemoryPolicy, Stop
 from orchestrator.device import EmulatedDevice
+from orchestrator.estimates import ProfileCache
 from orchestrator.memory import MemoryProfile, PhaseProfile, Settings
 from orchestrator.memory.allocator import parse_alloc_conf
 from orchestrator.memory.sequence import TrialSequence, fit_log
 from orchestrator.planner import Plan, make_plan, next_reduction
 from trainables.cnn import CNNWorkload
-from trainables.loop import LoopPlan, Trainer
+from trainables.loop import LoopPlan, LoopSettings, Trainer
 from trainables.mlp import MLPWorkload
 
 
@@ -27,22 +27,28 @@ def profile(settings, *phases):
     return MemoryProfile("trace", settings, "emulated", tuple(phases))
 
 
+class HandMadeProfiles(ProfileCache):
+    """Profiles written by the test, handed to the planner as the driver hands its estimates to a
+    trial; records the settings the planner asked for, in order."""
+
+    def __init__(self):
+        super().__init__(workload=None, policy=None, target="emulated")
+        self.asked: list[Settings] = []
+
+    def get(self, settings: Settings) -> MemoryProfile | None:
+        self.asked.append(settings)
+        return self.cache[settings]
+
+    def __setitem__(self, settings: Settings, profile: MemoryProfile) -> None:
+        self.cache[settings] = profile
+
+    def __getitem__(self, settings: Settings) -> MemoryProfile:
+        return self.cache[settings]
+
+
 @pytest.fixture
-def profiles(monkeypatch):
-    """Make ``estimate`` return the profile registered for the settings asked for."""
-
-    class Registry(dict):
-        asked: list[Settings] = []
-
-    by_settings = Registry()
-    by_settings.asked = []
-
-    def fake_estimate(workload, estimator, settings=Settings(), **kwargs):
-        by_settings.asked.append(settings)
-        return by_settings[settings]
-
-    monkeypatch.setattr(planner, "estimate", fake_estimate)
-    return by_settings
+def profiles():
+    return HandMadeProfiles()
 
 
 def policy(**kwargs):
@@ -57,7 +63,7 @@ BF16_CKPT = Settings("bf16", True)
 
 def test_largest_micro_batch_that_fits_and_divides(profiles):
     profiles[FP32] = profile(FP32, phase("train", "train", 100, 10), phase("eval", "eval", 100, 1))
-    plan = make_plan(MLPWorkload(), policy(), 180, 1000, target="emulated")  # 100 + 10m <= 1000: m <= 90
+    plan = make_plan(MLPWorkload(), policy(), 180, 1000, target="emulated", profiles=profiles)  # 100 + 10m <= 1000: m <= 90
     assert (plan.micro_batch, plan.accum_steps, plan.effective_batch) == (90, 2, 180)
     assert plan.note == ""
     assert plan.predicted_peak_bytes == 1000 and plan.predicted_phase in ("train", "eval")
@@ -65,30 +71,30 @@ def test_largest_micro_batch_that_fits_and_divides(profiles):
 
 def test_prefers_a_divisor_within_ten_percent(profiles):
     profiles[FP32] = profile(FP32, phase("train", "train", 100, 10), phase("eval", "eval", 100, 1))
-    plan = make_plan(MLPWorkload(), policy(), 170, 1000, target="emulated")  # 85 divides 170, 85 >= 0.9 * 90
+    plan = make_plan(MLPWorkload(), policy(), 170, 1000, target="emulated", profiles=profiles)  # 85 divides 170, 85 >= 0.9 * 90
     assert (plan.micro_batch, plan.accum_steps, plan.note) == (85, 2, "")
 
 
 def test_non_divisor_when_the_divisor_costs_too_much(profiles):
     profiles[FP32] = profile(FP32, phase("train", "train", 100, 10), phase("eval", "eval", 100, 1))
-    plan = make_plan(MLPWorkload(), policy(), 256, 1000, target="emulated")  # divisor 64 < 0.9 * 90
+    plan = make_plan(MLPWorkload(), policy(), 256, 1000, target="emulated", profiles=profiles)  # divisor 64 < 0.9 * 90
     assert (plan.micro_batch, plan.accum_steps) == (90, 3)
     assert "does not divide" in plan.note and "one of 76" in plan.note
 
 
 def test_safety_margin_shrinks_the_budget(profiles):
     profiles[FP32] = profile(FP32, phase("train", "train", 100, 10), phase("eval", "eval", 100, 1))
-    plan = make_plan(MLPWorkload(), policy(safety_margin=0.5), 40, 1000, target="emulated")  # m <= 40
+    plan = make_plan(MLPWorkload(), policy(safety_margin=0.5), 40, 1000, target="emulated", profiles=profiles)  # m <= 40
     assert plan.micro_batch == 40 and plan.predicted_peak_bytes <= 500
 
 
 def test_eval_batch_from_the_eval_phase_capped(profiles):
     profiles[FP32] = profile(FP32, phase("train", "train", 100, 10), phase("eval", "eval", 100, 3))
-    plan = make_plan(MLPWorkload(eval_samples=10_000), policy(), 32, 1000, target="emulated")
+    plan = make_plan(MLPWorkload(eval_samples=10_000), policy(), 32, 1000, target="emulated", profiles=profiles)
     assert plan.eval_batch == 128  # 4 x effective batch, though 300 would fit
-    plan = make_plan(MLPWorkload(eval_samples=50), policy(), 32, 1000, target="emulated")
+    plan = make_plan(MLPWorkload(eval_samples=50), policy(), 32, 1000, target="emulated", profiles=profiles)
     assert plan.eval_batch == 50  # the eval set
-    plan = make_plan(MLPWorkload(eval_samples=10_000), policy(), 256, 1000, target="emulated")
+    plan = make_plan(MLPWorkload(eval_samples=10_000), policy(), 256, 1000, target="emulated", profiles=profiles)
     assert plan.eval_batch == 300  # its own profile, not the micro-batch
 
 
@@ -97,7 +103,7 @@ def test_worst_phase_decides(profiles):
         FP32, phase("train", "train", 100, 5), phase("eval", "eval", 100, 1),
         phase("train@epoch2", "train", 300, 10), phase("eval@epoch2", "eval", 100, 1),
     )
-    plan = make_plan(MLPWorkload(), policy(), 100, 1000, target="emulated")
+    plan = make_plan(MLPWorkload(), policy(), 100, 1000, target="emulated", profiles=profiles)
     assert plan.micro_batch == 70 and plan.predicted_phase == "train@epoch2"
     assert set(plan.predicted_phases) == {"train", "eval", "train@epoch2", "eval@epoch2"}
 
@@ -105,13 +111,13 @@ def test_worst_phase_decides(profiles):
 def test_checkpointing_then_lower_precision_when_nothing_fits(profiles):
     profiles[FP32] = profile(FP32, phase("train", "train", 2000, 10), phase("eval", "eval", 100, 1))
     profiles[CKPT] = profile(CKPT, phase("train", "train", 990, 1), phase("eval", "eval", 100, 1))
-    plan = make_plan(CNNWorkload(), policy(), 64, 1000, target="emulated")
+    plan = make_plan(CNNWorkload(), policy(), 64, 1000, target="emulated", profiles=profiles)
     assert plan.activation_checkpointing and plan.precision == "fp32" and plan.micro_batch == 10
     assert profiles.asked == [FP32, CKPT]  # the lower precision was never estimated
 
     profiles[CKPT] = profile(CKPT, phase("train", "train", 2000, 1), phase("eval", "eval", 100, 1))
     profiles[BF16] = profile(BF16, phase("train", "train", 900, 1), phase("eval", "eval", 100, 1))
-    plan = make_plan(CNNWorkload(), policy(), 64, 1000, target="emulated")
+    plan = make_plan(CNNWorkload(), policy(), 64, 1000, target="emulated", profiles=profiles)
     assert (plan.precision, plan.activation_checkpointing, plan.micro_batch) == ("bf16", False, 64)
 
 
@@ -119,14 +125,15 @@ def test_refusal_says_what_it_needs_and_what_would_fit(profiles):
     profiles[FP32] = profile(FP32, phase("train", "train", 2 * 2**30, 2**20), phase("eval", "eval", 100, 1))
     profiles[BF16] = profile(BF16, phase("train", "train", 2 * 2**30, 2**20), phase("eval", "eval", 100, 1))
     profiles[CKPT] = profile(CKPT, phase("train", "train", 2**29, 1), phase("eval", "eval", 100, 1))
-    plan = make_plan(CNNWorkload(), policy(allow_activation_checkpointing=False), 64, 2**30, target="emulated")
+    plan = make_plan(CNNWorkload(), policy(allow_activation_checkpointing=False), 64, 2**30, target="emulated",
+                     profiles=profiles)
     assert plan.refusal.startswith("needs 2.00G at micro-batch 1 in train (params 2.00G, activations/sample 1.0MiB")
     assert "budget 1.00G" in plan.refusal
     assert "would fit with activation checkpointing (which the memory policy does not allow)" in plan.refusal
     assert plan.describe().startswith("refused")
 
     profiles[CKPT] = profiles[BF16_CKPT] = profiles[FP32]
-    plan = make_plan(CNNWorkload(), policy(), 64, 2**30, target="emulated")
+    plan = make_plan(CNNWorkload(), policy(), 64, 2**30, target="emulated", profiles=profiles)
     assert plan.refusal.endswith("would not fit even with activation checkpointing and bf16")
 
 
@@ -158,7 +165,7 @@ def test_the_plan_counts_on_the_allocator_freeing_its_cache_under_pressure(profi
     train = log((20 * MiB, 0), (0, 20 * MiB), ~1, (2 * MiB, 20 * MiB), ~2)
     evaluate = log((0, 1024), ~3)
     profiles[FP32] = MemoryProfile("trace", FP32, "cuda", modelled(train, evaluate))
-    plan = make_plan(MLPWorkload(), policy(), 8, 102 * MiB, target="cuda")
+    plan = make_plan(MLPWorkload(), policy(), 8, 102 * MiB, target="cuda", profiles=profiles)
     assert plan.micro_batch == 4  # 20 + 80 + 2 = 102; a flat budget of unpressured reserved memory: 2
     train_phase = profiles[FP32].phases[0]
     assert train_phase.reserved_at(4) == (20 + 80 + 82) * MiB  # unpressured
@@ -178,9 +185,9 @@ def test_the_allocator_configuration_changes_the_plan(profiles):
     default = MemoryProfile("trace", FP32, "cuda", modelled(train, evaluate))
     expandable = MemoryProfile("trace", FP32, "cuda", modelled(train, evaluate, "expandable_segments:True"))
     profiles[FP32] = default
-    assert make_plan(MLPWorkload(), policy(), 40, 200 * MiB, target="cuda").micro_batch == 5
+    assert make_plan(MLPWorkload(), policy(), 40, 200 * MiB, target="cuda", profiles=profiles).micro_batch == 5
     profiles[FP32] = expandable
-    assert make_plan(MLPWorkload(), policy(), 40, 200 * MiB, target="cuda").micro_batch == 8
+    assert make_plan(MLPWorkload(), policy(), 40, 200 * MiB, target="cuda", profiles=profiles).micro_batch == 8
     assert expandable.phases[0].reserved_at(8) == (160 + 40) * MiB  # 8 pages of activations, 2 more for the state
 
 
@@ -190,23 +197,23 @@ def test_the_eval_batch_is_planned_in_the_cache_training_leaves(profiles):
     train = log((20 * MiB, 0), (0, 20 * MiB), ~1)
     evaluate = log((0, 30 * MiB), ~2)
     profiles[FP32] = MemoryProfile("trace", FP32, "cuda", modelled(train, evaluate))
-    plan = make_plan(MLPWorkload(eval_samples=100), policy(), 4, 200 * MiB, target="cuda")
+    plan = make_plan(MLPWorkload(eval_samples=100), policy(), 4, 200 * MiB, target="cuda", profiles=profiles)
     assert (plan.micro_batch, plan.eval_batch) == (4, 6)  # 20 + 30e <= 200 once the 80 MiB are freed
     assert plan.predicted_phases["eval"] == (20 + 180) * MiB
 
 
 def test_no_estimator_and_unbounded_budget(profiles):
-    plan = make_plan(MLPWorkload(), policy(estimator="none"), 64, 1000, target="emulated")
+    plan = make_plan(MLPWorkload(), policy(estimator="none"), 64, 1000, target="emulated", profiles=profiles)
     assert (plan.micro_batch, plan.eval_batch, plan.estimator, plan.predicted_peak_bytes) == (64, 64, "none", None)
     profiles[FP32] = profile(FP32, phase("train", "train", 100, 10), phase("eval", "eval", 100, 1))
-    plan = make_plan(MLPWorkload(), policy(), 64, None, target="cpu")
+    plan = make_plan(MLPWorkload(), policy(), 64, None, target="cpu", profiles=profiles)
     assert (plan.micro_batch, plan.accum_steps, plan.budget_bytes) == (64, 1, None)
     assert plan.predicted_peak_bytes == 100 + 10 * 64
 
 
 def test_plan_round_trips_through_json(profiles):
     profiles[FP32] = profile(FP32, phase("train", "train", 100, 10), phase("eval", "eval", 100, 1))
-    plan = make_plan(MLPWorkload(), policy(), 256, 1000, target="emulated")
+    plan = make_plan(MLPWorkload(), policy(), 256, 1000, target="emulated", profiles=profiles)
     assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
 
 
@@ -247,7 +254,9 @@ def test_a_traced_plan_runs_on_the_emulated_device_without_oom():
     capacity = 3 * 2**20
     plan = make_plan(workload, policy(safety_margin=0.95), 64, capacity, target="emulated")
     assert plan.refusal is None and plan.accum_steps > 1
-    trainer = Trainer(workload, EmulatedDevice(capacity), LoopPlan(plan.micro_batch, 64, plan.eval_batch))
-    result = trainer.run_epoch()  # no OutOfMemoryError
-    # the loop's own epoch bookkeeping (its shuffled order, the losses) is the only difference
-    assert result.memory.peak_allocated == pytest.approx(plan.predicted_peak_bytes, rel=1e-3)
+    device = EmulatedDevice(capacity)
+    with device.measuring():  # counted from the model's construction on, as in a trial
+        trainer = Trainer(workload, device, LoopPlan(plan.micro_batch, 64, plan.eval_batch), LoopSettings(Stop(epochs=1)))
+        (milestone,) = trainer.run()  # no OutOfMemoryError
+    # the loop's own bookkeeping (its running loss) is the only difference
+    assert milestone.memory.peak_allocated == pytest.approx(plan.predicted_peak_bytes, rel=1e-3)

@@ -20,7 +20,7 @@ def result(metrics, error=None):
 
 def test_a_completed_or_early_stopped_trial_is_finished():
     row = _row(result({**METRICS, "done": True}), SPEC)
-    assert (row.status, row.plan, row.final_loss, row.oom_retries, row.config) == ("TERMINATED", "16 x 2", 0.5, 1, "lr=0.1")
+    assert (row.status, row.plan, row.final_metric, row.oom_retries, row.config) == ("TERMINATED", "16 x 2", 0.5, 1, "lr=0.1")
     assert _row(result({**METRICS, "epoch": 1, "done": True}), SPEC).status == "TERMINATED"  # e.g. ASHA stopped it
 
 
@@ -28,8 +28,8 @@ def test_an_interrupted_trial_is_not_finished_and_fails_the_sweep():
     rows = [_row(result({**METRICS, "done": True}), SPEC), _row(result({**METRICS, "epoch": 2, "done": False}), SPEC)]
     assert rows[1].status == "INTERRUPTED"
     assert not SweepOutcome(rows, "/x", "sqlite:///m.db").ok
-    # Every epoch trained, interrupted before Tune saw it return: finished.
-    assert _row(result({**METRICS, "epoch": 3, "done": False}), SPEC).status == "TERMINATED"
+    # The budget spent, interrupted before Tune saw it return: finished.
+    assert _row(result({**METRICS, "epoch": 3, "done": False, "training_done": 1}), SPEC).status == "TERMINATED"
 
 
 def test_refused_and_errored_trials():
@@ -37,8 +37,15 @@ def test_refused_and_errored_trials():
     assert refused.status == "REFUSED" and refused.note == "needs 31 GiB" and refused.plan == "-"
     errored = _row(result({}, error=RuntimeError("ray::train()\n\x1b[36mTraceback\nValueError: bad width\n")), SPEC)
     assert errored.status == "ERROR" and errored.note == "ValueError: bad width"
-    assert "REFUSED: needs 31 GiB" in summary_table([refused], 3)
-    assert "  3/3  " in summary_table([_row(result({**METRICS, "done": True}), SPEC)], 3)
+    assert "REFUSED: needs 31 GiB" in summary_table([refused], SPEC)
+    assert "  3/3 ep  " in summary_table([_row(result({**METRICS, "done": True}), SPEC)], SPEC)
+
+
+def test_a_step_budget_shows_steps_run():
+    spec = parse_spec({**SPEC.raw, "stop": {"epochs": 3, "steps": 500}})
+    row = _row(result({**METRICS, "epoch": 1, "step": 500, "done": True}), spec)
+    table = summary_table([row], spec)
+    assert "1/3 ep, 500/500 steps" in table and "eval_loss" in table.splitlines()[0]
 
 
 def test_each_run_gets_its_own_folder_unless_named(tmp_path):

@@ -19,7 +19,7 @@ import pytest
 
 from orchestrator.config import parse_spec
 from mlflow_server import MlflowServer
-from orchestrator.tracking import MlflowTracking, epoch_metrics, plan_params, spec_params
+from orchestrator.tracking import MlflowTracking, plan_params, result_metrics, spec_params
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 2**30
@@ -52,10 +52,11 @@ def _plan(micro_batch: int, reductions: int, refusal: str | None = None) -> dict
 
 
 def result_for(plan: dict, epoch: int, oom_events: list[dict]) -> dict:
-    """A per-epoch report as ``trainables.trainable`` builds it (emulated device: no reserved/NVML)."""
+    """A report at the end of an epoch as ``trainables.trainable`` builds it (emulated device: no
+    reserved/NVML), for a trial of one optimizer step per epoch."""
     measured = int(plan["predicted_peak_bytes"] * 1.05)
     return {
-        "epoch": epoch, "train_loss": 1.0 / max(epoch, 1), "eval_loss": 1.5 / max(epoch, 1), "plan": plan,
+        "epoch": epoch, "step": epoch, "train_loss": 1.0 / max(epoch, 1), "eval_loss": 1.5 / max(epoch, 1), "plan": plan,
         "micro_batch": plan["micro_batch"], "accum_steps": plan["accum_steps"], "effective_batch": 64,
         "eval_batch": plan["eval_batch"], "activation_checkpointing": 0, "precision": "fp32",
         "plan_reductions": plan["reductions"], "estimator": "static", "memory_source": "emulated",
@@ -162,7 +163,7 @@ def runs_of(tracking_uri: str, experiment: str = "tracking_test"):
     return client, parents, children
 
 
-def steps(client, run, key: str = "epoch") -> list[int]:
+def steps(client, run, key: str = "step") -> list[int]:
     return sorted(int(m.step) for m in client.get_metric_history(run.info.run_id, key))
 
 
@@ -180,17 +181,20 @@ def test_spec_and_plan_become_flat_params():
     assert params["search_space.lr"] == "grid [0.01, 0.1]"
     assert params["params.depth"] == "2"
     assert params["memory.capacity"] == str(8 * GiB)
-    assert params["memory.safety_margin"] == "0.9"
+    assert params["memory.safety_margin"] == "0.98"
 
     plan = plan_params(_plan(32, 1))
     assert plan["plan.micro_batch"] == "32" and plan["plan.reductions"] == "1"
     assert plan["plan.predicted_phases.train"] == str(4 * GiB)
+    staged = plan_params({**_plan(32, 0), "predicted_phases": {"train@epoch2": 5}})
+    assert staged["plan.predicted_phases.train:epoch2"] == "5"  # MLflow refuses '@' in a param name
     assert "plan.refusal" not in plan  # None is not a value worth a param
 
-    metrics = epoch_metrics({**result_for(_plan(32, 0), 2, []), "training_iteration": 2, "done": False,
-                             "time_total_s": 3.5, "trial_id": "x", "refused": 1})
+    metrics = result_metrics({**result_for(_plan(32, 0), 2, []), "training_iteration": 2, "done": False,
+                              "time_total_s": 3.5, "trial_id": "x", "refused": 1, "training_done": 0})
     assert metrics["peak_allocated_bytes"] == int(4 * GiB * 1.05) and metrics["time_total_s"] == 3.5
-    assert not {"epoch", "training_iteration", "done", "refused", "plan", "precision", "trial_id"} & set(metrics)
+    assert metrics["epoch"] == 2  # the step is MLflow's step; the epoch is a metric
+    assert not {"step", "training_iteration", "done", "refused", "training_done", "plan", "precision", "trial_id"} & set(metrics)
 
 
 def test_sweep_with_a_retried_and_a_refused_trial(local_ray, tmp_path):
@@ -315,7 +319,7 @@ def test_writes_a_driver_could_not_send_are_sent_by_the_resumed_driver(tmp_path,
     drive(first, trial, [1, 2], train_loss=1.0)
     time.sleep(1)
     state = first.get_state()  # Tune's final experiment checkpoint comes before on_experiment_end
-    assert sum(type(op).__name__ == "LogEpoch" for op in state["pending"]) == 2
+    assert sum(type(op).__name__ == "LogResult" for op in state["pending"]) == 2
     first.on_experiment_end(trials=[trial])
     assert "unreachable" in caplog.text and "still unsent" in caplog.text
 

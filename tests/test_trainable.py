@@ -1,5 +1,11 @@
-"""Trials on a real local Ray that run out of memory on an emulated small GPU, and survive;
-and trials whose failure is not about memory, which are not retried beyond ``max_failures``."""
+"""Trials on a real local Ray that run out of memory on an emulated small GPU, and survive
+holding one attempt at a time; trials whose worker dies mid-epoch and resume from a mid-epoch
+checkpoint; trials whose failure is not about memory, which are not retried beyond
+``max_failures``; and what a finished trial leaves behind."""
+
+import glob
+import os
+import tempfile
 
 import pytest
 import ray
@@ -34,13 +40,21 @@ def sweep(tmp_path, workload, memory, search_space=None, epochs=3, **extra):
     return outcome
 
 
-def final_weights(outcome):
-    import glob
-    import os
+def trial_dirs(outcome):
+    return [p for p in glob.glob(os.path.join(outcome.experiment_path, "train_trial_*")) if os.path.isdir(p)]
 
-    (trial_dir,) = [p for p in glob.glob(os.path.join(outcome.experiment_path, "train_trial_*")) if os.path.isdir(p)]
+
+def final_weights(outcome):
+    (trial_dir,) = trial_dirs(outcome)
     last = sorted(glob.glob(os.path.join(trial_dir, "checkpoint_*")))[-1]
     return torch.load(os.path.join(last, "state.pt"), weights_only=False)
+
+
+def reports(outcome):
+    """Every result each trial reported, in order (Tune's progress.csv of its trial folder)."""
+    import csv
+
+    return [list(csv.DictReader(open(os.path.join(d, "progress.csv")))) for d in trial_dirs(outcome)]
 
 
 # SGD: its update is linear in the gradient, so summation order (128 x 1 vs 32 x 4) stays at
@@ -65,7 +79,7 @@ def test_an_oom_at_the_activation_epoch_is_survived_with_the_same_final_weights(
     assert row_b.oom_retries == 0 and state_b["plan"]["micro_batch"] < 128
     for name, tensor in state_a["trainer"]["model"].items():
         torch.testing.assert_close(tensor, state_b["trainer"]["model"][name], rtol=1e-4, atol=1e-5)
-    assert state_a["trainer"]["epoch"] == state_b["trainer"]["epoch"] == 3
+    assert state_a["trainer"]["progress"]["epoch"] == state_b["trainer"]["progress"]["epoch"] == 3
 
 
 def test_an_eval_oom_shrinks_only_the_eval_batch(tmp_path):
@@ -87,7 +101,7 @@ def test_retries_are_bounded_and_the_events_are_in_the_error(tmp_path):
     (row,) = outcome.rows
     assert not outcome.ok and row.status == "ERROR"
     assert "memory.max_oom_retries=1 reached" in row.note
-    assert row.epochs == 0 and row.final_loss is None
+    assert row.epochs == 0 and row.final_metric is None
 
 
 def test_a_worker_killed_by_an_oom_is_restarted_by_tune_with_a_smaller_plan(tmp_path):
@@ -95,12 +109,12 @@ def test_a_worker_killed_by_an_oom_is_restarted_by_tune_with_a_smaller_plan(tmp_
                     {"device": "emulated", "capacity": "8MiB", "estimator": "none", "max_oom_retries": 4}, epochs=1)
     assert outcome.ok, outcome.rows
     state = final_weights(outcome)
-    # 128 -> 16 took three halvings: each forward-pass OOM killed the worker and Tune's restart
-    # applied the shrink; an OOM in backward (outside the workload's loss) was shrunk in-process.
+    # Each forward-pass OOM killed the worker and Tune's restart applied the shrink; an OOM in
+    # backward (outside the workload's loss) is shrunk in-process.
     train_events = [e for e in state["oom_events"] if e["phase"] == "train"]
-    assert state["applied_shrinks"] >= 1 and state["applied_shrinks"] + len(train_events) == 3
-    assert state["plan"]["micro_batch"] == 16 and state["plan"]["effective_batch"] == 128
-    assert state["trainer"]["epoch"] == 1
+    assert state["applied_shrinks"] >= 1 and state["plan"]["micro_batch"] < 128
+    assert 128 // state["plan"]["micro_batch"] == 2 ** (state["applied_shrinks"] + len(train_events))
+    assert state["plan"]["effective_batch"] == 128 and state["trainer"]["progress"]["epoch"] == 1
     # The eval OOM (batch 128 needs 6 MiB) was an ordinary exception: shrunk in-process.
     assert any(e["phase"] == "eval" for e in state["oom_events"]) and state["plan"]["eval_batch"] < 128
 
@@ -114,3 +128,70 @@ def test_a_bug_is_not_retried_beyond_max_failures(tmp_path, max_failures, attemp
     assert not outcome.ok and row.status == "ERROR"
     assert log.read_text().count("attempt") == attempts  # not 1 + max_oom_retries
     assert row.note.startswith("NotRetriedError: ValueError: mat1 and mat2 shapes cannot be multiplied")
+
+
+HEAVY_EVAL = {"name": "tests.workloads:HeavyEvalWorkload", "params": {"in_features": 2048, "width": 256, "views": 8, "depth": 1}}
+
+
+def test_the_recovery_releases_the_failed_attempt_before_building_the_next(tmp_path):
+    """An eval OOM at the end of epoch 1, whose last checkpoint is from step 8. Weights, AdamW
+    state and the checkpoint being loaded take most of the card: a recovery that kept the failed
+    attempt while building the next and loading that checkpoint would run out of memory again."""
+    from orchestrator.memory import estimate
+    from tests.workloads import HeavyEvalWorkload
+
+    train, evaluate = estimate(HeavyEvalWorkload(**HEAVY_EVAL["params"]), "trace", target="emulated").phases
+    capacity = (evaluate.allocated_at(64) + evaluate.allocated_at(128)) // 2  # eval batch 128 does not fit, 64 does
+    assert train.allocated_at(128) < capacity < 2 * (train.params + train.grads + train.optimizer)
+    outcome = sweep(tmp_path, HEAVY_EVAL, {"device": "emulated", "capacity": capacity, "estimator": "none"}, epochs=2,
+                    checkpoint={"every": {"steps": 8}})  # 16 steps per epoch
+    assert outcome.ok, outcome.rows
+    state = final_weights(outcome)
+    assert state["plan"]["eval_batch"] == 64 and [(e["step"], e["phase"]) for e in state["oom_events"]] == [(0, "eval")]
+    (results,) = reports(outcome)
+    peaks = {int(r["step"]): int(float(r["peak_allocated_bytes"])) for r in results}
+    assert list(peaks) == [8, 16, 24, 32]
+    # The report of step 16 covers the recovery (release the failed attempt, build the next, load
+    # the checkpoint of step 8, train to 16, evaluate at 64): no higher than step 32's, which only
+    # trained and evaluated at 64.
+    assert peaks[16] <= peaks[32] <= capacity
+
+
+def test_a_worker_that_dies_mid_epoch_resumes_from_its_mid_epoch_checkpoint(tmp_path):
+    calls = tmp_path / "calls.txt"
+    workload = {"name": "tests.workloads:DiesOnceWorkload",
+                "params": {"calls_file": str(calls), "die_at_call": 13, "width": 16}}  # during step 13
+    outcome = sweep(tmp_path, workload, {"device": "cpu", "estimator": "none"}, epochs=2,
+                    checkpoint={"every": {"steps": 5}}, max_failures=1)
+    assert outcome.ok, outcome.rows
+    state = final_weights(outcome)
+    assert state["trainer"]["progress"] == {"epoch": 2, "step_in_epoch": 0, "step": 32}  # 2048 samples / 128
+    # The restart went back to the checkpoint of step 10: steps 11 and 12 (and the micro-batch of step
+    # 13 that died) ran twice; nothing before step 10 did.
+    micro_batches_per_step = 128 // state["plan"]["micro_batch"]
+    assert calls.read_text().count("call") == 13 + (32 - 10) * micro_batches_per_step
+
+
+def test_a_sweep_tuned_on_a_declared_metric_with_asha(tmp_path):
+    outcome = sweep(tmp_path, {"name": "tests.workloads:ScoredWorkload", "params": {"width": 16}},
+                    {"device": "cpu"}, search_space={"lr": {"grid": [0.01, 0.003, 0.0003, 0.0001]}}, epochs=3,
+                    metric="eval_accuracy", mode="max", scheduler={"type": "asha", "grace_period": 1})
+    assert outcome.ok, outcome.rows
+    assert all(row.final_metric is not None and 0 <= row.final_metric <= 1 for row in outcome.rows)
+    assert any(row.epochs < 3 for row in outcome.rows)  # ASHA stopped some early: finished all the same
+    best = max(outcome.rows, key=lambda r: r.final_metric)
+    assert best.epochs == 3
+
+
+def test_a_finished_or_failed_trial_leaves_no_scratch_and_tune_keeps_the_newest_checkpoints(tmp_path):
+    outcome = sweep(tmp_path / "ok", {"name": "mlp", "params": {"width": 16}}, {"device": "cpu"}, epochs=3,
+                    checkpoint={"keep": 1})
+    log = tmp_path / "attempts.txt"
+    failed = sweep(tmp_path / "bug", {"name": "tests.workloads:BuggyWorkload", "params": {"attempts_file": str(log)}},
+                   {"device": "cpu", "estimator": "none"}, epochs=1)
+    assert outcome.ok and not failed.ok
+    (trial_dir,) = trial_dirs(outcome)
+    assert len(glob.glob(os.path.join(trial_dir, "checkpoint_*"))) == 1
+    trial_ids = [row.name for row in outcome.rows + failed.rows]
+    leftovers = [p for t in trial_ids for p in glob.glob(os.path.join(tempfile.gettempdir(), f"orchestrator-{t}-*"))]
+    assert leftovers == []

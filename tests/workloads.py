@@ -56,3 +56,34 @@ class BuggyWorkload(MLPWorkload):
 
     def loss(self, model, batch):
         raise ValueError("mat1 and mat2 shapes cannot be multiplied (64x32 and 31x16)")
+
+
+@dataclasses.dataclass
+class ScoredWorkload(MLPWorkload):
+    """Reports accuracy next to the loss, from one forward pass, for sweeps tuned on accuracy."""
+
+    metrics = ("loss", "accuracy")
+
+    def eval_metrics(self, model, batch, samples):
+        x, y = batch
+        logits = model(x)
+        return {"loss": F.cross_entropy(logits, y, reduction="sum"), "accuracy": (logits.argmax(-1) == y).sum()}
+
+
+@dataclasses.dataclass
+class DiesOnceWorkload(MLPWorkload):
+    """Its worker process dies once, at the ``die_at_call``-th micro-batch of the first attempt (a node
+    lost, a process killed); every training micro-batch leaves a line in ``calls_file``."""
+
+    calls_file: str = ""
+    die_at_call: int = 0
+
+    def loss(self, model, batch):
+        if model.training:
+            with open(self.calls_file, "a") as f:
+                f.write("call\n")
+            marker = self.calls_file + ".died"
+            if not os.path.exists(marker) and open(self.calls_file).read().count("call") == self.die_at_call:
+                open(marker, "w").close()
+                os._exit(1)
+        return super().loss(model, batch)

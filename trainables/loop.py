@@ -1,30 +1,34 @@
-"""The one training loop every workload runs: epochs of accumulated micro-batches, then eval.
+"""The one training loop every workload runs: optimizer steps of accumulated micro-batches.
 
-It knows nothing about Ray: a :class:`Trainer` runs epochs under a plan on a device and can
-save and load its full state, which is all that Tune's checkpointing and the OOM retry need.
-The data order of an epoch depends only on the seed and the epoch number, and so does the
-dropout RNG, so an epoch replayed after an OOM (with smaller micro-batches) makes the same
-updates as the one that failed would have.
+It knows nothing about Ray. A :class:`Trainer` trains a workload under a plan on a device and
+yields a :class:`Milestone` whenever something is due: an evaluation (every N epochs, steps or
+minutes), a checkpoint (at every evaluation, or on its own cadence), the end of the budget
+(``stop.epochs`` or ``stop.steps``, whichever comes first). Its full state (weights,
+optimizer, learning-rate scheduler, grad scaler, position in the epoch, the running train
+loss) saves and loads, which is all Tune's checkpointing and the OOM retry need: a trial
+resumes mid-epoch, at the step after its last checkpoint.
+
+Replaying is exact where the model allows: the data order of an epoch depends only on
+``(seed, epoch)`` (``trainables.data``), and the random state of an optimizer step (dropout,
+augmentation in the main process) only on ``(seed, step)``, so a step replayed after an OOM
+with smaller micro-batches sees the same samples and, for models without randomness in the
+forward pass, makes the same update.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
+from typing import Iterator
 
 import torch
 
+from orchestrator.config import DataLoading, Every, LrSchedule, Stop, SweepSpec
 from orchestrator.device import Device, MemoryReading
+from trainables.data import StepCut, eval_batch_sizes, eval_loader, train_loader
+from trainables.schedule import build_lr_scheduler
 from trainables.step import eval_step, make_grad_scaler, train_step
 from trainables.workload import Workload
-
-
-@dataclass(frozen=True)
-class EpochResult:
-    epoch: int  # epochs finished, 1-based
-    train_loss: float
-    eval_loss: float
-    memory: MemoryReading
 
 
 @dataclass(frozen=True)
@@ -38,103 +42,219 @@ class LoopPlan:
     precision: str = "fp32"
 
 
-class Trainer:
-    """Trains ``workload`` on ``device`` under ``plan``; ``phase`` and ``step`` say where it is."""
+@dataclass(frozen=True)
+class LoopSettings:
+    """What every trial of a sweep trains for and how: from the sweep's YAML."""
 
-    def __init__(self, workload: Workload, device: Device, plan: LoopPlan, seed: int = 0):
-        self.workload = workload
-        self.device = device
-        self.plan = plan
-        self.seed = seed
+    stop: Stop
+    eval_every: Every = Every("epochs", 1)
+    checkpoint_every: Every | None = None  # None: at every evaluation
+    data: DataLoading = DataLoading()
+    schedule: LrSchedule | None = None
+    max_grad_norm: float | None = None
+
+    @classmethod
+    def of(cls, spec: SweepSpec) -> LoopSettings:
+        return cls(spec.stop, spec.eval_every, spec.checkpoint.every, spec.data, spec.schedule, spec.max_grad_norm)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where training is; saved in every checkpoint."""
+
+    epoch: int = 0  # epochs finished
+    step_in_epoch: int = 0  # optimizer steps done in the epoch under way
+    step: int = 0  # optimizer steps done in all
+
+
+@dataclass(frozen=True)
+class Milestone:
+    """A point where the trial reports: an evaluation, a checkpoint, the end of training."""
+
+    progress: Progress
+    train_loss: float | None  # mean over the optimizer steps since the previous milestone
+    eval: dict[str, float]  # eval_loss, eval_<metric>, ...; empty where no evaluation was due
+    checkpoint: bool  # whether the trial should checkpoint here
+    final: bool  # the budget is spent
+    memory: MemoryReading  # peak since the previous milestone
+
+
+class MetricsMismatch(ValueError):
+    """A workload reported other eval metrics than it declares in ``metrics``."""
+
+
+class Trainer:
+    """Trains ``workload`` on ``device`` under ``plan``; ``phase`` and ``position`` say where it is."""
+
+    def __init__(self, workload: Workload, device: Device, plan: LoopPlan, settings: LoopSettings, seed: int = 0):
+        self.workload, self.device, self.plan, self.settings, self.seed = workload, device, plan, settings, seed
         torch.manual_seed(seed)
         self.model = workload.build_model().to(device.torch_device)
         workload.set_activation_checkpointing(self.model, plan.activation_checkpointing)
         self.optimizer = workload.build_optimizer(self.model)
         self.scaler = make_grad_scaler(plan.precision, device.torch_device)
-        self.train_data = workload.train_data()
-        self.eval_data = workload.eval_data()
-        self.epoch = 0  # epochs finished
-        self.phase = "train"
-        self.step = 0
+        on_gpu = device.torch_device.type == "cuda"
+        self.cut = StepCut(plan.effective_batch, plan.micro_batch)
+        with device.host():
+            train_data, eval_data = workload.train_data(), workload.eval_data()
+            self.train_loader, self.sampler = train_loader(workload, train_data, self.cut, seed, settings.data, on_gpu)
+            self.eval_loader = eval_loader(workload, eval_data, plan.eval_batch, settings.data, on_gpu)
+        self.eval_samples = len(eval_data)
+        self.steps_per_epoch = self.sampler.steps_per_epoch
+        self.total_steps = self._budget_in_steps()
+        self.scheduler = build_lr_scheduler(workload, self.optimizer, self.total_steps, settings.schedule)
+        self.progress = Progress()
+        self.phase, self.position = "train", 0  # for OOM events: optimizer step, or eval batch index
+        self._loss_sum = torch.zeros((), device=device.torch_device)
+        self._loss_steps = 0
+        self._last_eval = self._last_checkpoint = time.monotonic()
+
+    def _budget_in_steps(self) -> int:
+        stop = self.settings.stop
+        budgets = [b for b in (stop.steps, stop.epochs and stop.epochs * self.steps_per_epoch) if b]
+        return min(budgets)
 
     @property
-    def steps_per_epoch(self) -> int:
-        return max(len(self.train_data) // self.plan.effective_batch, 1)
+    def done(self) -> bool:
+        return self.progress.step >= self.total_steps
 
-    def run_epoch(self) -> EpochResult:
-        """One epoch of training and one eval pass, with the peak memory of both."""
-        self.workload.set_epoch(self.model, self.epoch)
-        # The data order is host-side bookkeeping (on a GPU it never leaves the CPU), so it is
-        # drawn before the measured window opens.
-        order = torch.randperm(len(self.train_data), generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
-        self.device.track(self._state_tensors())
-        self.device.reset_peak()
-        with self.device.measuring():
-            train_loss = self._train_epoch(order)
-            eval_loss = self._evaluate()
-        self.epoch += 1
-        return EpochResult(self.epoch, train_loss, eval_loss, self.device.reading())
+    # -- the story ---------------------------------------------------------------------------
+    def run(self) -> Iterator[Milestone]:
+        """Train until the budget is spent, yielding at every milestone on the way."""
+        while not self.done:
+            self.workload.set_epoch(self.model, self.progress.epoch)
+            batches = self._epoch_batches()
+            epoch = self.progress.epoch
+            while self.progress.epoch == epoch and not self.done:
+                self._train_step(batches)
+                milestone = self._milestone_due()
+                if milestone is not None:
+                    yield milestone
+            del batches  # the epoch's iterator (and its worker processes, unless persistent)
 
-    def _train_epoch(self, order: list[int]) -> float:
+    def _epoch_batches(self):
+        """The DataLoader's iterator over this epoch's micro-batches, from the current step on."""
+        self.sampler.set_position(self.progress.epoch, self.progress.step_in_epoch)
+        self.train_loader.generator.manual_seed(step_seed(self.seed, self.progress.step))  # workers' seeds
+        with self.device.host():
+            return iter(self.train_loader)
+
+    def _train_step(self, batches) -> None:
         self.model.train()
-        self.phase = "train"
-        torch.manual_seed(self.seed * 100_003 + self.epoch)  # dropout etc.: same on a replayed epoch
-        effective, micro = self.plan.effective_batch, self.plan.micro_batch
-        losses = []
-        for self.step in range(self.steps_per_epoch):
-            indices = order[self.step * effective : (self.step + 1) * effective]
-            micro_batches = [self._collate(self.train_data, indices[i : i + micro]) for i in range(0, len(indices), micro)]
-            loss = train_step(
-                self.workload, self.model, self.optimizer, micro_batches,
-                self.device.torch_device, self.plan.precision, self.scaler,
-            )
-            losses.append(loss)
-        return torch.stack(losses).mean().item()
+        self.phase, self.position = "train", self.progress.step
+        torch.manual_seed(step_seed(self.seed, self.progress.step))
+        sizes = self.cut.sizes
+        loss = train_step(
+            self.workload, self.model, self.optimizer, self._take(batches, len(sizes)), sizes,
+            self.device.torch_device, self.plan.precision, self.scaler, self.settings.max_grad_norm,
+        )
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self._loss_sum += loss
+        self._loss_steps += 1
+        p = self.progress
+        if p.step_in_epoch + 1 == self.steps_per_epoch:
+            self.progress = Progress(p.epoch + 1, 0, p.step + 1)
+        else:
+            self.progress = Progress(p.epoch, p.step_in_epoch + 1, p.step + 1)
 
-    def _evaluate(self) -> float:
+    def _take(self, batches, count: int):
+        """``count`` micro-batches, each fetched on the host and admitted to the device when the
+        step asks for it (and held by nothing here once the step drops it)."""
+        for _ in range(count):
+            yield self.device.admit(self._fetch(batches))
+
+    def _fetch(self, batches):
+        with self.device.host():
+            return next(batches)
+
+    def _milestone_due(self) -> Milestone | None:
+        now = time.monotonic()
+        epoch_ended = self.progress.step_in_epoch == 0
+        evaluate = self.done or _due(self.settings.eval_every, self.progress, epoch_ended, now - self._last_eval)
+        every = self.settings.checkpoint_every
+        checkpoint = self.done or (evaluate if every is None else _due(every, self.progress, epoch_ended, now - self._last_checkpoint))
+        if not (evaluate or checkpoint):
+            return None
+        metrics = self.evaluate() if evaluate else {}
+        if evaluate:
+            self._last_eval = time.monotonic()
+        if checkpoint:
+            self._last_checkpoint = time.monotonic()
+        train_loss = self._loss_sum.item() / self._loss_steps if self._loss_steps else None
+        self._loss_sum.zero_()
+        self._loss_steps = 0
+        memory = self.device.reading()
+        self.device.reset_peak()
+        return Milestone(self.progress, train_loss, metrics, checkpoint, self.done, memory)
+
+    def evaluate(self) -> dict[str, float]:
+        """The workload's eval metrics over the whole eval set, as ``eval_<name>``."""
         self.model.eval()
         self.phase = "eval"
-        total, count = 0.0, len(self.eval_data)
-        batch = self.plan.eval_batch
-        for self.step in range(math.ceil(count / batch)):
-            indices = list(range(self.step * batch, min((self.step + 1) * batch, count)))
-            total += eval_step(
-                self.workload, self.model, self._collate(self.eval_data, indices), self.device.torch_device, self.plan.precision
-            ).item()
-        return total / count
+        torch.manual_seed(step_seed(self.seed, self.progress.step) + 2**40)
+        totals: dict[str, torch.Tensor] = {}
+        with self.device.host():
+            batches = iter(self.eval_loader)
+        for self.position, samples in enumerate(eval_batch_sizes(self.eval_samples, self.plan.eval_batch)):
+            sums = eval_step(
+                self.workload, self.model, self.device.admit(self._fetch(batches)), samples,
+                self.device.torch_device, self.plan.precision,
+            )
+            for name, value in sums.items():
+                totals[name] = totals[name] + value if name in totals else value
+        del batches
+        self.model.train()
+        reported = self.workload.summarize_metrics({k: v.item() for k, v in totals.items()}, self.eval_samples)
+        declared = type(self.workload).metrics
+        if set(reported) != set(declared):
+            name = type(self.workload).__name__
+            raise MetricsMismatch(
+                f"{name}.eval_metrics/summarize_metrics report {', '.join(sorted(reported)) or 'nothing'} but "
+                f"{name}.metrics declares {', '.join(declared)}: make them the same"
+            )
+        return {f"eval_{name}": float(value) for name, value in reported.items()}
 
-    def _collate(self, dataset, indices):
-        from torch.utils.data import TensorDataset
-
-        if isinstance(dataset, TensorDataset):  # a gather, not views of the dataset's storage
-            index = torch.as_tensor(indices, dtype=torch.long)
-            return tuple(t[index] for t in dataset.tensors)
-        return self.workload.collate([dataset[i] for i in indices])
-
-    def _state_tensors(self):
+    def state_tensors(self):
+        """Tensors that exist between steps: what a device holds for this trainer at rest."""
         yield from self.model.parameters()
         yield from self.model.buffers()
-        for p in self.model.parameters():
-            if p.grad is not None:
-                yield p.grad
         for state in self.optimizer.state.values():
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Everything needed to continue exactly here: weights, optimizer, RNG, epoch."""
+        """Everything needed to continue exactly here."""
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler else None,
-            "rng": torch.get_rng_state(),
-            "epoch": self.epoch,
+            "progress": asdict(self.progress),
+            "loss_sum": self._loss_sum.item(),
+            "loss_steps": self._loss_steps,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["rng"])
-        self.epoch = state["epoch"]
+        self.progress = Progress(**state["progress"])
+        self._loss_sum.fill_(state["loss_sum"])
+        self._loss_steps = state["loss_steps"]
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The random seed of optimizer step ``step``: the same whenever the step is replayed."""
+    return seed * 1_000_003 + step
+
+
+def _due(every: Every, progress: Progress, epoch_ended: bool, seconds_since: float) -> bool:
+    if every.unit == "epochs":
+        return epoch_ended and progress.epoch % every.count == 0
+    if every.unit == "steps":
+        return progress.step % every.count == 0
+    return seconds_since >= every.count * 60

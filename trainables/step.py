@@ -6,7 +6,7 @@ The estimators trace and probe exactly these functions, so what is estimated is 
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -35,28 +35,36 @@ def train_step(
     workload: Workload,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    micro_batches: Sequence[Batch],
+    micro_batches: Iterable[Batch],
+    sizes: Sequence[int],
     device: torch.device,
     precision: str = "fp32",
     scaler: torch.amp.GradScaler | None = None,
+    max_grad_norm: float | None = None,
 ) -> torch.Tensor:
-    """Accumulate gradients over ``micro_batches`` and take one optimizer step.
+    """Accumulate gradients over ``micro_batches`` (of ``sizes`` samples) and take one optimizer step.
 
     Each micro-batch's mean loss is weighted by its share of the samples, so the summed gradient
     is the gradient of the mean loss over the whole effective batch: micro-batch 8 x 4 updates
-    the weights as micro-batch 32 x 1 does. Returns that mean loss as a detached tensor (no
-    ``.item()`` here: the estimators run this step on fake tensors, which have no values).
+    the weights as micro-batch 32 x 1 does. ``micro_batches`` is consumed one at a time, and each
+    is dropped before the next is taken, as memory allows only one micro-batch's activations.
+    Gradients are clipped once, on the accumulated gradient (unscaled first under fp16).
+    Returns the mean loss as a detached tensor (no ``.item()`` here: the estimators run this
+    step on fake tensors, which have no values, and a GPU should not wait for the host).
     """
-    sizes = [_batch_size(b) for b in micro_batches]
     total = sum(sizes)
     mean_loss = torch.zeros((), device=device)
-    for batch, size in zip(micro_batches, sizes):
+    for size, batch in zip(sizes, micro_batches):  # sizes first: no micro-batch is fetched past the last
         batch = to_device(batch, device)
         with autocast(precision, device):
             loss = workload.loss(model, batch) * (size / total)
         (scaler.scale(loss) if scaler else loss).backward()
         mean_loss += loss.detach().float()
         del loss, batch  # the next micro-batch must not find this one's graph still alive
+    if max_grad_norm is not None:
+        if scaler:
+            scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     if scaler:
         scaler.step(optimizer)
         scaler.update()
@@ -68,17 +76,10 @@ def train_step(
 
 @torch.no_grad()
 def eval_step(
-    workload: Workload, model: nn.Module, batch: Batch, device: torch.device, precision: str = "fp32"
-) -> torch.Tensor:
-    """Sum of the per-sample loss over ``batch`` as a tensor (the caller divides by the sample count)."""
+    workload: Workload, model: nn.Module, batch: Batch, samples: int, device: torch.device, precision: str = "fp32"
+) -> dict[str, torch.Tensor]:
+    """The workload's eval sums over ``batch`` (``samples`` samples), as float tensors on ``device``."""
     batch = to_device(batch, device)
     with autocast(precision, device):
-        loss = workload.loss(model, batch)
-    return loss.float() * _batch_size(batch)
-
-
-def _batch_size(batch: Batch) -> int:
-    leaf = batch
-    while not isinstance(leaf, torch.Tensor):
-        leaf = next(iter(leaf.values())) if isinstance(leaf, dict) else leaf[0]
-    return leaf.shape[0]
+        sums = workload.eval_metrics(model, batch, samples)
+    return {name: torch.as_tensor(value, device=device).detach().float() for name, value in sums.items()}

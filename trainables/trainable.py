@@ -1,14 +1,16 @@
 """The Ray Tune trainable: one trial, planned for its memory, surviving its OOMs.
 
 Read :meth:`TrialRun.run` top to bottom for the story of a trial: open the device, take the
-plan (from the last checkpoint when resuming, else from the estimator), train epoch by epoch,
-checkpoint and report after each, and when a step runs out of memory record the event, shrink
-the plan, go back to the last checkpoint and carry on. The effective batch never changes, so
-neither does the optimisation; only how it is cut into micro-batches does.
+plan (from the last checkpoint when resuming, else from the estimator), train, and report at
+every milestone of the loop (an evaluation, a checkpoint, the end); when a step runs out of
+memory, record the event, release the failed attempt, shrink the plan, go back to the last
+checkpoint and carry on. The effective batch never changes, so neither does the
+optimisation; only how it is cut into micro-batches does.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import tempfile
@@ -19,10 +21,11 @@ import torch
 from orchestrator import nvml
 from orchestrator.config import SweepSpec
 from orchestrator.device import CudaDevice, Device, configure_allocator, open_device
+from orchestrator.estimates import Estimates, ProfileCache
 from orchestrator.failures import NotRetriedError
 from orchestrator.oom import OomEvent, OomRetriesExhausted, bytes_requested, is_oom, release_memory
 from orchestrator.planner import Plan, make_plan, next_reduction
-from trainables.loop import EpochResult, Trainer
+from trainables.loop import LoopSettings, Milestone, Trainer
 from trainables.workload import build_workload
 
 #: Config key the OOM-aware scheduler sets when Tune restarts a trial after its worker died of
@@ -39,8 +42,9 @@ NOT_RETRIED_KEY = "_not_retried"
 STATE_FILE = "state.pt"
 
 
-def train_trial(config: dict[str, Any], spec: SweepSpec) -> None:
-    """Tune entry point (wrapped with ``tune.with_parameters(train_trial, spec=spec)``)."""
+def train_trial(config: dict[str, Any], spec: SweepSpec, estimates: Estimates | None = None) -> None:
+    """Tune entry point (wrapped with ``tune.with_parameters(train_trial, spec=spec, estimates=...)``:
+    ``estimates`` are the driver's memory profiles, ``orchestrator.estimates``)."""
     if config.get(OOM_GAVE_UP_KEY):
         raise OomRetriesExhausted(config[OOM_GAVE_UP_KEY])
     if config.get(NOT_RETRIED_KEY):
@@ -48,49 +52,66 @@ def train_trial(config: dict[str, Any], spec: SweepSpec) -> None:
             f"{config[NOT_RETRIED_KEY]} (failed {config.get(OTHER_FAILURES_KEY, 1)} time(s); errors other "
             f"than out-of-memory are retried at most max_failures={spec.max_failures} time(s))"
         )
-    TrialRun(config, spec).run()
+    TrialRun(config, spec, estimates).run()
 
 
 class TrialRun:
-    def __init__(self, config: dict[str, Any], spec: SweepSpec):
+    def __init__(self, config: dict[str, Any], spec: SweepSpec, estimates: Estimates | None = None):
         from ray import tune
 
         from orchestrator.metrics import TrialMetrics
 
         self.config = config
         self.spec = spec
+        self.estimates = estimates
         self.policy = spec.memory
+        self.loop_settings = LoopSettings.of(spec)
         configure_allocator(self.policy.allocator_conf)  # before anything touches CUDA
         self.workload = build_workload(config)
         self.checkpointable = type(self.workload).supports_activation_checkpointing
         self.context = tune.get_context()
-        self.metrics = TrialMetrics(spec.experiment, self.context.get_trial_id(), config["workload"])
+        trial_id = self.context.get_trial_id()
+        self.metrics = TrialMetrics(spec.experiment, trial_id, config["workload"])
         # NVML's free memory before this process creates its CUDA context: plans count the
         # context themselves, so the budget must not have it taken out already.
         self.gpu_free_before_context = self._gpu_free() if torch.cuda.is_available() else None
         self.device = self._open_device()
-        self.scratch = tempfile.mkdtemp(prefix="trial-state-")
-        self.last_state: str | None = None  # path of the newest checkpointed state
+        self.scratch = _fresh_scratch(trial_id)
+        self.local_checkpoint: str | None = None  # folder of the newest checkpoint, this process's copy
         self.events: list[OomEvent] = []
         self.applied_shrinks = 0  # Tune-level shrinks (OOM_SHRINKS_KEY) already in self.plan
+        self.estimated_by = "checkpoint"  # where the plan's profile was made: driver | worker | none
 
     # -- the story ---------------------------------------------------------------------------
     def run(self) -> None:
-        self.plan = self._starting_plan()
-        if self.plan.refusal:
-            self._report_refusal()
-            return
-        trainer = self._new_trainer()
-        while trainer.epoch < self.spec.epochs:
+        try:
+            self.plan = self._starting_plan()
+            if self.plan.refusal:
+                self._report_refusal()
+                return
+            with self.device.measuring():  # the emulated device counts every byte from here on
+                self._train()
+        finally:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def _train(self) -> None:
+        """Train to the end; after an OOM, release the attempt, shrink the plan, resume."""
+        while True:
+            trainer = self._new_trainer()
             try:
-                result = trainer.run_epoch()
+                for milestone in trainer.run():
+                    self._report(trainer, milestone)
+                return
             except Exception as exc:
                 if not is_oom(exc):
                     raise
-                trainer = self._recover_from_oom(trainer, exc)
-                continue
-            self._checkpoint_and_report(trainer, result)
-        shutil.rmtree(self.scratch, ignore_errors=True)
+                event = self._oom_event(trainer, exc)
+            # Out of the except block: the exception and the frames of the failed step are gone,
+            # so dropping the trainer frees its weights and optimizer state before the next is built.
+            del trainer
+            release_memory()
+            self.device.reset_peak()  # the next report's peak covers the recovery, not the failed step
+            self._shrink(event)
 
     def _starting_plan(self) -> Plan:
         """The plan in the last checkpoint when resuming (so reductions stick), else a new one."""
@@ -98,15 +119,19 @@ class TrialRun:
 
         checkpoint = tune.get_checkpoint()
         if checkpoint is None:
+            target = self.device.target
+            known = self.estimates.known(self.config, target) if self.estimates else None
+            profiles = ProfileCache(self.workload, self.policy, target, self.device, known=known)
+            self.estimated_by = "none" if self.policy.estimator == "none" else "driver" if known else "worker"
             plan = make_plan(
                 self.workload, self.policy, self.spec.effective_batch_size, self._budget(),
-                target=self.device.target, device=self.device,
+                target=target, device=self.device, profiles=profiles,
             )
         else:
+            self.local_checkpoint = tempfile.mkdtemp(prefix="checkpoint-", dir=self.scratch)
             with checkpoint.as_directory() as folder:
-                shutil.copy(os.path.join(folder, STATE_FILE), os.path.join(self.scratch, STATE_FILE))
-            self.last_state = os.path.join(self.scratch, STATE_FILE)
-            saved = torch.load(self.last_state, map_location="cpu", weights_only=False)
+                shutil.copy(os.path.join(folder, STATE_FILE), self.local_checkpoint)
+            saved = self._saved_state(map_location="cpu")
             plan = Plan.from_dict(saved["plan"])
             self.events = [OomEvent.from_dict(e) for e in saved["oom_events"]]
             self.applied_shrinks = saved["applied_shrinks"]
@@ -120,23 +145,26 @@ class TrialRun:
         return plan
 
     def _new_trainer(self) -> Trainer:
-        trainer = Trainer(self.workload, self.device, self.plan, seed=self.config.get("seed", self.spec.seed))
-        if self.last_state is not None:
-            trainer.load_state_dict(torch.load(self.last_state, map_location=self.device.torch_device, weights_only=False)["trainer"])
+        seed = self.config.get("seed", self.spec.seed)
+        trainer = Trainer(self.workload, self.device, self.plan, self.loop_settings, seed=seed)
+        if self.local_checkpoint is not None:
+            trainer.load_state_dict(self._saved_state(map_location=self.device.torch_device)["trainer"])
         return trainer
 
-    def _recover_from_oom(self, trainer: Trainer, exc: BaseException) -> Trainer:
-        """Record the OOM, free the failed step, shrink the plan, resume from the last checkpoint."""
-        event = OomEvent(
-            phase=trainer.phase, epoch=trainer.epoch, step=trainer.step,
+    def _saved_state(self, map_location) -> dict:
+        return torch.load(os.path.join(self.local_checkpoint, STATE_FILE), map_location=map_location, weights_only=False)
+
+    def _oom_event(self, trainer: Trainer, exc: BaseException) -> OomEvent:
+        return OomEvent(
+            phase=trainer.phase, epoch=trainer.progress.epoch, step=trainer.position,
             micro_batch=self.plan.micro_batch, eval_batch=self.plan.eval_batch,
             bytes_requested=bytes_requested(str(exc)),
             bytes_allocated=self.device.allocated(), bytes_reserved=self.device.reserved(),
             message=str(exc).splitlines()[0][:500],
         )
-        del trainer
-        exc.__traceback__ = None  # the traceback pins the failed step's tensors
-        release_memory()
+
+    def _shrink(self, event: OomEvent) -> None:
+        """Move the plan to its next reduction, or give up with every event in the error."""
         self.metrics.record_oom(event.phase)
         smaller = next_reduction(self.plan, self.policy, event.phase, workload_supports_checkpointing=self.checkpointable)
         if smaller is None or len(self.events) >= self.policy.max_oom_retries:
@@ -145,32 +173,40 @@ class TrialRun:
             raise OomRetriesExhausted.from_events(self.events, f"out of memory in {event.phase} and {reason}")
         self.events.append(OomEvent(**{**event.to_dict(), "action": _describe_change(self.plan, smaller)}))
         self.plan = smaller
-        return self._new_trainer()
 
-    def _checkpoint_and_report(self, trainer: Trainer, result: EpochResult) -> None:
+    def _report(self, trainer: Trainer, milestone: Milestone) -> None:
+        """Report the milestone to Tune, with a checkpoint when one is due.
+
+        Tune copies a reported checkpoint to the sweep's storage before ``report`` returns, so
+        only the newest checkpoint stays here, for an in-process OOM retry to resume from.
+        """
         from ray import tune
 
-        self.last_state = os.path.join(self.scratch, STATE_FILE)
+        metrics = self._milestone_metrics(milestone)
+        self.metrics.record_result(metrics)
+        if not milestone.checkpoint:
+            tune.report(metrics)
+            return
+        folder = tempfile.mkdtemp(prefix="checkpoint-", dir=self.scratch)
         torch.save(
             {
                 "trainer": trainer.state_dict(), "plan": self.plan.to_dict(),
                 "oom_events": [e.to_dict() for e in self.events], "applied_shrinks": self.applied_shrinks,
             },
-            self.last_state,
+            os.path.join(folder, STATE_FILE),
         )
-        folder = tempfile.mkdtemp(prefix="checkpoint-")
-        shutil.copy(self.last_state, folder)
-        metrics = self._epoch_metrics(result)
-        self.metrics.record_epoch(metrics)
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(folder))
+        if self.local_checkpoint is not None:
+            shutil.rmtree(self.local_checkpoint, ignore_errors=True)
+        self.local_checkpoint = folder
 
     def _report_refusal(self) -> None:
         """A refused trial reports once, with its reason, and ends without training."""
         from ray import tune
 
         nan = float("nan")
-        tune.report({**self._plan_metrics(), "epoch": 0, "refused": 1, "refusal": self.plan.refusal,
-                     "train_loss": nan, "eval_loss": nan, self.spec.metric: nan})
+        tune.report({**self._plan_metrics(), "epoch": 0, "step": 0, "refused": 1, "refusal": self.plan.refusal,
+                     "train_loss": nan, self.spec.metric: nan})
 
     # -- what a report holds -----------------------------------------------------------------
     def _plan_metrics(self) -> dict[str, Any]:
@@ -180,7 +216,7 @@ class TrialRun:
             "micro_batch": plan.micro_batch, "accum_steps": plan.accum_steps,
             "effective_batch": plan.effective_batch, "eval_batch": plan.eval_batch,
             "activation_checkpointing": int(plan.activation_checkpointing), "precision": plan.precision,
-            "plan_reductions": plan.reductions, "estimator": plan.estimator,
+            "plan_reductions": plan.reductions, "estimator": plan.estimator, "estimated_by": self.estimated_by,
             "oom_retries": len(self.events), "oom_events": [e.to_dict() for e in self.events],
         }
         if plan.budget_bytes is not None:
@@ -194,13 +230,15 @@ class TrialRun:
                 metrics["gpu_name"], metrics["gpu_total_bytes"] = info.name, info.total
         return metrics
 
-    def _epoch_metrics(self, result: EpochResult) -> dict[str, Any]:
-        memory = result.memory
+    def _milestone_metrics(self, milestone: Milestone) -> dict[str, Any]:
+        memory, progress = milestone.memory, milestone.progress
         metrics = {
-            **self._plan_metrics(),
-            "epoch": result.epoch, "train_loss": result.train_loss, "eval_loss": result.eval_loss,
+            **self._plan_metrics(), **milestone.eval,
+            "epoch": progress.epoch, "step": progress.step, "training_done": int(milestone.final),
             "memory_source": memory.source, "peak_allocated_bytes": memory.peak_allocated,
         }
+        if milestone.train_loss is not None:
+            metrics["train_loss"] = milestone.train_loss
         if memory.peak_reserved is not None:
             metrics["peak_reserved_bytes"] = memory.peak_reserved
             metrics["fragmentation"] = memory.fragmentation
@@ -246,6 +284,18 @@ class TrialRun:
         if capacity is None:
             return self.policy.budget  # the CPU: unbounded unless the config says otherwise
         return min(self.policy.budget, capacity) if self.policy.budget else capacity
+
+
+def _fresh_scratch(trial_id: str) -> str:
+    """A temporary folder for this attempt of the trial, removed when it ends in any state.
+
+    A worker that was killed could not remove its own; the trial's next attempt on this node
+    removes it.
+    """
+    prefix = f"orchestrator-{trial_id}-"
+    for stale in glob.glob(os.path.join(tempfile.gettempdir(), prefix + "*")):
+        shutil.rmtree(stale, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=prefix)
 
 
 def _describe_change(old: Plan, new: Plan) -> str:

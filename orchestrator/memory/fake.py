@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedFakeTensorException,
 )
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 from orchestrator.memory.cuda_emulation import cuda_semantics
 from orchestrator.tensor_tracker import CUDA_BLOCK, StorageTracker
@@ -39,36 +39,21 @@ class FakeSetup:
     round_to: int
     emulate_cuda: bool
 
-    @property
-    def resident_input(self) -> bool:
-        """Whether batches are device memory as they are built (CPU), not copied to it (CUDA)."""
-        return self.device.type == "cpu" and not self.emulate_cuda
-
-    def input_per_sample(self) -> int:
-        """Bytes of one sample's batch tensors where they are resident, else 0."""
-        if not self.resident_input:
-            return 0
-        return sum(t.nbytes for t in tree_leaves(self.sample) if isinstance(t, torch.Tensor))
-
     def tracker(self) -> StorageTracker:
         tracker = StorageTracker(self.device.type, self.round_to)
         tracker.track(list(self.model.parameters()) + list(self.model.buffers()))
         return tracker
 
     def batch(self, size: int):
-        """A fake batch of ``size`` samples as the loop hands it to the steps.
-
-        For a CUDA target it is on ``meta``, i.e. still on the host: the steps copy it to the
-        device, so the device copy is counted for its micro-batch's lifetime and the host copy
-        is not. On the CPU the loop's batch *is* the device's: it is made on the device (call
-        this inside the tracker), counted from then on.
+        """A fake batch of ``size`` samples as the loop hands it to the steps: on ``meta``, i.e.
+        still on the host. The steps copy it to the device, so the device copy is counted for its
+        micro-batch's lifetime and the host copy is not, as in the loop on every device.
         """
 
         def grow(t):
             if not isinstance(t, torch.Tensor):
                 return t
-            host = self.mode.from_tensor(torch.empty((size, *t.shape[1:]), dtype=t.dtype, device="meta"))
-            return host.to(self.device) if self.resident_input else host
+            return self.mode.from_tensor(torch.empty((size, *t.shape[1:]), dtype=t.dtype, device="meta"))
 
         return tree_map(grow, self.sample)
 

@@ -20,7 +20,6 @@ import gc
 import math
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from orchestrator.device import CpuDevice, CudaDevice, Device
 from orchestrator.memory.phases import enter_phase, phases_of
@@ -50,9 +49,6 @@ class _Probe:
         self.scaler = make_grad_scaler(settings.precision, dev)
         self.train_data, self.eval_data = workload.train_data(), workload.eval_data()
         self.fb_peak = self.fb_reserved = self.step_peak = 0
-        sample = sample_batch(workload, self.train_data, 1)
-        on_host = dev.type == "cpu"  # the loop's batches are device memory as they are built
-        self.resident_per_sample = sum(t.nbytes for t in tree_leaves(sample) if isinstance(t, torch.Tensor)) if on_host else 0
         self.optimizer.register_step_pre_hook(self._before_step)
         self.optimizer.register_step_post_hook(self._after_step)
 
@@ -77,40 +73,37 @@ class _Probe:
         if self.device.torch_device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _batch(self, data, size: int):
-        return sample_batch(self.workload, data, size)
+    def _batches(self, data, size: int, count: int):
+        """``count`` batches of ``size``, each collated on the host and admitted to the device when
+        the step takes it, as the loop does (indexing a dataset inside the measured window would
+        count the dataset's storage)."""
+        for _ in range(count):
+            yield self.device.admit(self._host_batch(data, size))  # no local: the step's drop frees it
+
+    def _host_batch(self, data, size: int):
+        with self.device.host():
+            return sample_batch(self.workload, data, size)
 
     def train(self, size: int, micro_batches: int) -> tuple[int, int, int]:
         """(forward/backward peak allocated, its peak reserved, optimizer-step peak) of one step."""
-        # The loop's micro-batches: collated on the host (indexing a dataset inside the window
-        # would count the dataset's storage), then resident on the CPU or copied to a GPU.
-        batch = self._batch(self.train_data, size)
         self.device.track(self._state())
-        self.device.track(self._tensors(batch))
         self.device.reset_peak()
         with self.device.measuring():
-            batches = [batch] * micro_batches
-            del batch
             train_step(
-                self.workload, self.model, self.optimizer, batches, self.device.torch_device,
-                self.settings.precision, self.scaler,
+                self.workload, self.model, self.optimizer, self._batches(self.train_data, size, micro_batches),
+                [size] * micro_batches, self.device.torch_device, self.settings.precision, self.scaler,
             )
-            del batches
-        return self.fb_peak, self.fb_reserved, self.step_peak - self.resident_per_sample * size
+        return self.fb_peak, self.fb_reserved, self.step_peak
 
     def eval(self, size: int) -> tuple[int, int]:
-        batch = self._batch(self.eval_data, size)
         self.device.track(self._state())
-        self.device.track(self._tensors(batch))
         self.device.reset_peak()
         with self.device.measuring():
-            eval_step(self.workload, self.model, batch, self.device.torch_device, self.settings.precision)
-            del batch
+            for batch in self._batches(self.eval_data, size, 1):
+                eval_step(self.workload, self.model, batch, size, self.device.torch_device, self.settings.precision)
+                del batch
         reading = self.device.reading()
         return reading.peak_allocated, reading.peak_reserved or 0
-
-    def _tensors(self, batch):
-        return [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)] if self.device.torch_device.type == "cpu" else []
 
     def bytes_of(self, tensors) -> int:
         seen, total = set(), 0
@@ -164,7 +157,7 @@ def measured_profile(
                     probe.recover()
             sizes = sizes or sorted(seen[phase.name])
     finally:
-        breakdown, resident = _breakdown(probe), probe.resident_per_sample
+        breakdown = _breakdown(probe)
         del probe
         gc.collect()
         if on_gpu:
@@ -178,7 +171,6 @@ def measured_profile(
         extra = {"context": cuda_context_bytes(device.torch_device.index or 0), "workspace": CUBLAS_WORKSPACE_BYTES}
     else:
         extra = overheads(target, fragmentation)
-    extra["resident_input_per_sample"] = resident
     profiles = tuple(_fit(p, seen[p.name], breakdown, extra, on_gpu) for p in phases)
     return MemoryProfile("measured", settings, target, profiles, tuple(notes))
 

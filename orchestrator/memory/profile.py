@@ -68,15 +68,13 @@ class PhaseProfile:
     tiny batches, say) is not extrapolated from its flat part.
 
     A train phase is a step of two micro-batches of ``b`` (gradient accumulation: the second
-    runs with the first's gradients alive) holding ``b`` samples of input.
+    runs with the first's gradients alive), each taken by the step when it needs it and
+    dropped before the next: ``b`` samples of input at a time, on every target.
 
     ``sequence`` and ``allocator`` (both or neither): the phase's allocation log at any batch
     size and the caching allocator's configuration; with them reserved memory is replayed,
     and ``fragmentation`` is not used. An eval phase's log follows training at the micro-batch,
     so its methods take the micro-batch too (default: the eval batch).
-    ``resident_input_per_sample`` is non-zero where the loop's host batches *are* device memory
-    (targets ``cpu``/``emulated``): the loop builds every micro-batch of the effective batch
-    before the step, so ``effective_batch`` samples of input stay for the whole step.
     """
 
     name: str
@@ -92,7 +90,6 @@ class PhaseProfile:
     fragmentation: float = 0.0
     step_floor: int = 0
     points: tuple[tuple[int, int], ...] = ()
-    resident_input_per_sample: int = 0
     sequence: TrialSequence | None = None
     allocator: AllocatorConfig | None = None
 
@@ -121,15 +118,8 @@ class PhaseProfile:
         """Allocated bytes at ``b = 0`` on the extrapolation line."""
         return self.states + self.fixed_other
 
-    def allocated_at(self, batch: int, effective_batch: int | None = None) -> int:
-        """Predicted peak allocated (tensor) bytes at batch size ``batch``.
-
-        ``effective_batch`` (train phases) counts the input the loop keeps resident for the step.
-        """
-        resident = 0
-        if self.kind == "train" and effective_batch is not None:
-            resident = self.resident_input_per_sample * max(effective_batch - batch, 0)
-        floor = self.step_floor + self.resident_input_per_sample * (effective_batch or batch) if self.step_floor else 0
+    def allocated_at(self, batch: int) -> int:
+        """Predicted peak allocated (tensor) bytes at batch size ``batch``."""
         if len(self.points) >= 2:
             # the segment that contains ``batch``; the outer segments extend beyond the points
             for (b0, m0), (b1, m1) in zip(self.points, self.points[1:]):
@@ -138,7 +128,7 @@ class PhaseProfile:
             curve = m0 + math.ceil((m1 - m0) * (batch - b0) / (b1 - b0))
         else:
             curve = self.fixed + self.activations_per_sample * batch
-        return max(curve + resident, floor, 0)
+        return max(curve, self.step_floor, 0)
 
     @property
     def overhead(self) -> int:
@@ -153,8 +143,7 @@ class PhaseProfile:
             return self.sequence.replay(self.allocator, batch, capacity=capacity)
         return self.sequence.replay(self.allocator, micro_batch or batch, batch, capacity)
 
-    def reserved_at(self, batch: int, effective_batch: int | None = None, *, micro_batch: int | None = None,
-                    limit: int | None = None) -> int:
+    def reserved_at(self, batch: int, *, micro_batch: int | None = None, limit: int | None = None) -> int:
         """What a plan budgets: reserved memory, workspaces and the CUDA context.
 
         Under ``limit`` the allocator frees its cache rather than pass it, so a modelled phase's
@@ -162,15 +151,15 @@ class PhaseProfile:
         """
         if self.sequence is not None:
             return self.replay(batch, micro_batch, limit).peak_reserved + self.overhead
-        allocated = self.allocated_at(batch, effective_batch)
+        allocated = self.allocated_at(batch)
         fragmentation = math.ceil(round(allocated * self.fragmentation, 3))  # no float noise in whole bytes
         return allocated + fragmentation + self.overhead
 
-    def fits(self, batch: int, limit: int, effective_batch: int | None = None, *, micro_batch: int | None = None) -> bool:
+    def fits(self, batch: int, limit: int, *, micro_batch: int | None = None) -> bool:
         """Whether the phase runs at ``batch`` in ``limit`` bytes without running out of memory."""
         if self.sequence is not None:
             return limit > self.overhead and self.replay(batch, micro_batch, limit).fits
-        return self.reserved_at(batch, effective_batch) <= limit
+        return self.reserved_at(batch) <= limit
 
     def to_dict(self) -> dict:
         """A JSON summary (the allocation log is described, not included)."""
@@ -200,26 +189,23 @@ class MemoryProfile:
     def batch_for(self, phase: PhaseProfile, micro_batch: int, eval_batch: int) -> int:
         return micro_batch if phase.kind == "train" else eval_batch
 
-    def phase_peaks(self, micro_batch: int, eval_batch: int, effective_batch: int | None = None,
-                    limit: int | None = None) -> dict[str, int]:
+    def phase_peaks(self, micro_batch: int, eval_batch: int, limit: int | None = None) -> dict[str, int]:
         """Predicted reserved bytes of every phase at these batch sizes (within ``limit``, if given)."""
         return {
-            p.name: p.reserved_at(self.batch_for(p, micro_batch, eval_batch), effective_batch,
-                                  micro_batch=micro_batch, limit=limit)
+            p.name: p.reserved_at(self.batch_for(p, micro_batch, eval_batch), micro_batch=micro_batch, limit=limit)
             for p in self.phases
         }
 
-    def peak(self, micro_batch: int, eval_batch: int, effective_batch: int | None = None,
-             limit: int | None = None) -> tuple[int, str]:
+    def peak(self, micro_batch: int, eval_batch: int, limit: int | None = None) -> tuple[int, str]:
         """The worst phase's reserved bytes at these batch sizes, and that phase's name."""
-        peaks = self.phase_peaks(micro_batch, eval_batch, effective_batch, limit)
-        name = self.worst(peaks, micro_batch, eval_batch, effective_batch)
+        peaks = self.phase_peaks(micro_batch, eval_batch, limit)
+        name = self.worst(peaks, micro_batch, eval_batch)
         return peaks[name], name
 
-    def worst(self, peaks: dict[str, int], micro_batch: int, eval_batch: int, effective_batch: int | None = None) -> str:
+    def worst(self, peaks: dict[str, int], micro_batch: int, eval_batch: int) -> str:
         """The phase of ``peaks`` that needs the most; of equal reserved bytes (the allocator
         reserves whole segments), the one with more tensor bytes."""
-        allocated = {p.name: p.allocated_at(self.batch_for(p, micro_batch, eval_batch), effective_batch) for p in self.phases}
+        allocated = {p.name: p.allocated_at(self.batch_for(p, micro_batch, eval_batch)) for p in self.phases}
         return max(peaks, key=lambda name: (peaks[name], allocated[name]))
 
     def phases_of(self, kind: str) -> tuple[PhaseProfile, ...]:

@@ -19,6 +19,7 @@ instead, and the profile says so.
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from orchestrator.memory.fake import Untraceable, describe, fake_setup, running
 from orchestrator.memory.fit import line_through
@@ -53,14 +54,13 @@ def static_profile(workload: Workload, settings: Settings, *, target: str, fragm
                 for phase in phases_of(workload)
             }
         notes += [f"forward and optimizer step run on {describe(setup)}", *emulation_notes]
-        resident = setup.input_per_sample()
     except ImportError:
         raise  # a missing library fails on real tensors too
     except Exception as exc:  # Untraceable, or a model fake tensors trip over in another way
         reason = str(exc) if isinstance(exc, Untraceable) else f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-        states, bounds, resident = _on_real_cpu(workload, settings, target)
+        states, bounds = _on_real_cpu(workload, settings, target)
         notes.append(f"fake tensors failed ({reason}); forward run on real CPU tensors at b={REAL_PROBE_BATCHES}")
-    extra = {**overheads(target, fragmentation), "resident_input_per_sample": resident}
+    extra = overheads(target, fragmentation)
     phases = tuple(_phase(phase, states, bounds[phase.name], extra) for phase in phases_of(workload))
     return MemoryProfile("static", settings, target, phases, tuple(notes))
 
@@ -98,12 +98,15 @@ def _forward_bounds(workload, model, phase: Phase, settings, device, round_to, m
     enter_phase(workload, model, phase, settings)
     bounds = {}
     for b in probes:
+        host_batch = make_batch(b)  # collated outside the tracker: a dataset's storage is not the batch's
         tracker = StorageTracker(device.type, round_to)
         grad_mode = torch.enable_grad() if phase.kind == "train" else torch.no_grad()
         with tracker, grad_mode, autocast(settings.precision, device):
-            batch = to_device(make_batch(b), device)
-            loss = workload.loss(model, batch)
-            del loss, batch
+            batch = to_device(host_batch, device)
+            del host_batch
+            tracker.track(t for t in tree_leaves(batch) if isinstance(t, torch.Tensor))  # already there on the CPU
+            out = workload.loss(model, batch) if phase.kind == "train" else workload.eval_metrics(model, batch, b)
+            del out, batch
         if phase.kind == "train":
             bounds[b] = tracker.total + GRADIENTS_IN_FLIGHT * tracker.largest
         else:
@@ -127,9 +130,7 @@ def _on_real_cpu(workload: Workload, settings: Settings, target: str):
         phase.name: _forward_bounds(workload, model, phase, settings, device, round_to, make_batch, REAL_PROBE_BATCHES)
         for phase in phases_of(workload)
     }
-    sample = sample_batch(workload, data, 1)
-    resident = 0 if target == "cuda" else sum(t.nbytes for t in torch.utils._pytree.tree_leaves(sample) if isinstance(t, torch.Tensor))
-    return states, bounds, resident
+    return states, bounds
 
 
 def _phase(phase: Phase, states: dict[str, int], bounds: dict[int, int], extra: dict) -> PhaseProfile:

@@ -67,7 +67,7 @@ def trace_profile(
     notes = [f"traced on {describe(setup)} at batch sizes {', '.join(map(str, probes))}", *emulation_notes]
     if settings.precision == "fp16" and setup.device.type == "cpu":
         notes.append("fp16 loss scaling not traced (GradScaler needs CUDA); it adds a few scalars")
-    extra = {**overheads(target, fragmentation), "resident_input_per_sample": setup.input_per_sample()}
+    extra = overheads(target, fragmentation)
     sequences = _sequences(phases, logs, probes) if logged else {}
     allocator = allocator or AllocatorConfig()
     if logged and not allocator.modelled:
@@ -119,11 +119,8 @@ def _trace(setup: FakeSetup, workload, settings, phases, probes, logged: bool):
     optimizer.register_step_pre_hook(count_grads)
 
     def train(size: int, micro_batches: int) -> None:
-        if setup.resident_input:  # one batch of ``size`` resident for the step, as in the loop
-            batches = [setup.batch(size)] * micro_batches
-        else:  # copied to the device per micro-batch
-            batches = [setup.batch(size) for _ in range(micro_batches)]
-        train_step(workload, model, optimizer, batches, device, settings.precision)
+        batches = (setup.batch(size) for _ in range(micro_batches))  # taken one at a time, as in the loop
+        train_step(workload, model, optimizer, batches, [size] * micro_batches, device, settings.precision)
 
     runs: dict[str, dict[int, _Run]] = {p.name: {} for p in phases}
     logs: dict[str, dict[int, tuple[list[int], int, int]]] = {p.name: {} for p in phases}
@@ -149,7 +146,7 @@ def _trace(setup: FakeSetup, workload, settings, phases, probes, logged: bool):
                 if phase.kind == "train":
                     train(b, MICRO_BATCHES_PER_STEP)
                 else:
-                    eval_step(workload, model, setup.batch(b), device, settings.precision)
+                    eval_step(workload, model, setup.batch(b), b, device, settings.precision)
                 runs[phase.name][b] = _Run(
                     tracker.events, (tracker.round_to - 1) * tracker.most_live, setup.params_bytes(tracker), grads["bytes"],
                     setup.optimizer_bytes(tracker), setup.buffers_bytes(tracker),

@@ -1,0 +1,92 @@
+"""The sampler's guarantees: order from (seed, epoch) only, steps cut into micro-batches without
+changing which samples form them, resumable mid-epoch; and the DataLoader paths."""
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from orchestrator.config import DataLoading
+from trainables.data import DatasetTooSmall, StepCut, StepSampler, eval_batch_sizes, eval_loader, train_loader
+from trainables.mlp import MLPWorkload
+
+
+def steps_of(sampler: StepSampler) -> list[list[int]]:
+    """The sampler's micro-batches regrouped into optimizer steps."""
+    per_step = len(sampler.cut.sizes)
+    batches = list(sampler)
+    return [sum(batches[i : i + per_step], []) for i in range(0, len(batches), per_step)]
+
+
+def test_a_step_is_cut_into_full_micro_batches_and_a_remainder():
+    assert StepCut(32, 8).sizes == [8, 8, 8, 8]
+    assert StepCut(28, 8).sizes == [8, 8, 8, 4]
+    assert StepCut(5, 16).sizes == [5]
+
+
+def test_replanning_changes_the_cut_not_the_samples_of_a_step():
+    whole, cut = StepSampler(100, StepCut(24, 24), seed=3), StepSampler(100, StepCut(24, 10), seed=3)
+    for epoch in (0, 1):
+        whole.set_position(epoch, 0)
+        cut.set_position(epoch, 0)
+        assert steps_of(whole) == steps_of(cut)
+        assert [len(b) for b in list(cut)[:3]] == [10, 10, 4]
+    assert len(steps_of(whole)) == 4  # 100 // 24: the last partial step is dropped
+
+
+def test_an_epoch_order_depends_only_on_seed_and_epoch():
+    a, b = StepSampler(64, StepCut(16, 8), seed=1), StepSampler(64, StepCut(16, 8), seed=1)
+    a.set_position(2, 0)
+    list(StepSampler(64, StepCut(16, 8), seed=1))  # other samplers drawing in between change nothing
+    b.set_position(2, 0)
+    assert list(a) == list(b)
+    b.set_position(3, 0)
+    assert list(a) != list(b)
+    assert sorted(sum(list(a), [])) == list(range(64))  # a permutation: every sample once per epoch
+
+
+def test_a_resumed_epoch_continues_where_it_stopped():
+    sampler = StepSampler(80, StepCut(16, 4), seed=0)
+    sampler.set_position(1, 0)
+    full = steps_of(sampler)
+    sampler.set_position(1, 3)
+    assert steps_of(sampler) == full[3:] and len(sampler) == (5 - 3) * 4
+
+
+class Ragged(Dataset):
+    """Sequences of different lengths: only a padding collate can batch them."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return torch.arange(i % 7 + 1, dtype=torch.float32), i % 2
+
+
+class PaddedWorkload(MLPWorkload):
+    def collate(self, samples):
+        longest = max(len(x) for x, _ in samples)
+        x = torch.zeros(len(samples), longest)
+        for row, (seq, _) in enumerate(samples):
+            x[row, : len(seq)] = seq
+        return {"x": x, "y": torch.tensor([y for _, y in samples])}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_loader_uses_the_workload_collate_in_its_workers(workers):
+    settings = DataLoading(num_workers=workers, prefetch_factor=2 if workers else None)
+    loader, sampler = train_loader(PaddedWorkload(), Ragged(), StepCut(8, 4), seed=0, settings=settings, on_gpu=False)
+    batches = list(loader)
+    assert len(batches) == len(sampler) == 10
+    assert all(b["x"].shape[0] == 4 and b["x"].shape[1] <= 7 for b in batches)
+    indices = sum(list(sampler), [])
+    assert sorted(int(y) for b in batches for y in b["y"]) == sorted(i % 2 for i in indices)
+
+
+def test_the_eval_loader_visits_every_sample_once_in_order():
+    batches = list(eval_loader(PaddedWorkload(), Ragged(), 16, DataLoading(), on_gpu=False))
+    assert [b["x"].shape[0] for b in batches] == eval_batch_sizes(40, 16) == [16, 16, 8]
+
+
+def test_a_dataset_shorter_than_one_step_is_refused_by_name():
+    with pytest.raises(DatasetTooSmall, match="PaddedWorkload: train_data has 40 samples, fewer than one optimizer step"):
+        train_loader(PaddedWorkload(), Ragged(), StepCut(64, 8), seed=0, settings=DataLoading(), on_gpu=False)
