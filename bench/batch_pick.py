@@ -22,8 +22,8 @@ The plan budgets the CUDA context too, but ``set_per_process_memory_fraction`` c
 the allocator reserves (the context is outside it), so the planner is given budget + context.
 The effective batch is a large prime, so that no divisor preference shrinks the micro-batch:
 the planned micro-batch is the largest the profile says fits. With ``--cpu`` (a smoke run of
-this script where there is no GPU) the device is ``EmulatedDevice`` and the loop's batches are
-device memory, so the plan is made for an effective batch of twice the true max, which asks
+this script where there is no GPU) the device is ``EmulatedDevice`` and the plan is made for an
+effective batch of twice the true max (a step of two micro-batches at the true max), which asks
 the same question as the search.
 """
 
@@ -42,7 +42,7 @@ from bench.zoo import CPU_ZOO, GPU_ZOO, Entry, StepRunner  # noqa: E402
 
 EFFECTIVE_BATCH = 1_000_003  # prime: the planned micro-batch is the largest that fits
 ACCELERATE_START = {"gpt2_bf16_seq1024": 64}  # starting batch for Accelerate (default 1024)
-PICK_MODELS = ("resnet50", "vit_b16_bf16", "gpt2_bf16_seq1024", "conv1d_19x15360")
+PICK_MODELS = ("resnet50", "vit_b16_bf16", "gpt2_bf16_seq1024", "tcn_eeg")
 CPU_PICK_MODELS = ("cnn", "resnet_ish", "tiny_gpt_bf16")
 
 
@@ -137,8 +137,8 @@ def run_entry(entry: Entry, budget: int, on_gpu: bool, args) -> Result:
     del runner
     _release(on_gpu)
     result = Result(entry.name, true_max)
-    # On the CPU the loop's batches are device memory: the effective batch counts. Planning for
-    # 2 x the true max asks the same question as the search (two micro-batches of b per step).
+    # On the CPU the plan is made for 2 x the true max, which asks the same question as the
+    # search (two micro-batches of b per step).
     effective = EFFECTIVE_BATCH if on_gpu else 2 * max(true_max, 1)
     for estimator in ("trace", "measured"):
         result.picks.append(ours(entry, estimator, budget, device, on_gpu, args, effective))

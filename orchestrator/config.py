@@ -98,7 +98,7 @@ class MemoryPolicy:
     device: str = "auto"
     capacity: int | None = None  # bytes of the emulated device
     budget: int | None = None  # bytes a plan may use per GPU; None = auto (NVML free - context)
-    safety_margin: float = 0.9
+    safety_margin: float = 0.98  # from the allocator model's measured error: docs/ARCHITECTURE.md
     estimator: str = "trace"
     fragmentation: float = 0.10
     allocator_conf: str | None = "expandable_segments:True"
@@ -414,7 +414,7 @@ def _memory(value: Any) -> MemoryPolicy:
         safety_margin=_fraction(get("safety_margin"), "memory.safety_margin"),
         estimator=_one_of(get("estimator"), ESTIMATORS, "memory.estimator"),
         fragmentation=_non_negative_number(get("fragmentation"), "memory.fragmentation"),
-        allocator_conf=_optional_string(get("allocator_conf"), "memory.allocator_conf"),
+        allocator_conf=_allocator_conf(get("allocator_conf")),
         max_oom_retries=_non_negative_int(get("max_oom_retries"), "memory.max_oom_retries"),
         gpu_granularity=_fraction(get("gpu_granularity"), "memory.gpu_granularity"),
         allow_activation_checkpointing=_bool(get("allow_activation_checkpointing"), "memory.allow_activation_checkpointing"),
@@ -425,6 +425,19 @@ def _memory(value: Any) -> MemoryPolicy:
     if policy.device == "emulated" and policy.capacity is None:
         raise ConfigError("memory.capacity: memory.device 'emulated' needs a capacity, e.g. capacity: 8MiB")
     return policy
+
+
+def _allocator_conf(value: Any) -> str | None:
+    """``PYTORCH_CUDA_ALLOC_CONF`` for the trials, checked as PyTorch would check it (which only
+    happens when a worker first touches CUDA, minutes into a sweep)."""
+    from orchestrator.memory.allocator import parse_alloc_conf
+
+    conf = _optional_string(value, "memory.allocator_conf")
+    try:
+        parse_alloc_conf(conf)
+    except ValueError as exc:
+        raise ConfigError(f"memory.allocator_conf: {exc}") from None
+    return conf
 
 
 def _check_workload_parameters(spec: SweepSpec) -> None:

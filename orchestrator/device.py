@@ -206,13 +206,22 @@ class CudaDevice(Device):
         )
 
 
+#: Where PyTorch reads its allocator settings, the first one set winning (the second is the older name).
+ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
 def configure_allocator(alloc_conf: str | None) -> None:
     """Set ``PYTORCH_CUDA_ALLOC_CONF`` before CUDA initialises (it is read once, at first use).
 
     A value the user already exported wins: they may know their model better than our default.
     """
-    if alloc_conf and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+    if alloc_conf and not any(v in os.environ for v in ALLOC_CONF_VARIABLES):
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+
+
+def effective_allocator_conf(alloc_conf: str | None) -> str | None:
+    """The allocator settings a trial's process will run with: an exported one, else ``alloc_conf``."""
+    return next((os.environ[v] for v in ALLOC_CONF_VARIABLES if v in os.environ), alloc_conf)
 
 
 def open_device(kind: str, *, capacity: int | None = None, memory_fraction: float | None = None) -> Device:

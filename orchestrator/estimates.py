@@ -1,10 +1,11 @@
 """One memory estimate per memory signature, made before the trials start.
 
-Trials whose workload, memory-relevant hyper-parameters, estimator, precision policy and target
-are the same have the same memory: a sweep of one model over 8 learning rates and 2 widths
-needs two estimates, not sixteen. The driver makes them (in parallel processes where it has the
-CPUs) before the Tuner starts and hands them to the trials, so a trial never spends its start-up
-on an estimate it could have been given; ``orchestrator plan`` shares the same code.
+Trials whose workload, memory-relevant hyper-parameters, estimator, precision policy, allocator
+configuration and target are the same have the same memory: a sweep of one model over 8
+learning rates and 2 widths needs two estimates, not sixteen. The driver makes them (in
+parallel processes where it has the CPUs) before the Tuner starts and hands them to the trials,
+so a trial never spends its start-up on an estimate it could have been given; ``orchestrator
+plan`` shares the same code.
 
 A trial re-estimates on its worker only where the driver could not stand in for it: its device
 is not the one the driver planned for (a CPU-only worker in a GPU sweep), the estimator is
@@ -39,6 +40,7 @@ class ProfileCache:
         self.errors: dict[Settings, str] = {}
 
     def get(self, settings: Settings) -> MemoryProfile | None:
+        from orchestrator.device import effective_allocator_conf
         from orchestrator.memory import EstimationError, estimate
 
         if settings not in self.cache:
@@ -46,6 +48,7 @@ class ProfileCache:
                 self.cache[settings] = estimate(
                     self.workload, self.policy.estimator, settings, target=self.target,
                     fragmentation=self.policy.fragmentation, device=self.device,
+                    allocator_conf=effective_allocator_conf(self.policy.allocator_conf),
                 )
             except EstimationError as exc:
                 self.cache[settings] = None
@@ -62,8 +65,11 @@ def memory_signature(config: dict[str, Any], policy: MemoryPolicy, target: str) 
     """What a trial's memory depends on, as a string: equal strings, equal memory.
 
     The workload's hyper-parameters count except those it declares memory-neutral
-    (``Workload.memory_neutral``: ``lr`` and ``seed`` by default).
+    (``Workload.memory_neutral``: ``lr`` and ``seed`` by default). The allocator configuration
+    is the one the trial's process runs with (an exported ``PYTORCH_CUDA_ALLOC_CONF`` wins over
+    ``memory.allocator_conf``): the trace replays its allocations through a model of it.
     """
+    from orchestrator.device import effective_allocator_conf
     from trainables.workload import resolve_workload
 
     cls = resolve_workload(config["workload"])
@@ -73,7 +79,7 @@ def memory_signature(config: dict[str, Any], policy: MemoryPolicy, target: str) 
         "params": {k: v for k, v in sorted(config.items()) if k in names},
         "estimator": policy.estimator, "precision": policy.precision, "lower_precision": policy.lower_precision,
         "checkpointing": policy.allow_activation_checkpointing, "fragmentation": policy.fragmentation,
-        "allocator_conf": policy.allocator_conf, "target": target,
+        "allocator_conf": effective_allocator_conf(policy.allocator_conf), "target": target,
     }, sort_keys=True, default=str)
 
 

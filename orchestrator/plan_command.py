@@ -2,9 +2,11 @@
 
 For every trial configuration of the sweep (random search: the sampled ones) it estimates the
 memory profile, prints the breakdown and the predicted peak of each phase at the planned batch
-sizes, marks the worst phase, and shows the plan (micro-batch x accumulation, eval batch,
-precision, checkpointing) or why the trial would be refused. ``static`` and ``trace`` need no
-GPU: ``--device-memory 24GiB`` plans for a card of that size from any machine.
+sizes (allocated, and reserved as it would be within the plan's limit: the budget times the
+safety margin), marks the worst phase, and shows the plan (micro-batch x accumulation, eval
+batch, precision, checkpointing) with its peak against that limit, or why the trial would be
+refused. ``static`` and ``trace`` need no GPU: ``--device-memory 24GiB`` plans for a card of
+that size from any machine.
 
 Trials with the same memory signature (``orchestrator.estimates``: they differ only in ``lr``,
 ``seed`` or what the workload declares memory-neutral) are estimated once, distinct ones in
@@ -109,10 +111,18 @@ def _size(n: int | None) -> str:
     return "-" if n is None else format_bytes(n)
 
 
+def _limit(plan) -> int | None:
+    """What the plan was allowed to fill: the budget times the safety margin."""
+    if plan.budget_bytes is None or plan.safety_margin is None:
+        return None
+    return int(plan.budget_bytes * plan.safety_margin)
+
+
 def _as_text(policy, target: str, budget: int | None, results: list[dict]) -> str:
     from orchestrator.table import format_table
 
-    headers = ["trial", "workload", "phase", "params", "grads", "optim", "act/sample", "fixed", "ctx", "frag", "peak@b", ""]
+    headers = ["trial", "workload", "phase", "params", "grads", "optim", "act/sample", "fixed", "ctx", "alloc@b",
+               "peak@b", ""]
     rows, plans, notes = [], [], []
     for r in results:
         searched = " ".join(f"{k}={v}" for k, v in r["config"].items() if k != "workload")
@@ -120,26 +130,38 @@ def _as_text(policy, target: str, budget: int | None, results: list[dict]) -> st
             plans.append(f"trial {r['trial']} ({r['config']['workload']} {searched}): could not be estimated: {r['error']}")
             continue
         plan, profile = r["plan"], r["profile"]
+        limit = None if plan.refusal else _limit(plan)
         for phase in profile.phases:
             b = plan.micro_batch if phase.kind == "train" else plan.eval_batch
-            peak = phase.reserved_at(b)
+            peak = phase.reserved_at(b, micro_batch=plan.micro_batch, limit=limit)
+            if phase.sequence is not None:
+                allocated = phase.replay(b, plan.micro_batch, limit).peak_allocated
+            else:
+                allocated = phase.allocated_at(b)
+                if phase.fragmentation:
+                    note = f"{phase.name}: reserved = allocated x {1 + phase.fragmentation:g} (memory.fragmentation)"
+                    notes.extend([note] if note not in notes else [])
             worst = "worst" if phase.name == plan.predicted_phase else ""
             rows.append([
                 r["trial"], r["config"]["workload"], phase.name, _size(phase.params), _size(phase.grads),
                 _size(phase.optimizer), _size(phase.activations_per_sample), _size(phase.buffers + phase.fixed_other),
-                _size(phase.context + phase.workspace), f"{phase.fragmentation:.0%}", f"{_size(peak)}@{b}", worst,
+                _size(phase.context + phase.workspace), _size(allocated), f"{_size(peak)}@{b}", worst,
             ])
+        fill = ""
+        if limit is not None and plan.predicted_peak_bytes is not None:
+            fill = (f"; peak {_size(plan.predicted_peak_bytes)} of {_size(limit)} "
+                    f"({_size(plan.budget_bytes)} x safety margin {plan.safety_margin:g})")
         plans.append(f"trial {r['trial']} ({r['config']['workload']} {searched}): {plan.describe()}"
                      + (f" [{profile.settings.describe()} profile]" if plan.refusal else "")
-                     + (f"; {plan.note}" if plan.note else ""))
+                     + fill + (f"; {plan.note}" if plan.note else ""))
         notes.extend(n for n in profile.notes if n not in notes)
     budget_text = "unbounded" if budget is None else _size(budget)
     margin = f" x safety margin {policy.safety_margin:g}" if budget is not None else ""
     refused = sum(1 for r in results if "plan" in r and r["plan"].refusal)
     errors = sum(1 for r in results if "error" in r)
     lines = [
-        f"target {target}, budget {budget_text}{margin}, estimator {policy.estimator}; "
-        "peak@b is reserved memory at the planned batch (micro-batch for train, eval batch for eval)",
+        f"target {target}, budget {budget_text}{margin}, estimator {policy.estimator}; alloc@b and peak@b are "
+        "allocated and reserved memory at the planned batch (micro-batch for train, eval batch for eval)",
         "",
         format_table(headers, rows),
         "",
@@ -164,6 +186,7 @@ def _as_json(spec, policy, target: str, budget: int | None, results: list[dict])
                 "trial": r["trial"],
                 "config": r["config"],
                 "plan": r["plan"].to_dict(),
+                "limit_bytes": _limit(r["plan"]),
                 "worst_phase": r["plan"].predicted_phase,
                 "profile": r["profile"].to_dict() if r["profile"] else None,
             }

@@ -3,11 +3,15 @@
 The planner is pure: the same profile, budget and policy always give the same plan, and nothing
 here touches a GPU, Ray or MLflow, so every rule is unit-tested on its own.
 
-* :func:`make_plan` picks the largest micro-batch whose worst phase fits the budget (times the
-  safety margin), keeping the effective batch by gradient accumulation, and the eval batch from
-  the eval phases. When not even micro-batch 1 fits, it tries activation checkpointing and then
-  the lower precision; when nothing fits it refuses, saying what the trial needs and what would
-  make it fit.
+* :func:`make_plan` picks the largest micro-batch at which every train phase fits the budget
+  (times the safety margin), keeping the effective batch by gradient accumulation, and the eval
+  batch from the eval phases, after training at that micro-batch. "Fits" is what the profile
+  says: where it models the CUDA caching allocator, that the replay of the phase's allocations
+  within the limit does not run out of memory, freeing the allocator's cache on the way as
+  PyTorch does (so a batch whose unpressured reserved memory is above the limit may still fit);
+  elsewhere, that its reserved bytes are within the limit. When not even micro-batch 1 fits, it
+  tries activation checkpointing and then the lower precision; when nothing fits it refuses,
+  saying what the trial needs and what would make it fit.
 * :func:`next_reduction` is what to try after an out-of-memory error: halve the micro-batch,
   then activation checkpointing, then the lower precision, then give up. The effective batch is
   never changed: a reduced trial makes the same updates, only in more, smaller pieces.
@@ -42,12 +46,13 @@ class Plan:
     precision: str
     estimator: str  # which estimator produced the prediction, or "none"
     budget_bytes: int | None
-    predicted_peak_bytes: int | None  # reserved bytes, worst phase, at this plan
+    predicted_peak_bytes: int | None  # reserved bytes, worst phase, at this plan (within the limit)
     predicted_phase: str | None
     predicted_phases: dict[str, int] = field(default_factory=dict)  # phase -> predicted reserved bytes
     reductions: int = 0  # OOM reductions applied so far
     note: str = ""
     refusal: str | None = None  # set when nothing fits: the trial must not start
+    safety_margin: float | None = None  # the share of the budget the plan was allowed to fill
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -114,11 +119,14 @@ def plan_with_profile(
         profile = profiles.get(settings)
         if profile is None:
             continue
-        micro = _largest(lambda m: _train_peak(profile, m), limit, effective_batch)
-        eval_batch = _largest(lambda b: _eval_peak(profile, b), limit, eval_cap)
-        if micro and eval_batch:
-            micro, note = _prefer_divisor(micro, effective_batch)
-            return _plan(profile, micro, effective_batch, eval_batch, budget_bytes, note), profile
+        micro = _largest(lambda m: _train_fits(profile, m, limit), effective_batch)
+        if not micro:
+            continue
+        micro, note = _prefer_divisor(micro, effective_batch)
+        eval_batch = _largest(lambda b: _eval_fits(profile, b, micro, limit), eval_cap)
+        if eval_batch:
+            plan = _plan(profile, micro, effective_batch, eval_batch, budget_bytes, note, limit)
+            return replace(plan, safety_margin=policy.safety_margin), profile
     return _refuse(workload, policy, effective_batch, budget_bytes, limit, profiles, start), profiles.get(start)
 
 
@@ -182,22 +190,22 @@ def _eval_samples(workload) -> int:
         return 2**31
 
 
-def _train_peak(profile: MemoryProfile, micro: int) -> int:
-    return max(p.reserved_at(micro) for p in profile.phases_of("train"))
+def _train_fits(profile: MemoryProfile, micro: int, limit: int) -> bool:
+    return all(p.fits(micro, limit) for p in profile.phases_of("train"))
 
 
-def _eval_peak(profile: MemoryProfile, batch: int) -> int:
-    return max((p.reserved_at(batch) for p in profile.phases_of("eval")), default=0)
+def _eval_fits(profile: MemoryProfile, batch: int, micro: int, limit: int) -> bool:
+    return all(p.fits(batch, limit, micro_batch=micro) for p in profile.phases_of("eval"))
 
 
-def _largest(peak: Callable[[int], int], limit: int, cap: int) -> int:
-    """The largest ``b`` in [1, cap] with ``peak(b) <= limit`` (peaks grow with ``b``), or 0."""
-    if cap < 1 or peak(1) > limit:
+def _largest(fits: Callable[[int], bool], cap: int) -> int:
+    """The largest ``b`` in [1, cap] that fits (memory grows with ``b``), or 0."""
+    if cap < 1 or not fits(1):
         return 0
     lo, hi = 1, cap
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if peak(mid) <= limit:
+        if fits(mid):
             lo = mid
         else:
             hi = mid - 1
@@ -219,9 +227,10 @@ def _prefer_divisor(micro: int, effective: int) -> tuple[int, str]:
     )
 
 
-def _plan(profile: MemoryProfile, micro: int, effective: int, eval_batch: int, budget: int | None, note: str) -> Plan:
-    phases = profile.phase_peaks(micro, eval_batch)
-    worst = max(phases, key=phases.__getitem__)
+def _plan(profile: MemoryProfile, micro: int, effective: int, eval_batch: int, budget: int | None, note: str,
+          limit: int | None = None) -> Plan:
+    phases = profile.phase_peaks(micro, eval_batch, limit)
+    worst = profile.worst(phases, micro, eval_batch)
     fallback = next((n for n in profile.notes if n.startswith("trace impossible")), None)
     return Plan(
         micro_batch=micro,
@@ -250,10 +259,10 @@ def _refuse(workload, policy, effective: int, budget: int, limit: int, profiles:
         phases = profile.phase_peaks(1, 1)
     margin = f" (x safety margin {policy.safety_margin:g} = {format_bytes(limit)})" if policy.safety_margin != 1 else ""
     message = f"{needs}, budget {format_bytes(budget)}{margin}; {_what_would_fit(workload, policy, limit, profiles, start)}"
-    worst = max(phases, key=phases.__getitem__) if phases else None
+    worst = profile.worst(phases, 1, 1) if phases else None
     return Plan(
         1, effective, effective, 1, False, policy.precision, profile.estimator if profile else policy.estimator,
-        budget, phases.get(worst), worst, phases, refusal=message,
+        budget, phases.get(worst), worst, phases, refusal=message, safety_margin=policy.safety_margin,
     )
 
 
@@ -282,7 +291,7 @@ def _what_would_fit(workload, policy, limit: int, profiles: ProfileCache, start:
     allowed = _candidates(start, policy, workload.supports_activation_checkpointing)
     for settings, label in options:
         profile = profiles.get(settings)
-        if profile is not None and _train_peak(profile, 1) <= limit and _eval_peak(profile, 1) <= limit:
+        if profile is not None and _train_fits(profile, 1, limit) and _eval_fits(profile, 1, 1, limit):
             hint = "" if settings in allowed else " (which the memory policy does not allow)"
             return f"would fit with {label}{hint}"
     return f"would not fit even with {options[-1][1]}"

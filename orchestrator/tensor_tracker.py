@@ -7,6 +7,11 @@ one device type (the batch waiting on ``meta`` before its host-to-device copy is
 memory), can round every storage up the way the CUDA caching allocator does (512 bytes), and
 keeps a peak per window; it can also record the allocated bytes after every op (``events``),
 which is what lets the trace estimator read the peak at *every* batch size off two runs.
+
+While recording (:meth:`StorageTracker.record`) it also logs the order of allocations and frees
+the CUDA caching allocator would be asked for: each new storage's requested bytes (the allocator
+rounds them itself, by rules that depend on its configuration) and each free as the complement
+``~k`` of the allocation's index ``k`` in the log; ``orchestrator.memory.allocator`` replays it.
 """
 
 from __future__ import annotations
@@ -41,7 +46,11 @@ class StorageTracker(TorchDispatchMode):
         self.largest = 0
         self.events: list[int] | None = None  # allocated bytes after every op, while recording
         self.most_live = 0  # the most storages alive at once since the last reset_peak
+        self.log: list[int] | None = None  # requested bytes / ~index of the freed allocation, while recording
         self._live: dict[int, int] = {}
+        self._logged: dict[int, int] = {}  # storage key -> its allocation's index in the log
+        self._logged_count = 0  # allocations in the log so far
+        self._requested: dict[int, int] = {}  # storage key -> bytes the allocator was asked for
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         for tensor in tensors:
@@ -55,6 +64,21 @@ class StorageTracker(TorchDispatchMode):
         self.total = 0
         self.largest = 0
 
+    def record(self, existing: Iterable[torch.Tensor] = ()) -> list[int]:
+        """Start a new allocation log, opening with the tracked storages of ``existing`` in their
+        order (the tensors a step finds already allocated, e.g. a model's states as
+        ``Module.to`` creates them), so their frees are logged too. Returns the log."""
+        self.log, self._logged, self._logged_count = [], {}, 0
+        for tensor in existing:
+            key = id(tensor.untyped_storage())
+            if key in self._live and key not in self._logged:
+                self._log_allocation(key)
+        return self.log
+
+    def stop_recording(self) -> list[int]:
+        log, self.log, self._logged = self.log or [], None, {}
+        return log
+
     def size_of(self, tensor: torch.Tensor) -> int:
         nbytes = tensor.untyped_storage().nbytes()
         return math.ceil(nbytes / self.round_to) * self.round_to
@@ -62,8 +86,16 @@ class StorageTracker(TorchDispatchMode):
     def admit(self, size: int) -> None:
         """Called before a new storage of ``size`` bytes is counted; a subclass may refuse it."""
 
+    def _log_allocation(self, key: int) -> None:
+        self._logged[key] = self._logged_count
+        self._logged_count += 1
+        self.log.append(self._requested[key])
+
     def _free(self, key: int) -> None:
         self.allocated -= self._live.pop(key, 0)
+        self._requested.pop(key, None)
+        if self.log is not None and key in self._logged:
+            self.log.append(~self._logged.pop(key))
 
     def _add(self, tensor: torch.Tensor) -> None:
         if tensor.device.type != self.device_type or tensor.is_sparse:
@@ -77,6 +109,9 @@ class StorageTracker(TorchDispatchMode):
             return
         self.admit(size)
         self._live[key] = size
+        self._requested[key] = storage.nbytes()
+        if self.log is not None:
+            self._log_allocation(key)
         self.allocated += size
         self.total += size
         self.largest = max(self.largest, size)

@@ -41,7 +41,7 @@ def test_a_valid_file_gives_a_typed_spec_with_defaults(tmp_path):
     assert spec.stop == Stop(epochs=2) and spec.num_samples == 1 and spec.metric == "eval_loss" and spec.mode == "min"
     assert spec.eval_every == Every("epochs", 1) and spec.checkpoint == CheckpointPolicy(every=None, keep=2)
     assert spec.data == DataLoading() and spec.schedule is None and spec.max_grad_norm is None
-    assert spec.memory.estimator == "trace" and spec.memory.safety_margin == 0.9
+    assert spec.memory.estimator == "trace" and spec.memory.safety_margin == 0.98
     assert spec.memory.allocator_conf == "expandable_segments:True"
 
 
@@ -90,6 +90,10 @@ BAD = [
     ("negative gpu", ["resources.gpu=-1"], "resources.gpu: expected a GPU count"),
     ("emulated without capacity", ["memory.device=emulated"], "memory.capacity: memory.device 'emulated' needs a capacity"),
     ("bad scheduler", ["scheduler=pbt"], "scheduler: expected one of fifo, asha"),
+    ("allocator setting typo", ["memory.allocator_conf=expandible_segments:True"],
+     "memory.allocator_conf: unknown key 'expandible_segments'"),
+    ("allocator setting value", ["memory.allocator_conf=expandable_segments:true,max_split_size_mb:64"],
+     "memory.allocator_conf: expandable_segments: expected True or False, got 'true'"),
     ("hyper-parameter of the wrong type", ["search_space.lr=fast"], "search_space.lr: workload mlp's lr expects a number, got 'fast'"),
     ("wrong type inside a choice", ["search_space.width={choice: [16, wide]}"],
      "search_space.width.choice: workload mlp's width expects an integer, got 'wide'"),

@@ -53,7 +53,8 @@ def test_table_shows_every_phase_of_every_trial_and_the_plan(sweep, capsys):
     }
     worst = {r[0]: r[2] for r in rows if r[-1] == "worst"}
     assert worst["0"] == "train@epoch2" and worst["2"] == "eval"  # the aux block; the 4x eval batch
-    assert "trial 0 (staged_mlp" in out and "32 x 1 (eval 128, fp32)" in out
+    assert "trial 0 (staged_mlp" in out and "32 x 1 (eval 128, fp32); peak 0." in out
+    assert "of 1.96G (2.00G x safety margin 0.98)" in out  # the plan's peak against its limit
     assert "target cuda, budget 2.00G" in out and "ctx" in out  # a card of that size, with its context
     assert "4 trials, 0 refused" in out
     # progress on stderr: one line per memory signature (trials differing only in lr share one)
@@ -69,13 +70,14 @@ def test_json_has_the_plan_and_the_profile_of_every_trial(sweep, capsys):
     trial = report["trials"][0]
     assert trial["config"]["workload"] == "staged_mlp" and trial["worst_phase"] == trial["plan"]["predicted_phase"]
     assert [p["name"] for p in trial["profile"]["phases"]] == ["train", "eval", "train@epoch2", "eval@epoch2"]
-    assert trial["plan"]["predicted_peak_bytes"] <= 0.9 * 8 * 2**20
+    assert trial["plan"]["predicted_peak_bytes"] <= 0.98 * 8 * 2**20
+    assert trial["plan"]["safety_margin"] == 0.98 and trial["limit_bytes"] == int(0.98 * 8 * 2**20)
 
 
 def test_a_refused_trial_is_shown_not_an_error(sweep, capsys):
     assert plan_command(args(sweep(), device_memory="256KiB")) == 0
     out = capsys.readouterr().out
-    assert "refused: needs" in out and "budget 256.0KiB" in out and "refused" in out.splitlines()[-2]
+    assert "refused: needs" in out and "budget 256.0KiB" in out and "4 trials, 4 refused" in out
 
 
 def test_user_mistakes_exit_2_with_one_line(sweep, capsys):

@@ -10,6 +10,8 @@ from orchestrator.config import MemoryPolicy, Stop
 from orchestrator.device import EmulatedDevice
 from orchestrator.estimates import ProfileCache
 from orchestrator.memory import MemoryProfile, PhaseProfile, Settings
+from orchestrator.memory.allocator import parse_alloc_conf
+from orchestrator.memory.sequence import TrialSequence, fit_log
 from orchestrator.planner import Plan, make_plan, next_reduction
 from trainables.cnn import CNNWorkload
 from trainables.loop import LoopPlan, LoopSettings, Trainer
@@ -133,6 +135,71 @@ def test_refusal_says_what_it_needs_and_what_would_fit(profiles):
     profiles[CKPT] = profiles[BF16_CKPT] = profiles[FP32]
     plan = make_plan(CNNWorkload(), policy(), 64, 2**30, target="emulated", profiles=profiles)
     assert plan.refusal.endswith("would not fit even with activation checkpointing and bf16")
+
+
+# -- phases whose reserved memory comes from the caching-allocator model ---------------------------
+
+MiB = 2**20
+
+
+def log(*events):
+    """An allocation log at every batch size: ``(bytes at b=0, bytes per sample)`` allocations, ``~k`` frees."""
+    at = lambda b: [e if isinstance(e, int) else e[0] + e[1] * b for e in events]  # noqa: E731
+    return fit_log(at(1), at(2), 1, 2)
+
+
+def modelled(train_log, eval_log, conf=""):
+    """A train and an eval phase of a CUDA profile (no context or workspace, to keep the sums short)."""
+    allocator = parse_alloc_conf(conf)
+    return (
+        PhaseProfile("train", "train", 0, 0, 0, 0, 0, 0, sequence=TrialSequence(train_log), allocator=allocator),
+        PhaseProfile("eval", "eval", 0, 0, 0, 0, 0, 0, sequence=TrialSequence(train_log, eval_log), allocator=allocator),
+    )
+
+
+def test_the_plan_counts_on_the_allocator_freeing_its_cache_under_pressure(profiles):
+    # Parameters (20 MiB), activations (20 MiB per sample) freed, then a temporary 2 MiB larger
+    # than them: it cannot reuse their cached segment, so without pressure the default allocator
+    # holds both: 20 + 20b + (20b + 2) MiB. Within a capacity it frees the cached activations'
+    # segment and retries: it fits while 20 + 20b + 2 <= capacity.
+    train = log((20 * MiB, 0), (0, 20 * MiB), ~1, (2 * MiB, 20 * MiB), ~2)
+    evaluate = log((0, 1024), ~3)
+    profiles[FP32] = MemoryProfile("trace", FP32, "cuda", modelled(train, evaluate))
+    plan = make_plan(MLPWorkload(), policy(), 8, 102 * MiB, target="cuda", profiles=profiles)
+    assert plan.micro_batch == 4  # 20 + 80 + 2 = 102; a flat budget of unpressured reserved memory: 2
+    train_phase = profiles[FP32].phases[0]
+    assert train_phase.reserved_at(4) == (20 + 80 + 82) * MiB  # unpressured
+    # within the limit: 100 MiB before the temporary; the flush leaves 20, plus its 82
+    assert plan.predicted_peak_bytes == 102 * MiB and plan.predicted_phases["train"] == 102 * MiB
+    assert not train_phase.fits(5, 102 * MiB) and train_phase.fits(4, 102 * MiB)
+
+
+def test_the_allocator_configuration_changes_the_plan(profiles):
+    # Activations (20 MiB per sample) freed, 30 MiB of optimizer state carved out of their cache,
+    # activations again. Default allocator: the first segment keeps the state, the second
+    # activations need a new one, and nothing can be freed: fits while 40b <= capacity.
+    # Expandable segments: the free pages after the state are unmapped under pressure and the
+    # segment grows at its end from the state's last page: fits while 20b + 40 <= capacity.
+    train = log((0, 20 * MiB), ~0, (30 * MiB, 0), (0, 20 * MiB), ~2)
+    evaluate = log((0, 1024), ~3)
+    default = MemoryProfile("trace", FP32, "cuda", modelled(train, evaluate))
+    expandable = MemoryProfile("trace", FP32, "cuda", modelled(train, evaluate, "expandable_segments:True"))
+    profiles[FP32] = default
+    assert make_plan(MLPWorkload(), policy(), 40, 200 * MiB, target="cuda", profiles=profiles).micro_batch == 5
+    profiles[FP32] = expandable
+    assert make_plan(MLPWorkload(), policy(), 40, 200 * MiB, target="cuda", profiles=profiles).micro_batch == 8
+    assert expandable.phases[0].reserved_at(8) == (160 + 40) * MiB  # 8 pages of activations, 2 more for the state
+
+
+def test_the_eval_batch_is_planned_in_the_cache_training_leaves(profiles):
+    # Training at micro-batch 4 leaves its 80 MiB activation segment cached; eval's 30 MiB per
+    # sample fits beside it until the allocator must free it, and after that up to the capacity.
+    train = log((20 * MiB, 0), (0, 20 * MiB), ~1)
+    evaluate = log((0, 30 * MiB), ~2)
+    profiles[FP32] = MemoryProfile("trace", FP32, "cuda", modelled(train, evaluate))
+    plan = make_plan(MLPWorkload(eval_samples=100), policy(), 4, 200 * MiB, target="cuda", profiles=profiles)
+    assert (plan.micro_batch, plan.eval_batch) == (4, 6)  # 20 + 30e <= 200 once the 80 MiB are freed
+    assert plan.predicted_phases["eval"] == (20 + 180) * MiB
 
 
 def test_no_estimator_and_unbounded_budget(profiles):

@@ -181,7 +181,7 @@ def test_spec_and_plan_become_flat_params():
     assert params["search_space.lr"] == "grid [0.01, 0.1]"
     assert params["params.depth"] == "2"
     assert params["memory.capacity"] == str(8 * GiB)
-    assert params["memory.safety_margin"] == "0.9"
+    assert params["memory.safety_margin"] == "0.98"
 
     plan = plan_params(_plan(32, 1))
     assert plan["plan.micro_batch"] == "32" and plan["plan.reductions"] == "1"

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from orchestrator.device import DEFAULT_ALLOC_CONF
+from orchestrator.memory.allocator import parse_alloc_conf
 from orchestrator.memory.fake import Untraceable
 from orchestrator.memory.measured import MeasurementFailed, measured_profile
 from orchestrator.memory.profile import ESTIMATORS, TARGETS, MemoryProfile, PhaseProfile, Settings
@@ -37,12 +39,15 @@ def estimate(
     *,
     target: str,
     fragmentation: float = 0.10,
+    allocator_conf: str | None = DEFAULT_ALLOC_CONF,
     device=None,
 ) -> MemoryProfile:
     """Profile ``workload``'s memory with ``estimator`` for a device of kind ``target``.
 
     ``target`` is what the trial will run on: ``cuda`` (a profile that budgets reserved memory:
-    fragmentation, workspaces, the CUDA context), ``cpu`` or ``emulated`` (tensor bytes only).
+    the caching allocator's, workspaces, the CUDA context), ``cpu`` or ``emulated`` (tensor bytes
+    only). ``allocator_conf`` is the trial's ``PYTORCH_CUDA_ALLOC_CONF``: ``trace`` replays its
+    allocations through a model of that allocator; ``static`` adds ``fragmentation`` instead.
     ``device`` is the worker's ``orchestrator.device.Device`` where there is one: ``measured``
     probes on it, and ``trace`` falls back to it. A workload ``trace`` cannot run falls back to
     ``measured`` (with a device) or ``static``, with a note saying why; it never raises for that.
@@ -58,12 +63,14 @@ def estimate(
             return measured_profile(workload, settings, target=target, fragmentation=fragmentation, device=device)
         except MeasurementFailed as exc:
             raise EstimationError(str(exc)) from exc
+    allocator = parse_alloc_conf(allocator_conf)
     try:
-        return trace_profile(workload, settings, target=target, fragmentation=fragmentation)
+        return trace_profile(workload, settings, target=target, fragmentation=fragmentation, allocator=allocator)
     except Untraceable as exc:
         reason = str(exc)
     except Exception as exc:  # a model fake tensors trip over in some other way: still plan, say why
         reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     fallback = "measured" if device is not None else "static"
-    profile = estimate(workload, fallback, settings, target=target, fragmentation=fragmentation, device=device)
+    profile = estimate(workload, fallback, settings, target=target, fragmentation=fragmentation, device=device,
+                       allocator_conf=allocator_conf)
     return replace(profile, notes=(f"trace impossible ({reason}); fell back to {fallback}", *profile.notes))

@@ -7,16 +7,23 @@ profile is a tuple of :class:`PhaseProfile` and the planner asks for the worst o
 Each phase is a model of *allocated* (tensor) bytes as a function of the batch size, carrying
 the breakdown a person needs to see what dominates: ``states + fixed_other + per_sample * b``,
 or, where the estimator observed that memory is not linear in ``b``, a piecewise-linear curve
-through the observed points. What a plan must budget is *reserved* memory: allocated plus the
-allocator's fragmentation, the library workspaces the tensors never show, and the CUDA
-context. Those three are zero for the ``cpu`` and ``emulated`` targets, which count tensor
-bytes only (see ``orchestrator.device``).
+through the observed points. What a plan must budget is *reserved* memory: what the CUDA
+caching allocator holds, the library workspaces the tensors never show, and the CUDA context.
+Those are zero for the ``cpu`` and ``emulated`` targets, which count tensor bytes only (see
+``orchestrator.device``). Where the estimator logged the order of allocations (``trace`` on a
+CUDA target: ``memory.sequence``), the allocator's reserved bytes come from replaying that log
+through a model of the allocator (``memory.allocator``), which also says whether a batch size
+fits a budget when the allocator has to free its cache on the way; elsewhere they are allocated
+x (1 + ``fragmentation``), the flat factor ``static`` assumes and ``measured`` measures.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+
+from orchestrator.memory.allocator import AllocatorConfig, Replay
+from orchestrator.memory.sequence import TrialSequence
 
 TARGETS = ("cuda", "cpu", "emulated")
 ESTIMATORS = ("static", "trace", "measured")
@@ -63,6 +70,11 @@ class PhaseProfile:
     A train phase is a step of two micro-batches of ``b`` (gradient accumulation: the second
     runs with the first's gradients alive), each taken by the step when it needs it and
     dropped before the next: ``b`` samples of input at a time, on every target.
+
+    ``sequence`` and ``allocator`` (both or neither): the phase's allocation log at any batch
+    size and the caching allocator's configuration; with them reserved memory is replayed,
+    and ``fragmentation`` is not used. An eval phase's log follows training at the micro-batch,
+    so its methods take the micro-batch too (default: the eval batch).
     """
 
     name: str
@@ -78,10 +90,14 @@ class PhaseProfile:
     fragmentation: float = 0.0
     step_floor: int = 0
     points: tuple[tuple[int, int], ...] = ()
+    sequence: TrialSequence | None = None
+    allocator: AllocatorConfig | None = None
 
     def __post_init__(self):
         if self.kind not in ("train", "eval"):
             raise ValueError(f"phase kind: expected train or eval, got {self.kind!r}")
+        if (self.sequence is None) != (self.allocator is None):
+            raise ValueError("a phase's allocation sequence and allocator configuration come together")
 
     @classmethod
     def from_line(cls, phase, *, params: int, grads: int, optimizer: int, buffers: int,
@@ -114,15 +130,43 @@ class PhaseProfile:
             curve = self.fixed + self.activations_per_sample * batch
         return max(curve, self.step_floor, 0)
 
-    def reserved_at(self, batch: int) -> int:
-        """What a plan budgets: allocated plus fragmentation, workspaces and the CUDA context."""
+    @property
+    def overhead(self) -> int:
+        """Bytes outside the caching allocator: library workspaces and the CUDA context."""
+        return self.workspace + self.context
+
+    def replay(self, batch: int, micro_batch: int | None = None, limit: int | None = None) -> Replay:
+        """The allocator model's replay of this phase at ``batch``; ``limit``: what the trial may
+        use in total (the allocator gets what the workspaces and context leave of it)."""
+        capacity = None if limit is None else max(limit - self.overhead, 0)
+        if self.kind == "train":
+            return self.sequence.replay(self.allocator, batch, capacity=capacity)
+        return self.sequence.replay(self.allocator, micro_batch or batch, batch, capacity)
+
+    def reserved_at(self, batch: int, *, micro_batch: int | None = None, limit: int | None = None) -> int:
+        """What a plan budgets: reserved memory, workspaces and the CUDA context.
+
+        Under ``limit`` the allocator frees its cache rather than pass it, so a modelled phase's
+        reserved memory is what it holds at its peak when it must fit there.
+        """
+        if self.sequence is not None:
+            return self.replay(batch, micro_batch, limit).peak_reserved + self.overhead
         allocated = self.allocated_at(batch)
         fragmentation = math.ceil(round(allocated * self.fragmentation, 3))  # no float noise in whole bytes
-        return allocated + fragmentation + self.workspace + self.context
+        return allocated + fragmentation + self.overhead
+
+    def fits(self, batch: int, limit: int, *, micro_batch: int | None = None) -> bool:
+        """Whether the phase runs at ``batch`` in ``limit`` bytes without running out of memory."""
+        if self.sequence is not None:
+            return limit > self.overhead and self.replay(batch, micro_batch, limit).fits
+        return self.reserved_at(batch) <= limit
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        """A JSON summary (the allocation log is described, not included)."""
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__ if f not in ("sequence", "allocator")}
         d["points"] = [list(p) for p in self.points]
+        d["allocator"] = self.allocator.describe() if self.allocator is not None else None
+        d["sequence"] = self.sequence.describe() if self.sequence is not None else None
         return d
 
 
@@ -145,15 +189,24 @@ class MemoryProfile:
     def batch_for(self, phase: PhaseProfile, micro_batch: int, eval_batch: int) -> int:
         return micro_batch if phase.kind == "train" else eval_batch
 
-    def phase_peaks(self, micro_batch: int, eval_batch: int) -> dict[str, int]:
-        """Predicted reserved bytes of every phase at these batch sizes."""
-        return {p.name: p.reserved_at(self.batch_for(p, micro_batch, eval_batch)) for p in self.phases}
+    def phase_peaks(self, micro_batch: int, eval_batch: int, limit: int | None = None) -> dict[str, int]:
+        """Predicted reserved bytes of every phase at these batch sizes (within ``limit``, if given)."""
+        return {
+            p.name: p.reserved_at(self.batch_for(p, micro_batch, eval_batch), micro_batch=micro_batch, limit=limit)
+            for p in self.phases
+        }
 
-    def peak(self, micro_batch: int, eval_batch: int) -> tuple[int, str]:
+    def peak(self, micro_batch: int, eval_batch: int, limit: int | None = None) -> tuple[int, str]:
         """The worst phase's reserved bytes at these batch sizes, and that phase's name."""
-        peaks = self.phase_peaks(micro_batch, eval_batch)
-        name = max(peaks, key=peaks.__getitem__)
+        peaks = self.phase_peaks(micro_batch, eval_batch, limit)
+        name = self.worst(peaks, micro_batch, eval_batch)
         return peaks[name], name
+
+    def worst(self, peaks: dict[str, int], micro_batch: int, eval_batch: int) -> str:
+        """The phase of ``peaks`` that needs the most; of equal reserved bytes (the allocator
+        reserves whole segments), the one with more tensor bytes."""
+        allocated = {p.name: p.allocated_at(self.batch_for(p, micro_batch, eval_batch)) for p in self.phases}
+        return max(peaks, key=lambda name: (peaks[name], allocated[name]))
 
     def phases_of(self, kind: str) -> tuple[PhaseProfile, ...]:
         return tuple(p for p in self.phases if p.kind == kind)

@@ -13,14 +13,26 @@ batch size (``memory.fit``); the third checks that prediction. When it disagrees
 whose size is not affine in ``b``, such as a b x b similarity matrix, or ops that change with
 ``b``), the profile follows the three probes instead and says so. Fake tensors cost the same at
 any batch size, so the probes can be far apart.
+
+For a CUDA target the trace also logs what the caching allocator is asked for, in order
+(``memory.sequence``): at the first two probes the train phase starts as a fresh process does,
+with the model's states and a first step that creates the optimizer's state, and the log at
+every batch size comes from those two; the third probe's log checks it. Each phase's profile
+then replays its log through the allocator model (``memory.allocator``) for reserved memory;
+where the log is not affine in ``b`` it falls back to the flat ``fragmentation`` and says so.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+
+from orchestrator.memory.allocator import AllocatorConfig
 from orchestrator.memory.fake import FakeSetup, describe, fake_setup, running
 from orchestrator.memory.fit import envelope_points, event_lines, line_through
 from orchestrator.memory.phases import Phase, enter_phase, phases_of
 from orchestrator.memory.profile import MemoryProfile, PhaseProfile, Settings, overheads
+from orchestrator.memory.sequence import TrialSequence, fit_log, states_in_creation_order, without_prefix
 from trainables.step import eval_step, train_step
 from trainables.workload import Workload
 
@@ -37,28 +49,43 @@ def trace_profile(
     *,
     target: str,
     fragmentation: float,
+    allocator: AllocatorConfig | None = None,
     probes: tuple[int, int, int] = PROBE_BATCHES,
     trace_on: str | None = None,
 ) -> MemoryProfile:
     """Trace every phase of ``workload`` and fit one profile per phase.
 
-    ``trace_on`` forces the fake device (see ``memory.fake.fake_setup``). Raises
-    ``memory.fake.Untraceable`` when the workload cannot run on fake tensors.
+    ``allocator`` is the CUDA caching allocator's configuration for a CUDA target (default:
+    PyTorch's defaults); ``trace_on`` forces the fake device (see ``memory.fake.fake_setup``).
+    Raises ``memory.fake.Untraceable`` when the workload cannot run on fake tensors.
     """
     setup = fake_setup(workload, target, trace_on)
     phases = phases_of(workload)
+    logged = target == "cuda"
     with running(setup) as emulation_notes:
-        runs = _trace(setup, workload, settings, phases, probes)
+        runs, logs = _trace(setup, workload, settings, phases, probes, logged)
     notes = [f"traced on {describe(setup)} at batch sizes {', '.join(map(str, probes))}", *emulation_notes]
     if settings.precision == "fp16" and setup.device.type == "cpu":
         notes.append("fp16 loss scaling not traced (GradScaler needs CUDA); it adds a few scalars")
     extra = overheads(target, fragmentation)
+    sequences = _sequences(phases, logs, probes) if logged else {}
+    allocator = allocator or AllocatorConfig()
+    if logged and not allocator.modelled:
+        notes.append(f"backend:{allocator.backend} is not modelled: reserved = allocated x (1 + {fragmentation:g})")
     profiles = []
     for phase in phases:
-        profile, note = _fit(phase, runs[phase.name], probes, extra)
+        modelled = {}
+        if logged and allocator.modelled and sequences[phase.name] is not None:
+            modelled = {"sequence": sequences[phase.name], "allocator": allocator, "fragmentation": 0.0}
+        elif logged and allocator.modelled:
+            notes.append(f"{phase.name}: the allocations change with the batch size beyond their sizes; "
+                         f"reserved = allocated x (1 + {fragmentation:g}) instead of the allocator model")
+        profile, note = _fit(phase, runs[phase.name], probes, {**extra, **modelled})
         profiles.append(profile)
         if note:
             notes.append(note)
+    if logged and allocator.modelled and any(p.sequence is not None for p in profiles):
+        notes.append(f"reserved memory from a model of the CUDA caching allocator ({allocator.describe()})")
     return MemoryProfile("trace", settings, target, tuple(profiles), tuple(notes))
 
 
@@ -74,7 +101,14 @@ class _Run:
         return max(self.events, default=0)
 
 
-def _trace(setup: FakeSetup, workload, settings, phases, probes) -> dict[str, dict[int, _Run]]:
+def _trace(setup: FakeSetup, workload, settings, phases, probes, logged: bool):
+    """Every phase at every probe: its runs, and (``logged``) its allocation logs per probe.
+
+    A train phase's log at the first two probes opens with the model's states and a first step
+    from an empty optimizer state; at the third it starts at the second step (enough to check
+    the other two). An eval phase's log is its eval step alone, with the frees of allocations
+    made before it left out (the train log it follows keeps them).
+    """
     model, optimizer, device = setup.model, setup.optimizer, setup.device
     tracker = setup.tracker()
     grads = {"bytes": 0}
@@ -89,12 +123,23 @@ def _trace(setup: FakeSetup, workload, settings, phases, probes) -> dict[str, di
         train_step(workload, model, optimizer, batches, [size] * micro_batches, device, settings.precision)
 
     runs: dict[str, dict[int, _Run]] = {p.name: {} for p in phases}
-    with tracker:
+    logs: dict[str, dict[int, tuple[list[int], int, int]]] = {p.name: {} for p in phases}
+    with tracker, gc_paused(logged):
         for phase in phases:
             enter_phase(workload, model, phase, settings)
-            if phase.kind == "train":
-                train(probes[0], 1)
+            if phase.kind == "train" and not logged:
+                train(probes[0], 1)  # warm-up: the optimizer's state exists from step 2 on
             for b in probes:
+                if logged and phase.kind == "train" and b in probes[:2]:
+                    optimizer.state.clear()  # as in a fresh process: the first step creates it
+                    gc.collect()
+                    log = tracker.record(states_in_creation_order(model))
+                    train(b, MICRO_BATCHES_PER_STEP)
+                elif logged:
+                    gc.collect()
+                    log = tracker.record()
+                if logged:
+                    second = (len(log), sum(1 for e in log if e > 0))  # where the measured step starts
                 tracker.events = []
                 tracker.reset_peak()
                 grads["bytes"] = 0
@@ -107,7 +152,52 @@ def _trace(setup: FakeSetup, workload, settings, phases, probes) -> dict[str, di
                     setup.optimizer_bytes(tracker), setup.buffers_bytes(tracker),
                 )
                 tracker.events = None
-    return runs
+                if logged:
+                    logs[phase.name][b] = (tracker.stop_recording(), *second)
+    return runs, logs
+
+
+@contextlib.contextmanager
+def gc_paused(paused: bool = True):
+    """No automatic garbage collection while allocation logs are taken: a collection frees what
+    reference cycles hold whenever Python's allocation counters say so, which would move frees
+    between probes; the logs collect explicitly before each probe instead."""
+    enabled = gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _sequences(phases: list[Phase], logs: dict, probes) -> dict[str, TrialSequence | None]:
+    """Each phase's allocation sequence at every batch size, or None where the logs are not affine.
+
+    An eval phase's follows its stage's train phase: the train log, then the eval step's log with
+    its allocations numbered after the train log's.
+    """
+    b1, b2, b3 = probes
+    out: dict[str, TrialSequence | None] = {}
+    train: TrialSequence | None = None
+    for phase in phases:
+        (log_1, start, before), (log_2, start_2, before_2), (log_3, _, _) = (logs[phase.name][b] for b in probes)
+        if phase.kind == "train":
+            fitted = fit_log(log_1, log_2, b1, b2)
+            ok = fitted is not None and (start, before) == (start_2, before_2)
+            train = TrialSequence(fitted) if ok and without_prefix(fitted.events(b3), start, before) == log_3 else None
+            out[phase.name] = train
+            continue
+        if train is None:
+            out[phase.name] = None
+            continue
+        offset = train.train.allocations
+        shifted = [[e if e > 0 else ~(~e + offset) for e in log] for log in (log_1, log_2, log_3)]
+        fitted = fit_log(shifted[0], shifted[1], b1, b2)
+        ok = fitted is not None and fitted.events(b3) == shifted[2]
+        out[phase.name] = TrialSequence(train.train, fitted) if ok else None
+    return out
 
 
 def _fit(phase: Phase, runs: dict[int, _Run], probes, extra: dict) -> tuple[PhaseProfile, str | None]:
