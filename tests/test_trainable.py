@@ -8,21 +8,12 @@ import os
 import tempfile
 
 import pytest
-import ray
 import torch
 
 from orchestrator.config import parse_spec
 from orchestrator.runner import run_sweep
 
-pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray(tmp_path_factory):
-    ray.init(address="local", num_cpus=2, include_dashboard=False,
-             _temp_dir=str(tmp_path_factory.mktemp("ray")))
-    yield
-    ray.shutdown()
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("local_ray")]
 
 
 def sweep(tmp_path, workload, memory, search_space=None, epochs=3, **extra):
