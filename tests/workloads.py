@@ -98,3 +98,14 @@ class DiesOnceWorkload(MLPWorkload):
                 open(marker, "w").close()
                 os._exit(1)
         return super().loss(model, batch)
+
+
+@dataclasses.dataclass
+class GroupedMLPWorkload(MLPWorkload):
+    """An MLP whose layers split into groups of 8 units: a width that is no multiple of 8 is a
+    mistake its constructor reports, as a user's model does."""
+
+    def build_model(self):
+        if self.width % 8:
+            raise ValueError(f"width must be a multiple of 8, got {self.width}")
+        return super().build_model()
