@@ -3,11 +3,12 @@
 
 The config layer already checked every key and value (``config.py``); these look at what the
 config points to. The storage folder must take files. Each workload must have data for one
-optimizer step and an eval set, and must build its model: on fake tensors, as the ``trace``
-and ``static`` estimators do anyway, so the check uses no memory and costs milliseconds for
-the models this project plans (a few seconds for the largest). Memory-neutral
-hyper-parameters (``lr``, ``seed``) are left out, so a sweep over learning rates builds each
-model once.
+optimizer step and an eval set (a 0-row dataset otherwise fails deep inside an estimator or a
+trial). Memory-neutral hyper-parameters (``lr``, ``seed``) are left out, so a sweep over
+learning rates reads each workload's data once. Building the model is not repeated here: the
+driver's estimates (``estimates.py``, made before Ray starts too) build every model the trace and
+static estimators plan, and a model that fails there stops the sweep in one line naming the
+user's file and line.
 """
 
 from __future__ import annotations
@@ -53,12 +54,7 @@ def check_workloads(spec: SweepSpec) -> None:
 
 
 def check_workload(workload, spec: SweepSpec, label: str) -> None:
-    """The workload's training set holds one optimizer step, its eval set a sample, and (when the
-    estimator builds it on fake tensors anyway) its model and optimizer build.
-
-    Whoever builds the workload on the driver for another reason (the estimates made before the
-    Tuner starts) calls this on it, so the user's code runs once there.
-    """
+    """The workload's training set holds one optimizer step and its eval set a sample."""
     train = _call(workload.train_data, label, "train_data()")
     samples = _call(lambda: len(train), label, "len(train_data())")
     if samples < spec.effective_batch_size:
@@ -69,23 +65,6 @@ def check_workload(workload, spec: SweepSpec, label: str) -> None:
     evaluation = _call(workload.eval_data, label, "eval_data()")
     if _call(lambda: len(evaluation), label, "len(eval_data())") == 0:
         raise UserError(f"{label}: eval_data has no samples")
-    if spec.memory.estimator in ("trace", "static"):
-        _build_on_fake_tensors(workload, label)
-
-
-def _build_on_fake_tensors(workload, label: str) -> None:
-    """Build the model and its optimizer and collate one sample, as the estimators do. An op that
-    fake tensors cannot run is the estimator's to work around (it falls back), not a mistake."""
-    from orchestrator.memory.fake import Untraceable, fake_setup
-
-    try:
-        fake_setup(workload, "cpu")
-    except Untraceable:
-        return
-    except Exception as exc:  # noqa: BLE001 - the user's code: one line naming where it failed
-        from trainables.workload import failure_line
-
-        raise UserError(f"{label}: building the model failed ({failure_line(exc)})") from None
 
 
 def _call(function, label: str, what: str) -> Any:

@@ -26,10 +26,11 @@ TWO_TRIALS = [
 
 def test_the_demo_sweep_runs_and_every_trial_is_in_mlflow(tmp_path):
     home = tmp_path / "home"  # no Ray token yet: the run's Ray makes one
+    out, err = open(tmp_path / "stdout", "w+"), open(tmp_path / "stderr", "w+")  # files: a full pipe would stall it
     proc = subprocess.Popen(
         [sys.executable, "-m", "orchestrator", "run", str(ROOT / "configs" / "demo_cpu.yaml"), *TWO_TRIALS,
          "--num-cpus", "2"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path, stdout=out, stderr=err, text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(home)},
     )
     listening: dict[str, int] = {}
@@ -37,12 +38,14 @@ def test_the_demo_sweep_runs_and_every_trial_is_in_mlflow(tmp_path):
     while proc.poll() is None and time.monotonic() < deadline:
         listening.update(listening_addresses([proc.pid, *descendants(proc.pid)]))
         time.sleep(0.5)
-    stdout, stderr = proc.communicate(timeout=60)
+    proc.wait(timeout=60)
+    stdout, stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
     assert len(listening) >= 4  # GCS, raylet, agents, workers: seen while they ran
     assert not [a for a in listening if not a.startswith("127.0.0.1:")], listening
     token = home / ".ray" / "auth_token"
     assert stat.S_IMODE(token.stat().st_mode) == 0o600 and stat.S_IMODE(token.parent.stat().st_mode) == 0o700
+    assert "Estimated the memory of 2 distinct trial configuration(s) for a cpu device" in stdout
     table = stdout[stdout.index("trial  "):]
     assert "micro x accum" in table and "peak memory" in table
     assert table.count("TERMINATED") == 2 and "2/2 trials finished" in table
@@ -57,6 +60,7 @@ def test_the_demo_sweep_runs_and_every_trial_is_in_mlflow(tmp_path):
     for run in trials:
         assert run.info.status == "FINISHED"
         assert run.data.params["config.lr"] == "0.03"
+        assert run.data.params["estimated_by"] == "driver"  # one estimate per workload, made before the trials
         assert run.data.params["config.workload"] in ("mlp", "cnn")
         # one report per epoch, at MLflow step = optimizer steps so far (2048 or 1024 samples / 64)
         per_epoch = {"mlp": 32, "cnn": 16}[run.data.params["config.workload"]]

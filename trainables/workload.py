@@ -47,6 +47,9 @@ class Workload:
     #: What :meth:`summarize_metrics` reports, each as ``eval_<name>``. Declared, so that a
     #: sweep's ``metric: eval_accuracy`` is checked before anything starts.
     metrics: ClassVar[tuple[str, ...]] = ("loss",)
+    #: Hyper-parameters that cannot change memory: trials differing only in these share one
+    #: estimate. Extend it for such fields of your own (``Workload.memory_neutral + ("dropout",)``).
+    memory_neutral: ClassVar[tuple[str, ...]] = ("lr", "seed")
 
     # -- what a subclass must provide ---------------------------------------------------------
     def build_model(self) -> nn.Module:
@@ -229,23 +232,33 @@ def _import_failure(exc: Exception) -> str:
 def failure_line(exc: BaseException, skip: int = 0) -> str:
     """Why a user's code failed, on one line: ``FILE:LINE: Type: what``.
 
-    The line is the innermost one of the user's own code (installed packages' lines are passed
-    over), so an error raised inside torch points at the user's call into it. ``skip`` leaves
-    out the caller's own outermost frames.
+    The line is the innermost one of the user's own code (see :func:`failure_location`). ``skip``
+    leaves out the caller's own outermost frames.
     """
     if isinstance(exc, SyntaxError):  # raised by the compiler, outside any frame of the module
-        what, file, line = f"{type(exc).__name__}: {exc.msg}", exc.filename, exc.lineno
+        what = f"{type(exc).__name__}: {exc.msg}"
     else:
         what = str(exc) if isinstance(exc, ImportError) else f"{type(exc).__name__}: {exc}"
+    what = " ".join(what.split())
+    where = failure_location(exc, skip)
+    return f"{where}: {what}" if where else what
+
+
+def failure_location(exc: BaseException, skip: int = 0) -> str | None:
+    """``FILE:LINE`` of the innermost line of the user's own code that ``exc`` passed through
+    (installed packages' lines are passed over, so an error raised inside torch points at the
+    user's call into it), relative to the working directory when it is below it."""
+    if isinstance(exc, SyntaxError):
+        file, line = exc.filename, exc.lineno
+    else:
         ran = [f for f in traceback.extract_tb(exc.__traceback__)[skip:]
                if not f.filename.startswith("<") and not _under(f.filename, _STDLIB)]
         own = [f for f in ran if not _under(f.filename, _SITE_PACKAGES)] or ran
         file, line = (own[-1].filename, own[-1].lineno) if own else (None, None)
-    what = " ".join(what.split())
     if file is None:
-        return what
+        return None
     shown = os.path.relpath(file)
-    return f"{file if shown.startswith('..') else shown}:{line}: {what}"
+    return f"{file if shown.startswith('..') else shown}:{line}"
 
 
 _STDLIB = {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib")}
