@@ -42,7 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--name", help="the sweep's folder under the storage path (default: EXPERIMENT_<timestamp>); "
         "with --resume, the sweep to resume",
     )
-    run.add_argument("--resume", action="store_true", help="resume an interrupted sweep from its storage path")
+    run.add_argument(
+        "--resume", action="store_true",
+        help="resume an interrupted sweep from its storage path (and send the MLflow records it could not)",
+    )
+    run.add_argument(
+        "--offline-tracking", action="store_true",
+        help="start even if MLflow cannot be reached: its records wait in the sweep's folder, "
+             "and `run --resume` sends them (the run exits 1 while any are unsent)",
+    )
     run.add_argument("--num-cpus", type=int, help="CPUs of the embedded local Ray (default: all)")
     run.add_argument("--num-gpus", type=float, help="GPUs of the embedded local Ray (default: detected)")
     run.add_argument("--dashboard", action="store_true", help="start the Ray dashboard with the embedded local Ray")
@@ -89,8 +97,24 @@ def import_from_working_directory() -> None:
         sys.path.insert(0, cwd)
 
 
+#: Ray reads it when ``ray`` is imported: off, a machine is not part of a cluster and Ray's node
+#: address is the loopback one, so its GCS, raylet, agents, metrics export and workers listen
+#: on 127.0.0.1 only (on Linux it is on by default and they listen on every interface).
+RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def keep_local_ray_on_loopback(args: argparse.Namespace) -> None:
+    """An embedded local Ray (``run`` without ``--address``/``--ray-address``, outside a Ray Job)
+    serves nothing beyond this machine: keep all of its ports on 127.0.0.1. Must run before Ray
+    is imported; ``ray.init(_node_ip_address="127.0.0.1")`` would not do (Ray swaps a loopback
+    address for the machine's). The dashboard's address stays ``--dashboard-host``'s."""
+    if args.command == "run" and not (args.address or args.ray_address or os.environ.get("RAY_ADDRESS")):
+        os.environ.setdefault(RAY_CLUSTER_ENV, "0")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    keep_local_ray_on_loopback(args)
     import_from_working_directory()
     try:
         if args.command == "run":

@@ -89,6 +89,9 @@ class LrSchedule:
 class Resources:
     cpu: float = 1.0
     gpu: float | str = 0.0  # a count, a fraction, or "auto" (the fraction the plan needs)
+    #: How long a sweep waits for a node that can hold one trial (an autoscaling cluster adds it);
+    #: 0: a request no node can hold fails before the sweep starts.
+    wait_minutes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -212,7 +215,7 @@ def parse_spec(raw: dict) -> SweepSpec:
     workload, params = _workload(_require(raw, "workload", ""))
     search_space = _search_space(_require(raw, "search_space", ""))
     spec = SweepSpec(
-        experiment=_string(_require(raw, "experiment", ""), "experiment"),
+        experiment=folder_name(_require(raw, "experiment", ""), "experiment"),
         workload=workload,
         params=params,
         search_space=search_space,
@@ -384,7 +387,7 @@ def _schedule(value: Any) -> LrSchedule:
 
 def _resources(value: Any) -> Resources:
     section = _mapping(value, "resources")
-    _no_unknown(section, {"cpu", "gpu"}, "resources")
+    _no_unknown(section, {"cpu", "gpu", "wait_minutes"}, "resources")
     cpu = _positive_number(section.get("cpu", 1), "resources.cpu")
     gpu = section.get("gpu", 0)
     if gpu != "auto":
@@ -392,7 +395,7 @@ def _resources(value: Any) -> Resources:
             raise ConfigError(f"resources.gpu: expected a GPU count, a fraction such as 0.25, or 'auto', got {gpu!r}")
         if gpu > 1 and gpu != int(gpu):
             raise ConfigError(f"resources.gpu: expected a whole number of GPUs above 1, got {gpu!r}")
-    return Resources(cpu=cpu, gpu=gpu)
+    return Resources(cpu=cpu, gpu=gpu, wait_minutes=_non_negative_number(section.get("wait_minutes", 0), "resources.wait_minutes"))
 
 
 MEMORY_KEYS = {f.name for f in dataclasses.fields(MemoryPolicy)}
@@ -520,6 +523,18 @@ def _string(value: Any, path: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{path}: expected a non-empty string, got {value!r}")
     return value
+
+
+def folder_name(value: Any, path: str) -> str:
+    """A name that becomes one folder under the storage path (and an MLflow experiment name).
+
+    A path separator or ``..`` would put the sweep's results somewhere else (``../../x``,
+    ``/tmp/x``), so a name is a name: one path component, not hidden, printable.
+    """
+    name = _string(value, path)
+    if any(c in name for c in "/\\") or ".." in name or name.startswith(".") or not name.isprintable():
+        raise ConfigError(f"{path}: expected a name, not a path (no '/', '\\', '..' or leading '.'), got {name!r}")
+    return name
 
 
 def _optional_string(value: Any, path: str) -> str | None:

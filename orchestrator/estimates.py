@@ -161,8 +161,12 @@ def _estimate_one(job) -> tuple[dict[Settings, MemoryProfile], str | None, float
         cache = ProfileCache(build_workload(config), policy, target)
         make_plan(cache.workload, policy, effective_batch, budget, target=target, profiles=cache)
     except Exception as exc:  # noqa: BLE001 - a user's model failing: reported, the sweep decides
+        from trainables.workload import failure_location
+
         line = str(exc).splitlines()[0] if str(exc) else ""
-        return {}, f"{type(exc).__name__}: {line}", time.perf_counter() - started
+        where = failure_location(exc)
+        error = f"{type(exc).__name__}: {line}" + (f" (at {where})" if where else "")
+        return {}, error, time.perf_counter() - started
     return cache.shareable(), None, time.perf_counter() - started
 
 

@@ -1,8 +1,18 @@
 """What a failed trial's error says, read in one place for the retry scheduler, the table and MLflow.
 
-Tune keeps a trial's failures in its ``error.txt`` as ``Failure # N`` blocks of traceback text
-(the newest also as ``Result.error``). The exception lines in that text are all there is to tell
-an OOM from a dead worker from a bug in the user's model.
+Tune keeps a trial's failures in its ``error.txt`` as ``Failure # N`` blocks of text (``str`` of
+the exception), and the newest Ray exception itself in ``error.pkl``. Both are written on the
+driver, in the trial's staging folder, before Tune calls the scheduler, so they are read there
+(``Trial.get_pickled_error()`` reads the copy on the storage path, which is synced later and may
+still hold the previous failure).
+
+A dead worker is an out-of-memory failure only with evidence: Ray's memory monitor killed it
+(``ray.exceptions.OutOfMemoryError``, "killed due to the node running low on memory"), or the
+trial wrote an OOM event before it died (:mod:`orchestrator.oom`). A ``kill -9``, a lost node or
+a segfault is none of those: the trial restarts with the plan it had. The kernel's OOM killer
+leaves no trace Ray can see (Ray only lists it among the possible causes of a SIGKILL), so a
+worker it killed is restarted with the same plan, and the in-process OOM handling or Ray's
+memory monitor (which acts before the kernel) are what shrink plans.
 """
 
 from __future__ import annotations
@@ -13,6 +23,8 @@ from orchestrator.oom import OOM_MESSAGES
 
 _GAVE_UP = ("OomRetriesExhausted",)
 _WORKER_DIED = ("RayActorError", "actor died unexpectedly", "ActorDiedError")
+#: What Ray's memory monitor says when it kills workers (its error text has no exception name).
+_MEMORY_MONITOR = re.compile(r"killed due to the node running low on memory|ray\.exceptions\.OutOfMemoryError")
 
 #: ``package.module.SomeError: message`` (the module path is dropped when shown)
 _EXCEPTION_LINE = re.compile(r"^(?:\w+\.)*(\w+(?:Error|Exception|Exhausted|Refused)\b.*: .*)$")
@@ -44,14 +56,36 @@ def exception_line(text: str) -> str:
     return lines[-1].strip() if lines else "unknown error"
 
 
-def classify(failure: str) -> str:
-    """``gave_up`` | ``oom`` | ``worker_died`` | ``other``."""
+def pickled_failure(pickled_error_file: str | None, failure: str) -> BaseException | None:
+    """The exception Tune pickled for this failure, or None (none, unreadable, or from an earlier
+    failure: Tune pickles only Ray's task and actor errors and leaves an older pickle in place)."""
+    if not pickled_error_file:
+        return None
+    try:
+        import cloudpickle
+
+        with open(pickled_error_file, "rb") as f:
+            error = cloudpickle.load(f)
+    except Exception:  # noqa: BLE001 - missing, or classes this process cannot load: use the text
+        return None
+    return error if str(error).strip() and str(error).strip() in failure else None
+
+
+def classify(failure: str, error: BaseException | None = None, oom_evidence: bool = False) -> str:
+    """``gave_up`` | ``oom`` | ``worker_died`` | ``other``, from the exception where Tune pickled
+    it, else from the text; a dead worker is ``oom`` only with evidence (see the module)."""
+    from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError
+
+    if isinstance(error, OutOfMemoryError) or _MEMORY_MONITOR.search(failure):
+        return "oom"
+    if isinstance(error, RayActorError) and not isinstance(error, RayTaskError):
+        return "oom" if oom_evidence else "worker_died"
     if any(s in failure for s in _GAVE_UP):
         return "gave_up"
     if "OutOfMemoryError" in failure or OOM_MESSAGES.search(failure):  # the worker's own test, on text
         return "oom"
     if any(s in failure for s in _WORKER_DIED):
-        return "worker_died"
+        return "oom" if oom_evidence else "worker_died"
     return "other"
 
 

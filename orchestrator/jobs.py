@@ -64,6 +64,8 @@ def build_job_request(args: argparse.Namespace, spec: SweepSpec, cwd: Path) -> J
             command += [flag, value]
     if args.resume:
         command.append("--resume")
+    if args.offline_tracking:
+        command.append("--offline-tracking")
 
     excludes = list(EXCLUDED)
     storage = (cwd / (args.storage_path or spec.storage_path)).resolve()

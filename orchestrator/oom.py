@@ -7,8 +7,11 @@ its error. An OOM is never silent.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
+import json
+import os
 import re
 from dataclasses import dataclass
 
@@ -88,3 +91,58 @@ class OomRetriesExhausted(RuntimeError):
 
 class PlanRefused(RuntimeError):
     """Not even micro-batch 1 fits the budget: the trial is refused before it starts."""
+
+
+#: In the trial's folder on the storage path: the OOM event a trial is recovering from. Written
+#: when the trial catches an OOM, before it releases the failed attempt and builds the next, and
+#: removed once the recovery reports; a worker that dies in between (a CUDA context an OOM left
+#: unusable) leaves it behind, which is how the driver knows that death was about memory.
+OOM_EVIDENCE_FILE = "oom_before_death.json"
+
+
+def storage_trial_folder() -> str | None:
+    """This trial's folder on the storage path, from inside the trial; None where it is not a
+    local (or shared) filesystem path the driver can read too."""
+    import pyarrow.fs
+    from ray import tune
+
+    try:
+        storage = tune.get_context().get_storage()
+        if not isinstance(storage.storage_filesystem, pyarrow.fs.LocalFileSystem):
+            return None
+        return storage.trial_fs_path
+    except Exception:  # noqa: BLE001 - evidence is best effort: without it a death keeps its plan
+        return None
+
+
+def write_oom_evidence(folder: str | None, event: OomEvent) -> None:
+    if folder is None:
+        return
+    try:
+        os.makedirs(folder, exist_ok=True)
+        partial = os.path.join(folder, OOM_EVIDENCE_FILE + ".partial")
+        with open(partial, "w") as f:
+            json.dump(event.to_dict(), f)
+        os.replace(partial, os.path.join(folder, OOM_EVIDENCE_FILE))
+    except OSError:
+        pass
+
+
+def clear_oom_evidence(folder: str | None) -> None:
+    if folder is not None:
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(folder, OOM_EVIDENCE_FILE))
+
+
+def take_oom_evidence(folder: str | None) -> dict | None:
+    """The OOM event a dead trial left behind, removed as it is read (a later death needs its own)."""
+    if not folder:
+        return None
+    path = os.path.join(folder, OOM_EVIDENCE_FILE)
+    try:
+        with open(path) as f:
+            event = json.load(f)
+        os.remove(path)
+        return event
+    except (OSError, ValueError):
+        return None

@@ -31,6 +31,7 @@ def plan_command(args) -> int:
     from orchestrator.config import load_spec
     from orchestrator.estimates import ProfileCache, describe_signature, estimate_trials, memory_signature
     from orchestrator.planner import plan_with_profile
+    from orchestrator.preflight import check_workloads
     from orchestrator.space import trial_configs
     from trainables.workload import build_workload
 
@@ -40,6 +41,7 @@ def plan_command(args) -> int:
         raise UserError("memory.estimator is 'none': there is nothing to plan; pass --estimator static|trace|measured")
     target, budget = _target_and_budget(spec, policy, args.device_memory)
     configs = trial_configs(spec)
+    check_workloads(spec)  # data for one step and an eval set, as `run` checks: one line, not an estimator's crash
 
     done = [0]
 

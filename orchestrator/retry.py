@@ -2,7 +2,9 @@
 
 Most OOMs never reach Tune: the trainable catches them, shrinks its plan and resumes from its
 last checkpoint in the same process. This wrapper covers what the trainable cannot: a worker
-that *died* (a hard CUDA failure, the process killed). Tune calls a scheduler's
+that *died* of memory (killed by Ray's memory monitor, or dead while recovering from an OOM it
+had recorded; see :mod:`orchestrator.failures` for the evidence). A worker that died without
+such evidence (``kill -9``, a lost node) restarts with the plan it had. Tune calls a scheduler's
 ``on_trial_error`` before it requeues a failed trial, and the requeued trial is built from
 ``trial.config`` and restored from the last checkpoint, so setting a config key there is how
 the restarted trial learns to apply one more reduction (the same mechanism PBT uses to mutate
@@ -18,7 +20,8 @@ from __future__ import annotations
 
 from ray.tune.schedulers import TrialScheduler
 
-from orchestrator.failures import classify, exception_line, gave_up_message, last_failure
+from orchestrator.failures import classify, exception_line, gave_up_message, last_failure, pickled_failure
+from orchestrator.oom import take_oom_evidence
 from trainables.trainable import NOT_RETRIED_KEY, OOM_GAVE_UP_KEY, OOM_SHRINKS_KEY, OTHER_FAILURES_KEY
 
 
@@ -38,9 +41,10 @@ class OomAwareScheduler(TrialScheduler):
 
     def on_trial_error(self, tune_controller, trial) -> None:
         failure = last_failure(trial.error_file)
-        kind = classify(failure)
+        evidence = take_oom_evidence(str(trial.path) if trial.path else None)
+        kind = classify(failure, pickled_failure(trial.pickled_error_file, failure), oom_evidence=evidence is not None)
         config = dict(trial.config)
-        if kind in ("oom", "worker_died"):
+        if kind == "oom":
             # A worker killed by memory cannot shrink its own plan: the restart does it.
             config[OOM_SHRINKS_KEY] = config.get(OOM_SHRINKS_KEY, 0) + 1
         elif kind == "gave_up" and not config.get(OOM_GAVE_UP_KEY):

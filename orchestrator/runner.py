@@ -8,17 +8,24 @@ another user's cluster.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import math
 import os
+import shlex
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.config import SweepSpec, load_spec
+from orchestrator.capacity import WaitForNodes, check_schedulable, trial_request
+from orchestrator.config import SweepSpec, folder_name, load_spec
 from orchestrator.device import MEMORY_LABELS
 from orchestrator.errors import UserError
 from orchestrator.failures import exception_line
+from orchestrator.outcome import INTERRUPTED, TERMINATED, SweepRecord, TrackingDelivery, recording, trial_status
+from orchestrator.preflight import check_storage, check_workloads
+from orchestrator.ray_token import secure_token_files
 from orchestrator.table import format_table
 from orchestrator.units import human
 
@@ -47,32 +54,82 @@ class SweepOutcome:
     rows: list[TrialRow]
     experiment_path: str
     tracking_uri: str
+    tracking: TrackingDelivery | None = None  # None: the tracking callback did not report (no recording)
+    stop_reason: str | None = None
 
     @property
     def ok(self) -> bool:
-        return bool(self.rows) and all(r.status == "TERMINATED" for r in self.rows)
+        """Every trial finished and MLflow has all of it: what exit status 0 promises."""
+        trained = bool(self.rows) and all(r.status == TERMINATED for r in self.rows)
+        return trained and (self.tracking is None or self.tracking.complete)
 
 
 def run_command(args) -> int:
     spec = load_spec(args.config, args.overrides)
-    outcome = run_sweep(
-        spec,
-        tracking_uri=args.tracking_uri,
-        storage_path=args.storage_path,
-        ray_address=args.ray_address,
-        name=args.name,
-        resume=args.resume,
-        num_cpus=args.num_cpus,
-        num_gpus=args.num_gpus,
-        dashboard=args.dashboard,
-        dashboard_host=args.dashboard_host,
-    )
+    if args.name is not None:
+        folder_name(args.name, "--name")
+    try:
+        outcome = run_sweep(
+            spec,
+            tracking_uri=args.tracking_uri,
+            storage_path=args.storage_path,
+            ray_address=args.ray_address,
+            name=args.name,
+            resume=args.resume,
+            num_cpus=args.num_cpus,
+            num_gpus=args.num_gpus,
+            dashboard=args.dashboard,
+            dashboard_host=args.dashboard_host,
+            offline_tracking=args.offline_tracking,
+        )
+    except KeyboardInterrupt:
+        print(f"\nInterrupted. Continue the sweep with: {resume_command(args)}", file=sys.stderr)
+        raise
     print()
     print(summary_table(outcome.rows, spec))
-    finished = sum(r.status == "TERMINATED" for r in outcome.rows)
-    print(f"\n{finished}/{len(outcome.rows)} trials finished. Results: {outcome.experiment_path}")
-    print(f"MLflow: {outcome.tracking_uri} (experiment {spec.experiment!r}); see `orchestrator report {spec.experiment}`")
+    print()
+    print("\n".join(summary_lines(outcome, spec, args)))
     return 0 if outcome.ok else 1
+
+
+def summary_lines(outcome: SweepOutcome, spec: SweepSpec, args) -> list[str]:
+    """Below the table: what finished, what did not and why, what MLflow lacks and how to fix it."""
+    rows = outcome.rows
+    name = os.path.basename(outcome.experiment_path)
+    finished = sum(r.status == TERMINATED for r in rows)
+    lines = [f"{finished}/{len(rows)} trials finished. Results: {outcome.experiment_path}"]
+    if outcome.stop_reason:
+        lines.append(f"Stopped: {outcome.stop_reason}")
+    if any(r.status == INTERRUPTED for r in rows):
+        lines.append(f"Interrupted trials continue from their last checkpoints with: {resume_command(args, name)}")
+    delivery = outcome.tracking
+    if delivery and delivery.dropped:
+        lines.append(
+            f"MLflow rejected {len(delivery.dropped)} write(s), so its record of this sweep is incomplete (its run "
+            f"is marked FAILED); the first: {delivery.dropped[0]}"
+        )
+    if delivery and delivery.unsent:
+        where = f"kept in {delivery.kept_at}" if delivery.kept_at else "they could not be kept"
+        lines.append(f"MLflow at {delivery.tracking_uri} did not take {delivery.unsent} write(s) by the end; {where}.")
+        if delivery.kept_at:
+            lines.append(f"  Send them once MLflow is back with: {resume_command(args, name)}")
+    lines.append(f"MLflow: {outcome.tracking_uri} (experiment {spec.experiment!r}); see `orchestrator report {spec.experiment}`")
+    return lines
+
+
+def resume_command(args, name: str | None = None) -> str:
+    """The command that continues this sweep (``--resume`` without a name takes the newest of the experiment)."""
+    words = ["orchestrator", "run", args.config]
+    for override in args.overrides:
+        words += ["--set", override]
+    for flag, value in (("--storage-path", args.storage_path), ("--tracking-uri", args.tracking_uri),
+                        ("--ray-address", args.ray_address)):
+        if value:
+            words += [flag, value]
+    if args.offline_tracking:
+        words.append("--offline-tracking")
+    name = name or args.name
+    return shlex.join(words + (["--name", name] if name else []) + ["--resume"])
 
 
 def resolve_tracking_uri(flag: str | None, spec: SweepSpec) -> str:
@@ -93,15 +150,18 @@ def run_sweep(
     num_gpus: float | None = None,
     dashboard: bool = False,
     dashboard_host: str = "127.0.0.1",
+    offline_tracking: bool = False,
 ) -> SweepOutcome:
     import ray
     from ray import tune
 
     tracking_uri = resolve_tracking_uri(tracking_uri, spec)
     storage = os.path.abspath(storage_path or spec.storage_path)
+    _check_before_ray(spec, storage, tracking_uri, offline_tracking)
     estimates = estimate_before_start(spec)  # before Ray starts: its CPUs are free, a broken model stops here
     started_ray = _connect_ray(ray_address, num_cpus, num_gpus, dashboard, dashboard_host)
     try:
+        wait = check_schedulable(trial_request(spec), spec.resources.wait_minutes)
         name, restore_from = _experiment_name(spec, storage, name, resume)
         trainable = _trainable(spec, estimates)
         if restore_from:
@@ -112,14 +172,45 @@ def run_sweep(
                 trainable,
                 param_space=_param_space(spec),
                 tune_config=_tune_config(spec),
-                run_config=_run_config(spec, name, storage, tracking_uri),
+                run_config=_run_config(spec, name, storage, tracking_uri, wait),
             )
-        results = tuner.fit()
-        rows = [_row(result, spec) for result in results]
-        return SweepOutcome(rows, os.path.join(storage, name), tracking_uri)
+        with recording() as record, _ray_resume_hint_silenced():
+            results = tuner.fit()
+        rows = [_row(result, spec, record) for result in results]
+        return SweepOutcome(rows, os.path.join(storage, name), tracking_uri, record.tracking, record.stop_reason)
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def _check_before_ray(spec: SweepSpec, storage: str, tracking_uri: str, offline_tracking: bool) -> None:
+    """The mistakes that are cheap to find before Ray starts, each one line and exit 2; the checks
+    that write nothing first (the storage check makes the folder, the tracking check the database)."""
+    check_workloads(spec)
+    check_storage(storage)
+    if not offline_tracking:
+        from orchestrator.tracking import check_tracking
+
+        check_tracking(tracking_uri, spec.experiment)
+
+
+@contextlib.contextmanager
+def _ray_resume_hint_silenced():
+    """Tune ends an interrupted sweep with "Resume experiment with: Tuner.restore(...)", Python
+    for a Tune user; ours is ``orchestrator run ... --resume``, printed with the summary."""
+    import logging
+
+    class NoRestoreHint(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "Tuner.restore(" not in record.getMessage()
+
+    hint_filter = NoRestoreHint()
+    tune_logger = logging.getLogger("ray.tune.tune")
+    tune_logger.addFilter(hint_filter)
+    try:
+        yield
+    finally:
+        tune_logger.removeFilter(hint_filter)
 
 
 def _connect_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashboard_host: str) -> bool:
@@ -128,6 +219,16 @@ def _connect_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashb
 
     if ray.is_initialized():
         return False
+    secure_token_files()  # before Ray writes a token into ~/.ray, and after it did
+    try:
+        return _init_ray(address, num_cpus, num_gpus, dashboard, dashboard_host)
+    finally:
+        secure_token_files()
+
+
+def _init_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashboard_host: str) -> bool:
+    import ray
+
     # Workers import the user's own workloads (``my_package.module:Class``) from the driver's
     # working directory: Ray puts it on every worker's sys.path (a Ray Job's uploaded working_dir
     # takes its place), as long as the driver runs with no working_dir of its own.
@@ -244,15 +345,14 @@ def _tune_config(spec: SweepSpec):
     )
 
 
-def _run_config(spec: SweepSpec, name: str, storage: str, tracking_uri: str):
+def _run_config(spec: SweepSpec, name: str, storage: str, tracking_uri: str, wait: WaitForNodes | None = None):
     from ray import tune
-
-    from orchestrator.tracking import MlflowTracking
 
     return tune.RunConfig(
         name=name,
         storage_path=storage,
-        callbacks=[MlflowTracking(tracking_uri, spec)],
+        callbacks=_callbacks(spec, os.path.join(storage, name), tracking_uri),
+        stop=wait,
         # In-process OOMs are retried by the trainable; Tune restarts workers that died (of
         # memory, mostly) and, up to max_failures, trials that failed otherwise. The scheduler
         # spends this shared budget by kind of failure.
@@ -261,25 +361,30 @@ def _run_config(spec: SweepSpec, name: str, storage: str, tracking_uri: str):
     )
 
 
+def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str) -> list:
+    """The driver's Tune callbacks: MLflow, and the final errors Tune's results may lack (outcome.py)."""
+    from orchestrator.outcome import FinalErrors
+    from orchestrator.tracking import UNSENT_FILE, MlflowTracking
+
+    return [MlflowTracking(tracking_uri, spec, unsent_file=os.path.join(experiment_path, UNSENT_FILE)), FinalErrors()]
+
+
 # -- the final table ---------------------------------------------------------------------------
 
 
-def _row(result, spec: SweepSpec) -> TrialRow:
+def _row(result, spec: SweepSpec, record: SweepRecord | None = None) -> TrialRow:
     metrics = result.metrics or {}
     config = result.config or {}
+    record = record or SweepRecord()
     shown = {k: v for k, v in config.items() if k in spec.search_space}  # what differs between trials
-    if result.error is not None:
-        status = "ERROR"
-    elif metrics.get("refused"):
-        status = "REFUSED"
-    elif not metrics.get("done") and not metrics.get("training_done"):
-        # Tune marks a trial's last result done when it completes or its scheduler stops it; a
-        # trial that spent its budget just before an interruption is finished all the same.
-        status = "INTERRUPTED"
-    else:
-        status = "TERMINATED"
+    # Tune reads errors back from storage: a trial whose error could not be written there has
+    # none in its result, but the driver's callback saw it fail.
+    error = exception_line(str(result.error)) if result.error is not None else record.errors.get(str(result.path))
+    status = trial_status(error is not None, metrics)
     value = metrics.get(spec.metric)
-    note = metrics.get("refusal") or (exception_line(str(result.error))[:160] if result.error else "")
+    note = metrics.get("refusal") or (error or "")[:160]
+    if status == INTERRUPTED and record.stop_reason:
+        note = record.stop_reason
     return TrialRow(
         name=str(metrics.get("trial_id") or (os.path.basename(result.path) if result.path else "?")),
         config=", ".join(f"{k}={_short(v)}" for k, v in shown.items()),

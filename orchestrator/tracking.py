@@ -9,13 +9,18 @@ is logged with every result as metrics, as a ``plan_history.json`` artifact when
 
 Why a queue: a tracking server can be away for a while (restart, network). Every write is an
 operation on an ordered queue that one background thread sends, so the Tune driver never waits
-on MLflow and a sweep never fails because of it. While the server is unreachable the
-operations wait, are retried, and are part of this callback's Tune state (saved with the
-experiment checkpoint, so a resumed driver sends what the last one could not). Every
-operation is idempotent, so sending one twice is harmless: runs are looked up by tags before
-they are created, a result is sent only if the run does not have that step of the ``step``
-metric yet (re-read from MLflow after any failure, since a request may land although its
-reply was lost), params are only added, artifacts are overwritten.
+on MLflow and a sweep never fails because of it. An outage (nothing answers, a timeout, a 5xx,
+a SQLite store locked by another process, credentials refused) is waited out: the operation is
+resent until it lands. Only a rejection of the data itself (a 4xx such as an invalid value)
+drops an operation, after a few attempts, and the drop is reported: the sweep run is marked
+FAILED and ``run`` exits non-zero (:class:`orchestrator.outcome.TrackingDelivery`). What is still
+queued is part of this callback's Tune state (saved with each experiment checkpoint) and, at the
+end of a sweep that could not send everything, is kept in the sweep's folder
+(:data:`UNSENT_FILE`), so ``run --resume`` sends it. Every operation is idempotent, so sending
+one twice is harmless: runs are looked up by tags before they are created, a result is sent
+only if the run does not have that step of the ``step`` metric yet (re-read from MLflow after
+any failure, since a request may land although its reply was lost), params are only added,
+artifacts are overwritten.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import dataclasses
 import json
 import logging
 import os
+import pickle
 import threading
 import time
 import uuid
@@ -36,7 +42,9 @@ import yaml
 from ray import tune
 
 from orchestrator.config import Domain, SweepSpec
+from orchestrator.errors import UserError
 from orchestrator.failures import exception_line, last_failure
+from orchestrator.outcome import TrackingDelivery, current_record, sweep_run_status, trial_status
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +72,11 @@ MAX_BATCH = 100  # params or tags per log_batch call
 #: Defaults for MLflow's HTTP client in this process: fail fast, the outbox does the retrying.
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 RETRY_FIRST_S, RETRY_MAX_S = 1.0, 10.0
-ATTEMPTS_WHILE_REACHABLE = 3  # an operation that fails this often against a live server is dropped
+ATTEMPTS_WHEN_REJECTED = 3  # an operation MLflow rejects this often is dropped (and reported)
+#: HTTP statuses that say nothing about the data: the server is away, overloaded or not letting us in yet.
+OUTAGE_STATUSES = frozenset({401, 403, 408, 429})
+#: In the sweep's folder: the writes a sweep could not send, for ``run --resume`` to send.
+UNSENT_FILE = "mlflow_unsent.pkl"
 
 
 # -- what is sent ---------------------------------------------------------------------------
@@ -165,7 +177,10 @@ class EndRun:
     status: str  # FINISHED | FAILED | KILLED
 
     def apply(self, mlflow: "_MlflowWriter") -> None:
-        mlflow.client.set_terminated(mlflow.run_id(self.target), self.status)
+        status = self.status
+        if self.target is None and status == "FINISHED" and mlflow.dropped:
+            status = "FAILED"  # its record is incomplete, and `run` exits non-zero for it
+        mlflow.client.set_terminated(mlflow.run_id(self.target), status)
 
 
 Operation = StartRun | AddParams | SetTags | LogResult | LogArtifact | EndRun
@@ -194,21 +209,23 @@ class _MlflowWriter:
     """The outbox thread's MLflow client, with the run ids and logged steps it has looked up."""
 
     def __init__(self, tracking_uri: str, sweep: SweepIdentity):
-        from mlflow import MlflowClient
-
         self.tracking_uri = tracking_uri
-        self.client = MlflowClient(tracking_uri)
+        self._client = None
         self.sweep = sweep
         self._experiment_id: str | None = None
         self._runs: dict[str | None, str] = {}  # trial id (None: the sweep) -> run id
         self._steps: dict[str, set[int]] = {}  # run id -> steps MLflow has
+        self.dropped: list[str] = []  # operations MLflow rejected, described
 
-    def reachable(self) -> bool:
-        try:
-            self.client.search_experiments(max_results=1)
-            return True
-        except Exception:
-            return False
+    @property
+    def client(self):
+        """Made on first use, in the outbox's thread: opening a store can fail like any request
+        (a SQLite file that cannot be opened yet) and is then retried like one."""
+        if self._client is None:
+            from mlflow import MlflowClient
+
+            self._client = MlflowClient(self.tracking_uri)
+        return self._client
 
     def forget_steps(self) -> None:
         """After a failed request: what landed is unknown, so re-read it before sending results."""
@@ -290,12 +307,70 @@ def get_or_create_experiment(client, name: str, tracking_uri: str) -> str:
     return experiment.experiment_id
 
 
+def check_tracking(tracking_uri: str, experiment: str) -> None:
+    """Before a sweep starts: MLflow answers at ``tracking_uri``, lets us in, and the sweep's
+    experiment is not a deleted one (which no write could go to). A mistake here is one line and
+    exit 2, not a sweep that trains for hours and then says its records are still unsent."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    for key, value in HTTP_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    try:
+        found = MlflowClient(tracking_uri).get_experiment_by_name(experiment)
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the sweep cannot record there
+        if isinstance(exc, MlflowException) and exc.get_http_status_code() in (401, 403):
+            raise UserError(
+                f"tracking_uri: MLflow at {tracking_uri} refused our credentials (HTTP {exc.get_http_status_code()}); set "
+                "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)"
+            ) from None
+        raise UserError(
+            f"tracking_uri: MLflow at {tracking_uri} is not usable ({first_line(exc)}); start it or fix the URI, "
+            "or pass --offline-tracking to run anyway (the records then wait in the sweep's folder for `run --resume`)"
+        ) from None
+    if found is not None and found.lifecycle_stage != "active":
+        raise UserError(
+            f"experiment: the MLflow experiment {experiment!r} at {tracking_uri} is deleted; restore it "
+            f"(`mlflow experiments restore --experiment-id {found.experiment_id}`) or use another experiment name"
+        )
+
+
 def sqlite_path(tracking_uri: str) -> Path | None:
     """The database file of a ``sqlite:///`` URI (``sqlite:///rel.db``, ``sqlite:////abs.db``)."""
     if not tracking_uri.startswith("sqlite:///"):
         return None
     path = tracking_uri[len("sqlite:///"):].split("?", 1)[0]
     return Path(path).resolve() if path and path != ":memory:" else None
+
+
+def is_outage(exc: BaseException) -> bool:
+    """Whether a failed MLflow call says the store is unavailable rather than that the data is bad.
+
+    MLflow turns a locked SQLite database into ``TEMPORARILY_UNAVAILABLE``, a connection error or
+    a timeout into an ``INTERNAL_ERROR`` (500) wrapping the ``requests`` error, and a server's
+    error reply into its HTTP status; a rejected value is a 4xx. Credentials refused (401, 403)
+    are not the data's fault either: fixed, the same write goes through.
+    """
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(exc, MlflowException):
+        status = exc.get_http_status_code()
+        return status >= 500 or status in OUTAGE_STATUSES
+    if isinstance(exc, OSError):  # requests' errors, a full or unreadable disk under a local store
+        return True
+    return any(type(e).__name__ in ("OperationalError", "TimeoutError") for e in _chain(exc))
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen = []
+    while exc is not None and exc not in seen:
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return seen
+
+
+def first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 class _Outbox:
@@ -318,6 +393,10 @@ class _Outbox:
     def pending(self) -> list[Operation]:
         with self._cv:
             return list(self._ops)
+
+    @property
+    def dropped(self) -> list[str]:
+        return self._writer.dropped
 
     def drain(self, timeout: float) -> bool:
         """Wait until everything was sent (or ``timeout`` passed); True if the queue is empty."""
@@ -343,16 +422,17 @@ class _Outbox:
                 op.apply(self._writer)
             except Exception as exc:  # noqa: BLE001 - tracking must never take the sweep down
                 self._writer.forget_steps()
-                if not self._writer.reachable():
+                if is_outage(exc):
                     self._went_offline(exc)
                     self._pause(delay)
                     delay = min(2 * delay, RETRY_MAX_S)
                     continue
                 failures += 1
-                if failures < ATTEMPTS_WHILE_REACHABLE:
+                if failures < ATTEMPTS_WHEN_REJECTED:
                     self._pause(RETRY_FIRST_S)
                     continue
-                logger.warning("MLflow refused %s %d times, dropping it: %s", describe(op), failures, exc)
+                logger.warning("MLflow rejected %s %d times, dropping it: %s", describe(op), failures, first_line(exc))
+                self._writer.dropped.append(f"{describe(op)}: {first_line(exc)}")
             self._came_back()
             delay, failures = RETRY_FIRST_S, 0
             with self._cv:
@@ -367,8 +447,8 @@ class _Outbox:
         if self._offline_since is None:
             self._offline_since = time.monotonic()
             logger.warning(
-                "MLflow at %s is unreachable (%s); keeping %d write(s) and retrying",
-                self._writer.tracking_uri, str(exc).splitlines()[0][:200], len(self._ops),
+                "MLflow at %s is unavailable (%s); keeping %d write(s) and retrying",
+                self._writer.tracking_uri, first_line(exc), len(self._ops),
             )
 
     def _came_back(self) -> None:
@@ -399,10 +479,12 @@ class _TrialLog:
 class MlflowTracking(tune.Callback):
     """Tune callback (driver side) that records the sweep in MLflow; see the module docstring."""
 
-    def __init__(self, tracking_uri: str, spec: SweepSpec, *, flush_timeout_s: float = 120.0):
+    def __init__(self, tracking_uri: str, spec: SweepSpec, *, flush_timeout_s: float = 120.0,
+                 unsent_file: str | None = None):
         self.tracking_uri = tracking_uri
         self.spec = spec
         self.flush_timeout_s = flush_timeout_s
+        self.unsent_file = unsent_file  # in the sweep's folder: where writes left unsent wait for a resume
         self._sweep = SweepIdentity(uuid.uuid4().hex, f"sweep-{time.strftime('%Y%m%d-%H%M%S')}", spec.experiment)
         self._trials: dict[str, _TrialLog] = {}
         self._restored: list[Operation] = []  # unsent operations of the driver we resume from
@@ -427,7 +509,7 @@ class MlflowTracking(tune.Callback):
     def setup(self, stop=None, num_samples=None, total_num_samples=None, **info) -> None:
         for key, value in HTTP_DEFAULTS.items():
             os.environ.setdefault(key, value)
-        self._outbox = _Outbox(_MlflowWriter(self.tracking_uri, self._sweep), self._restored)
+        self._outbox = _Outbox(_MlflowWriter(self.tracking_uri, self._sweep), self._kept() or self._restored)
         self._restored = []
         tags = {"orchestrator.config": self.spec.source} if self.spec.source else {}
         self._put(StartRun(None, params=spec_params(self.spec), tags=tags))
@@ -492,15 +574,48 @@ class MlflowTracking(tune.Callback):
         for log in self._trials.values():
             if not log.ended:
                 self._put(EndRun(log.ref, "KILLED"))
-        done = all(t.trial_id in self._trials and self._trials[t.trial_id].ended for t in trials)
-        self._put(EndRun(None, "FINISHED" if done else "KILLED"))
-        if not self._outbox.drain(self.flush_timeout_s):
-            logger.warning(
-                "MLflow at %s: %d write(s) still unsent after %.0f s; resuming the sweep sends the ones "
-                "queued before its last checkpoint", self.tracking_uri, len(self._outbox.pending()), self.flush_timeout_s,
-            )
+        statuses = [trial_status(t.status == "ERROR", t.last_result or {}) for t in trials]
+        self._put(EndRun(None, sweep_run_status(statuses)))
+        self._outbox.drain(self.flush_timeout_s)
         self._outbox.close()
+        unsent, dropped = self._outbox.pending(), list(self._outbox.dropped)
         self._outbox = None
+        kept_at = self._keep(unsent)
+        if unsent:
+            logger.warning(
+                "MLflow at %s: %d write(s) still unsent after %.0f s; %s", self.tracking_uri, len(unsent),
+                self.flush_timeout_s, f"kept in {kept_at} for `run --resume` to send" if kept_at else "they are lost",
+            )
+        record = current_record()
+        if record is not None:
+            record.tracking = TrackingDelivery(self.tracking_uri, len(unsent), kept_at, dropped)
+
+    def _kept(self) -> list[Operation]:
+        """The writes an earlier driver of this sweep could not send by its end (newer than its Tune state)."""
+        if not self.unsent_file or not os.path.exists(self.unsent_file):
+            return []
+        with open(self.unsent_file, "rb") as f:
+            return pickle.load(f)
+
+    def _keep(self, unsent: list[Operation]) -> str | None:
+        """Save the unsent writes in the sweep's folder (Tune's last experiment checkpoint was taken
+        before this hook, so its copy lacks the last ones); once all are sent, remove the file."""
+        if not self.unsent_file:
+            return None
+        try:
+            if not unsent:
+                if os.path.exists(self.unsent_file):
+                    os.remove(self.unsent_file)
+                return None
+            os.makedirs(os.path.dirname(self.unsent_file), exist_ok=True)
+            partial = f"{self.unsent_file}.partial"
+            with open(partial, "wb") as f:
+                pickle.dump(unsent, f)
+            os.replace(partial, self.unsent_file)
+            return self.unsent_file
+        except OSError as exc:
+            logger.warning("cannot keep the unsent MLflow writes in %s: %s", self.unsent_file, exc)
+            return None
 
     # -- helpers -----------------------------------------------------------------------------
     def _put(self, op: Operation) -> None:

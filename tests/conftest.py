@@ -1,5 +1,9 @@
-"""Every test runs with its own HOME, so Ray's auth token, MLflow's telemetry settings and
-any cache land in a temporary folder instead of the user's home.
+"""Fixtures shared by the test modules.
+
+Every test runs with its own HOME, so Ray's auth token, MLflow's telemetry settings and
+any cache land in a temporary folder instead of the user's home. ``local_ray`` (an embedded
+Ray per module) and ``ray_head`` (one ``ray start --head`` per session) start Ray; a test that
+uses them is marked ``integration``, so ``-m "not integration"`` starts no Ray and no server.
 
 The README's own-model example is written out here as a user would copy it, for the tests
 that run it with the installed ``orchestrator`` command.
@@ -33,6 +37,30 @@ def isolated_environment(tmp_path_factory):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def local_ray(isolated_environment, tmp_path_factory):
+    """An embedded Ray for the module's tests; its workers import ``tests/`` modules (fake trainables)."""
+    import ray
+
+    ray.init(
+        address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+        _temp_dir=str(tmp_path_factory.mktemp("ray")),
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}},
+    )
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_head(isolated_environment, tmp_path_factory):
+    """One ``ray start --head`` with the dashboard for the session (jobs, metrics, browser tests)."""
+    from ray_cluster import start_head
+
+    head = start_head(tmp_path_factory.mktemp("rayhead"))
+    yield head
+    head.stop()
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ It is what a user starts by hand: token authentication on (the token made by
 ``--temp-dir`` and free ports, so it never meets another cluster on the machine. It is
 stopped by the PIDs it started, never with ``ray stop`` (which kills every Ray of the user).
 
-Use the ``ray_head`` fixture (import it into a test module) or :func:`start_head` directly.
+Tests use the session's ``ray_head`` fixture (``conftest.py``), or :func:`start_head` directly.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 import requests
 
 START_TIMEOUT_S = 90
@@ -155,20 +154,35 @@ def _wait_ready(head: RayHead) -> None:
     raise RuntimeError(f"Ray head not ready after {START_TIMEOUT_S} s: {head.log_path.read_text()[-3000:]}")
 
 
-_shared: RayHead | None = None
+def listening_addresses(pids: list[int]) -> dict[str, int]:
+    """``{"127.0.0.1:6379": pid}``: the TCP sockets those processes listen on, read from /proc."""
+    inodes: dict[str, int] = {}
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes[target[8:-1]] = pid
+        except OSError:
+            continue
+    found = {}
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            host, port = fields[1].split(":")
+            found[f"{_address(host, width)}:{int(port, 16)}"] = inodes[fields[9]]
+    return found
 
 
-@pytest.fixture(scope="session")
-def ray_head(isolated_environment, tmp_path_factory):
-    """One head per test session, shared by the job, metrics and browser tests.
+def _address(hex_host: str, width: int) -> str:
+    """/proc/net/tcp's little-endian hex address -> dotted IPv4 (IPv4-mapped IPv6 too), or the IPv6 hex."""
+    import socket
+    import struct
 
-    Each test module that imports this fixture gets its own session-scoped copy of it, so the
-    head itself is kept here and stopped by whichever copy is torn down first (at session end).
-    """
-    global _shared
-    if _shared is None:
-        _shared = start_head(tmp_path_factory.mktemp("rayhead"))
-    yield _shared
-    if _shared is not None:
-        _shared.stop()
-        _shared = None
+    if width == 8:
+        return socket.inet_ntoa(struct.pack("<I", int(hex_host, 16)))
+    words = struct.pack("<4I", *(int(hex_host[i:i + 8], 16) for i in range(0, 32, 8)))
+    text = socket.inet_ntop(socket.AF_INET6, words)
+    return text.removeprefix("::ffff:")

@@ -118,6 +118,12 @@ BAD = [
     ("negative max_grad_norm", ["max_grad_norm=-1"], "max_grad_norm: expected a positive number, got -1"),
     ("metric not reported", ["metric=eval_accuracy"],
      "metric: workload mlp does not report 'eval_accuracy' (it reports: train_loss, eval_loss)"),
+    ("experiment name climbing out of the storage path", ["experiment=../../x"],
+     "experiment: expected a name, not a path (no '/', '\\', '..' or leading '.'), got '../../x'"),
+    ("experiment name that is an absolute path", ["experiment=/tmp/x"], "experiment: expected a name, not a path"),
+    ("missing workload class", ["workload.name=trainables.mlp:MLPWorkloadd"],
+     "workload.name: workload 'trainables.mlp:MLPWorkloadd': module 'trainables.mlp' has no 'MLPWorkloadd' "
+     "(its workloads: MLPWorkload)"),
     ("ASHA in steps without a step budget", ["scheduler={type: asha, time_attr: step}"],
      "scheduler.time_attr: step needs stop.steps (ASHA's last rung), which is not set"),
 ]

@@ -19,7 +19,6 @@ import pytest
 from orchestrator.cli import build_parser
 from orchestrator.config import load_spec
 from orchestrator.jobs import build_job_request, connect
-from ray_cluster import ray_head  # noqa: F401 (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"

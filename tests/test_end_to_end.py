@@ -1,13 +1,17 @@
 """The README's first command, cut to two trials: a real CLI process, a real local Ray, a real
-MLflow SQLite store read back with MLflow's client."""
+MLflow SQLite store read back with MLflow's client. While it runs, every port of its Ray is on
+127.0.0.1; afterwards Ray's token is its owner's only."""
 
 import os
+import stat
 import subprocess
 import sys
+import time
 
 import mlflow
 import pytest
 
+from ray_cluster import descendants, listening_addresses
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration
@@ -21,15 +25,28 @@ TWO_TRIALS = [
 
 
 def test_the_demo_sweep_runs_and_every_trial_is_in_mlflow(tmp_path):
-    proc = subprocess.run(
+    home = tmp_path / "home"  # no Ray token yet: the run's Ray makes one
+    out, err = open(tmp_path / "stdout", "w+"), open(tmp_path / "stderr", "w+")  # files: a full pipe would stall it
+    proc = subprocess.Popen(
         [sys.executable, "-m", "orchestrator", "run", str(ROOT / "configs" / "demo_cpu.yaml"), *TWO_TRIALS,
          "--num-cpus", "2"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=tmp_path, stdout=out, stderr=err, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(home)},
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "Estimated the memory of 2 distinct trial configuration(s) for a cpu device" in proc.stdout
-    table = proc.stdout[proc.stdout.index("trial  "):]
+    listening: dict[str, int] = {}
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        listening.update(listening_addresses([proc.pid, *descendants(proc.pid)]))
+        time.sleep(0.5)
+    proc.wait(timeout=60)
+    stdout, stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert len(listening) >= 4  # GCS, raylet, agents, workers: seen while they ran
+    assert not [a for a in listening if not a.startswith("127.0.0.1:")], listening
+    token = home / ".ray" / "auth_token"
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and stat.S_IMODE(token.parent.stat().st_mode) == 0o700
+    assert "Estimated the memory of 2 distinct trial configuration(s) for a cpu device" in stdout
+    table = stdout[stdout.index("trial  "):]
     assert "micro x accum" in table and "peak memory" in table
     assert table.count("TERMINATED") == 2 and "2/2 trials finished" in table
     assert "workload=mlp" in table and "workload=cnn" in table

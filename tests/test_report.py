@@ -13,15 +13,18 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from fake_sweep import ROOT, run_fake_sweep, runs_of
 from mlflow_server import MlflowServer
+
 from orchestrator.cli import main
-from test_tracking import ROOT, local_ray, run_fake_sweep, runs_of  # noqa: F401 - local_ray is a fixture
+
+pytestmark = pytest.mark.integration  # a real local Ray sweep records what the report reads
 
 CASES = {0.01: {"epochs": 3}, 0.1: {"epochs": 3, "oom_at": 2}, 0.2: {"refuse": True}}
 
 
 @pytest.fixture(scope="module")
-def sqlite_sweep(local_ray, tmp_path_factory):  # noqa: F811
+def sqlite_sweep(local_ray, tmp_path_factory):
     root = tmp_path_factory.mktemp("sweep")
     uri = f"sqlite:///{root / 'mlflow.db'}"
     _, results = run_fake_sweep(root, uri, CASES)
@@ -107,7 +110,7 @@ def test_report_errors_are_one_line(sqlite_sweep, tmp_path, capsys):
     assert code == 2 and "no MLflow experiment 'nope'" in err and "tracking_test" in err
 
 
-def test_report_against_a_tracking_server(local_ray, tmp_path, capsys):  # noqa: F811
+def test_report_against_a_tracking_server(local_ray, tmp_path, capsys):
     with MlflowServer(tmp_path / "server") as server:
         _, results = run_fake_sweep(tmp_path, server.uri, {0.01: {"epochs": 2}, 0.1: {"epochs": 2, "oom_at": 2}})
         assert not results.errors
@@ -120,7 +123,7 @@ def test_report_against_a_tracking_server(local_ray, tmp_path, capsys):  # noqa:
         assert logged == {"report/report.png", "report/results.parquet"}
 
 
-def test_real_sweep_with_ooms_reported_from_mlflow(local_ray, tmp_path, capsys):  # noqa: F811
+def test_real_sweep_with_ooms_reported_from_mlflow(local_ray, tmp_path, capsys):
     """The real runner and trainable on an emulated 8 MiB device: trials OOM, shrink and finish;
     MLflow has every report once, the events and the final plan, and the report agrees with it."""
     from orchestrator.config import load_spec

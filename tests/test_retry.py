@@ -2,18 +2,27 @@
 
 from types import SimpleNamespace
 
+import cloudpickle
+from ray.exceptions import ActorDiedError
 from ray.tune.schedulers import FIFOScheduler
 
-from orchestrator.failures import classify, exception_line, last_failure
+from orchestrator.failures import classify, exception_line, last_failure, pickled_failure
+from orchestrator.oom import OOM_EVIDENCE_FILE, OomEvent, write_oom_evidence
 from orchestrator.retry import OomAwareScheduler
 from trainables.trainable import NOT_RETRIED_KEY, OOM_GAVE_UP_KEY, OOM_SHRINKS_KEY, OTHER_FAILURES_KEY
 
 
-def _trial(tmp_path, text, config=None, failures=1, max_failures=3):
+def _trial(tmp_path, text, config=None, failures=1, max_failures=3, error=None):
+    """What the scheduler reads of a Tune trial that just failed: its error text, the pickled Ray
+    exception when Tune wrote one, and its folder on the storage path."""
     error_file = tmp_path / "error.txt"
     error_file.write_text(text)
+    pickled = tmp_path / "error.pkl"
+    if error is not None:
+        pickled.write_bytes(cloudpickle.dumps(error))
     trial = SimpleNamespace(
-        error_file=str(error_file), config=dict(config or {"lr": 0.1}), max_failures=max_failures,
+        error_file=str(error_file), pickled_error_file=str(pickled) if error is not None else None,
+        path=str(tmp_path), config=dict(config or {"lr": 0.1}), max_failures=max_failures,
         run_metadata=SimpleNamespace(num_failures=failures),
     )
     trial.set_config = lambda c: setattr(trial, "config", c)
@@ -26,23 +35,57 @@ def test_the_newest_failure_block_is_read(tmp_path):
     assert last_failure(str(tmp_path / "missing")) == ""
 
 
+#: What Ray 2.60 says, in the trial's error.txt, after its memory monitor killed the worker (no exception name).
+MEMORY_MONITOR_TEXT = (
+    "1 worker(s) were killed due to the node running low on memory. Memory on the node (IP: 10.0.0.2, ID: 87ea) "
+    "was 22.81GB used / 23.54GB limit (0.968896)\nOOM kill reason: Memory usage 24013062144B exceeded threshold"
+)
+#: What a worker killed with `kill -9` (or on a lost node) leaves: the kernel's OOM killer is only a guess here.
+KILLED_TEXT = (
+    "The actor died unexpectedly before finishing this task.\n\tclass_name: ImplicitFunc\n\tpid: 4242\n"
+    "Worker exit detail: ... Some common causes include: (1) the process was killed by the OOM killer due to high "
+    "memory usage, (2) ray stop --force was called, or (3) the worker crashed unexpectedly due to SIGSEGV"
+)
+
+
 def test_failures_are_classified():
     assert classify("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB") == "oom"
     assert classify("RuntimeError: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate") == "oom"
     assert classify("RuntimeError: cuDNN error: CUDNN_STATUS_ALLOC_FAILED") == "oom"  # as the worker's is_oom
+    assert classify(MEMORY_MONITOR_TEXT) == "oom"
     assert classify("ray.exceptions.RayActorError: The actor died unexpectedly") == "worker_died"
+    assert classify(KILLED_TEXT, ActorDiedError()) == "worker_died"  # "OOM killer" is Ray's guess, not evidence
+    assert classify(KILLED_TEXT, ActorDiedError(), oom_evidence=True) == "oom"
     assert classify("orchestrator.oom.OomRetriesExhausted: out of memory in train and no smaller plan") == "gave_up"
     assert classify("ValueError: a bug in the model") == "other"
 
 
-def test_a_worker_killed_by_oom_restarts_with_one_more_reduction(tmp_path):
+def test_a_worker_killed_without_evidence_of_memory_restarts_with_the_same_plan(tmp_path):
     scheduler = OomAwareScheduler(FIFOScheduler())
-    trial = _trial(tmp_path, "Failure # 1\nRayActorError: The actor died unexpectedly\n")
+    trial = _trial(tmp_path, f"Failure # 1\n{KILLED_TEXT}\n", error=ActorDiedError())
+    scheduler.on_trial_error(None, trial)
+    assert trial.config == {"lr": 0.1} and trial.run_metadata.num_failures == 1  # restarted as it was
+
+
+def test_a_worker_that_died_of_memory_restarts_with_one_more_reduction(tmp_path):
+    scheduler = OomAwareScheduler(FIFOScheduler())
+    event = OomEvent("train", 0, 3, 64, 64, 2**20, 2**22, None, "out of memory")
+    write_oom_evidence(str(tmp_path), event)  # written by the trial before the recovery killed it
+    trial = _trial(tmp_path, f"Failure # 1\n{KILLED_TEXT}\n", error=ActorDiedError())
     scheduler.on_trial_error(None, trial)
     assert trial.config[OOM_SHRINKS_KEY] == 1
-    trial = _trial(tmp_path, "Failure # 2\ntorch.OutOfMemoryError: CUDA out of memory\n", config=trial.config)
+    assert not (tmp_path / OOM_EVIDENCE_FILE).exists()  # taken: a later death needs its own
+    trial = _trial(tmp_path, f"Failure # 2\n{MEMORY_MONITOR_TEXT}\n", config=trial.config)
     scheduler.on_trial_error(None, trial)
     assert trial.config[OOM_SHRINKS_KEY] == 2
+
+
+def test_a_pickled_error_from_an_earlier_failure_is_not_read_as_this_one(tmp_path):
+    """Tune pickles only Ray's task and actor errors: the memory monitor's leaves the older pickle in place."""
+    trial = _trial(tmp_path, f"Failure # 2\n{MEMORY_MONITOR_TEXT}\n", error=ValueError("an earlier bug"))
+    assert pickled_failure(trial.pickled_error_file, last_failure(trial.error_file)) is None
+    trial = _trial(tmp_path, f"Failure # 1\n{KILLED_TEXT}\n", error=ActorDiedError())
+    assert isinstance(pickled_failure(trial.pickled_error_file, last_failure(trial.error_file)), ActorDiedError)
 
 
 def test_a_trial_that_gave_up_is_not_trained_again(tmp_path):

@@ -55,3 +55,49 @@ def test_each_run_gets_its_own_folder_unless_named(tmp_path):
     # Nothing there to resume: a named run starts its sweep under that name.
     assert _experiment_name(SPEC, str(tmp_path), "exp-job7", resume=True) == ("exp-job7", None)
     assert not os.listdir(tmp_path)
+
+
+def test_an_error_tune_could_not_store_is_shown_with_its_reason():
+    """Storage unwritable mid-sweep: Tune's result has no error (it reads errors back from storage),
+    but the driver's callback recorded it, so the row is ERROR with the reason, not INTERRUPTED."""
+    from orchestrator.outcome import SweepRecord, sweep_run_status
+
+    record = SweepRecord(errors={"/x/t": "PermissionError: [Errno 13] Permission denied: '/x/t/checkpoint_000002'"})
+    row = _row(result({**METRICS, "epoch": 2, "done": False}), SPEC, record)
+    assert row.status == "ERROR" and row.note.startswith("PermissionError: [Errno 13]")
+    assert sweep_run_status([row.status, "TERMINATED"]) == "FAILED"  # the sweep's MLflow run, as `run` exits 1
+    assert sweep_run_status(["TERMINATED", "INTERRUPTED"]) == "KILLED" and sweep_run_status(["TERMINATED"]) == "FINISHED"
+
+
+def run_args(**changes):
+    return SimpleNamespace(**{"config": "sweep.yaml", "overrides": ["stop.epochs=2"], "storage_path": None,
+                              "tracking_uri": "http://127.0.0.1:5000", "ray_address": None, "offline_tracking": False,
+                              "name": None, **changes})
+
+
+def test_what_mlflow_lacks_fails_the_run_and_says_how_to_send_it():
+    from orchestrator.outcome import TrackingDelivery
+    from orchestrator.runner import summary_lines
+
+    rows = [_row(result({**METRICS, "done": True}), SPEC)]
+    assert SweepOutcome(rows, "/r/exp_1", "sqlite:///m.db", TrackingDelivery("sqlite:///m.db")).ok
+    unsent = TrackingDelivery("http://127.0.0.1:5000", unsent=18, kept_at="/r/exp_1/mlflow_unsent.pkl")
+    outcome = SweepOutcome(rows, "/r/exp_1", unsent.tracking_uri, unsent)
+    assert not outcome.ok
+    lines = summary_lines(outcome, SPEC, run_args())
+    assert "did not take 18 write(s) by the end; kept in /r/exp_1/mlflow_unsent.pkl." in lines[1]
+    assert lines[2].strip() == ("Send them once MLflow is back with: orchestrator run sweep.yaml --set stop.epochs=2 "
+                                "--tracking-uri http://127.0.0.1:5000 --name exp_1 --resume")
+    dropped = TrackingDelivery("sqlite:///m.db", dropped=["LogResult(step 2 of t): Invalid metric name"])
+    lines = summary_lines(SweepOutcome(rows, "/r/exp_1", "sqlite:///m.db", dropped), SPEC, run_args())
+    assert not SweepOutcome(rows, "/r/exp_1", "sqlite:///m.db", dropped).ok
+    assert "MLflow rejected 1 write(s)" in lines[1] and "Invalid metric name" in lines[1]
+
+
+def test_an_interrupted_sweep_says_our_resume_command():
+    from orchestrator.runner import summary_lines
+
+    rows = [_row(result({**METRICS, "epoch": 2, "done": False}), SPEC)]
+    lines = summary_lines(SweepOutcome(rows, "/r/exp_1", "sqlite:///m.db"), SPEC, run_args(storage_path="/r"))
+    assert ("Interrupted trials continue from their last checkpoints with: orchestrator run sweep.yaml --set "
+            "stop.epochs=2 --storage-path /r --tracking-uri http://127.0.0.1:5000 --name exp_1 --resume") in lines

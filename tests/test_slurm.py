@@ -21,6 +21,7 @@ import os
 import re
 import shlex
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -29,6 +30,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import requests
 import yaml
 
 from orchestrator.cli import build_parser, main
@@ -110,7 +112,7 @@ def test_n_node_gpu_script(tmp_path):
         assert f"--{port}=" in script, port
 
 
-def test_script_never_uses_auto_address_and_binds_dashboard_to_head(tmp_path):
+def test_script_never_uses_auto_address_and_binds_dashboard_and_mlflow_narrowly(tmp_path):
     script = rendered(tmp_path, "--nodes", "2", "--gpus-per-node", "1")
     code = "\n".join(line for line in script.splitlines() if not line.lstrip().startswith("#"))
     assert not re.search(r"""address[= ]*["']?auto""", code)
@@ -120,7 +122,8 @@ def test_script_never_uses_auto_address_and_binds_dashboard_to_head(tmp_path):
     assert '--ray-address "$RAY_ADDRESS_HEAD"' in driver and '--tracking-uri "$TRACKING_URI"' in driver
     assert 'RAY_ADDRESS_HEAD="$HEAD_IP:$GCS_PORT"' in script
     [mlflow] = command_lines(script, '"$MLFLOW" server')
-    assert '--host "$HEAD_IP"' in mlflow and "--workers 1" in mlflow and 'sqlite:///$JOB_DIR/mlflow.db' in mlflow
+    assert "--host 127.0.0.1" in mlflow and "--app-name basic-auth" in mlflow  # loopback, and credentials
+    assert "--workers 1" in mlflow and 'sqlite:///$JOB_DIR/mlflow.db' in mlflow
     assert "export RAY_AUTH_MODE=token" in script and "ray stop" not in script
 
 
@@ -234,8 +237,13 @@ def listen(port):
 FAKE_RAY = LISTEN + """
 import os, sys, time
 record("ray")
-if sys.argv[1] == "get-auth-token":
-    print("fake-token", end="")
+if sys.argv[1] == "get-auth-token":  # as Ray 2.60 does: mkdir and open() with the umask it is given
+    path = os.path.join(os.environ["HOME"], ".ray", "auth_token")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if not os.path.exists(path):
+        with open(path, "w") as f:
+            f.write("fake-token")
+    print(open(path).read(), end="")
 elif "--head" in sys.argv:
     if os.environ.get("FAKE_HEAD_FAILS"):
         sys.exit(1)
@@ -251,11 +259,14 @@ listen(sys.argv[sys.argv.index("--port") + 1])
 FAKE_PYTHON = """
 import os, signal, sys, time
 if sys.argv[1] == "-":  # the wait-for-nodes snippet: until every worker's `ray start` ran
+    import json
     sys.stdin.read()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         with open(os.environ["FAKE_DIR"] + "/calls.jsonl") as f:
-            joined = sum('"start", "--block", "--address=' in line for line in f)
+            calls = [json.loads(line) for line in f]
+        # Only ray's own records: srun's record of the same command line runs before ray does.
+        joined = sum(c["tool"] == "ray" and c["argv"][:2] == ["start", "--block"] for c in calls)
         if joined >= int(sys.argv[3]) - 1:
             break
         time.sleep(0.1)
@@ -273,7 +284,9 @@ sys.exit(int(os.environ.get("FAKE_DRIVER_RC", "0")))
 RECORD = """
 import json, os, sys
 def record(tool):
-    keep = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ADDRESS")}
+    keep = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ADDRESS", "MLFLOW_AUTH_CONFIG_PATH",
+                                           "MLFLOW_FLASK_SERVER_SECRET_KEY", "MLFLOW_TRACKING_USERNAME",
+                                           "MLFLOW_TRACKING_PASSWORD")}
     with open(os.environ["FAKE_DIR"] + "/calls.jsonl", "a") as f:
         f.write(json.dumps({"tool": tool, "argv": sys.argv[1:], "env": keep, "pid": os.getpid()}) + "\\n")
 """
@@ -303,6 +316,7 @@ def run_fake_job(tmp_path, fakes, nodes: list[str], script: str, *, driver_rc=0,
         "ORCHESTRATOR_PYTHON": str(fakes / "python"), "ORCHESTRATOR_RAY": str(fakes / "ray"),
         "ORCHESTRATOR_MLFLOW": str(fakes / "mlflow"), "ORCHESTRATOR_RAY_TMP_ROOT": str(tmp_path / "rt"),
         "RAY_ADDRESS": "auto",  # inherited from the submitting shell: the script must drop it
+        "HOME": str(tmp_path / "home"),
         **(extra_env or {}),
     }
     env.pop("RAY_AUTH_TOKEN", None)
@@ -362,18 +376,34 @@ def test_three_node_run_issues_head_and_worker_commands(tmp_path, fakes):
             assert c["env"]["RAY_AUTH_MODE"] == "token" and c["env"]["RAY_AUTH_TOKEN"] == "fake-token"
             assert c["env"]["RAY_ADDRESS"] is None
 
-    [mlflow] = [c["argv"] for c in calls if c["tool"] == "mlflow"]
+    # MLflow: on the head's loopback (not its cluster address), behind this job's credentials.
+    [mlflow_call] = [c for c in calls if c["tool"] == "mlflow"]
+    mlflow = mlflow_call["argv"]
     assert mlflow[mlflow.index("--host") + 1] == "127.0.0.1" and mlflow[mlflow.index("--port") + 1] == str(gcs + 9)
-    [driver] = [c["argv"] for c in calls if c["tool"] == "python"]
-    job_dir = re.search(r"^JOB_DIR=(.*)$", script, re.M).group(1)
-    assert driver == ["-u", "-m", "orchestrator", "run", f"{job_dir}/config.yaml", "--set", "stop.epochs=1",
-                      "--ray-address", f"127.0.0.1:{gcs}", "--storage-path", str(storage),
-                      "--tracking-uri", f"http://127.0.0.1:{gcs + 9}", "--name", os.path.basename(job_dir)]
+    assert mlflow[mlflow.index("--app-name") + 1] == "basic-auth"
+    job_dir = Path(re.search(r"^JOB_DIR=(.*)$", script, re.M).group(1))
+    auth = job_dir / "mlflow_auth.ini"
+    assert mlflow_call["env"]["MLFLOW_AUTH_CONFIG_PATH"] == str(auth)
+    assert stat.S_IMODE(auth.stat().st_mode) == 0o600 and stat.S_IMODE(job_dir.stat().st_mode) == 0o700
+    settings = dict(line.split(" = ", 1) for line in auth.read_text().splitlines() if " = " in line)
+    assert settings["default_permission"] == "NO_PERMISSIONS" and len(settings["admin_password"]) == 64
+    assert mlflow_call["env"]["MLFLOW_FLASK_SERVER_SECRET_KEY"] == settings["flask_secret_key"] != settings["admin_password"]
+    [driver_call] = [c for c in calls if c["tool"] == "python"]
+    assert driver_call["env"]["MLFLOW_TRACKING_USERNAME"] == settings["admin_username"] == "orchestrator"
+    assert driver_call["env"]["MLFLOW_TRACKING_PASSWORD"] == settings["admin_password"]
+    assert settings["admin_password"] not in out  # never printed
+    assert driver_call["argv"] == ["-u", "-m", "orchestrator", "run", f"{job_dir}/config.yaml", "--set", "stop.epochs=1",
+                                   "--ray-address", f"127.0.0.1:{gcs}", "--storage-path", str(storage),
+                                   "--tracking-uri", f"http://127.0.0.1:{gcs + 9}", "--name", job_dir.name]
+    # Ray's token: created under the script's umask, private to its owner.
+    token = tmp_path / "home" / ".ray" / "auth_token"
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and stat.S_IMODE(token.parent.stat().st_mode) == 0o700
     # Teardown: the workers' temp dirs are removed on their nodes; nothing we started is left.
     assert any("rm" in argv and "--exclude=n1" in argv for argv in sruns)
     assert not [c["pid"] for c in calls if c["tool"] in ("ray", "mlflow") and pid_alive(c["pid"])]
     assert list((tmp_path / "rt").iterdir()) == []  # the head's temp dir is gone
     assert f"ssh -N -L 8265:127.0.0.1:{gcs + 4} alice@login1" in out
+    assert f"ssh -N -L 5000:127.0.0.1:{gcs + 9} -J alice@login1 alice@n1" in out
 
 
 def test_one_node_run_has_no_workers_and_returns_the_driver_status(tmp_path, fakes):
@@ -534,20 +564,22 @@ def test_time_limit_requeues_and_resumes_only_unfinished_trials(slurm, tmp_path)
     )
     log = tmp_path / "logs" / f"orch-{config.stem}-{job_id}.out"
 
-    def finished_runs() -> set[str] | None:
-        """Ids of finished trial runs, asked of the job's MLflow server (only it writes the store)."""
-        cluster_env = job_dir / "cluster.env"
-        if job_state(slurm, job_id).get("JobState") != "RUNNING" or not cluster_env.exists():
+    def trials_finished() -> int | None:
+        """Trials Tune reported complete in the job log (the driver prints unbuffered), while the job runs."""
+        if job_state(slurm, job_id).get("JobState") != "RUNNING" or not log.exists():
             return None
-        uri = dict(line.split("=", 1) for line in cluster_env.read_text().split())["MLFLOW_TRACKING_URI"]
-        try:
-            runs = trial_runs(uri, config.stem)
-        except Exception:  # the sweep has not created its experiment yet
-            return None
-        return {r.info.run_id for r in runs if r.info.status == "FINISHED"}
+        return log.read_text().count("completed after 4 iterations")
 
-    finished_before = wait_for(lambda: (ids := finished_runs()) and len(ids) < 3 and ids, 400,
-                               "a first trial to finish", slurm, log)
+    # The job's MLflow server answers its own credentials only (slurm/README.md).
+    wait_for(lambda: (job_dir / "cluster.env").exists(), 400, "the job's cluster", slurm, log)
+    found = dict(line.split("=", 1) for line in (job_dir / "cluster.env").read_text().split())
+    settings = dict(line.split(" = ", 1) for line in Path(found["MLFLOW_AUTH_CONFIG"]).read_text().splitlines()
+                    if " = " in line)
+    search = f"{found['MLFLOW_TRACKING_URI']}/api/2.0/mlflow/experiments/search?max_results=1"
+    assert requests.get(search, timeout=30).status_code == 401
+    assert requests.get(search, auth=(settings["admin_username"], settings["admin_password"]), timeout=30).ok
+
+    wait_for(lambda: 0 < (trials_finished() or 0) < 3, 400, "a first trial to finish", slurm, log)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm.env(), check=True)
 
     wait_for(lambda: int(job_state(slurm, job_id).get("Restarts", "0")) >= 1, 300, "the requeue", slurm, log)
@@ -563,5 +595,4 @@ def test_time_limit_requeues_and_resumes_only_unfinished_trials(slurm, tmp_path)
     assert "completed after" in text[text.index("attempt 2"):]
     runs = trial_runs(f"sqlite:///{job_dir}/mlflow.db", config.stem)
     assert len(runs) == 3 and {r.info.status for r in runs} == {"FINISHED"}, [(r.info.run_name, r.info.status) for r in runs]
-    assert finished_before <= {r.info.run_id for r in runs}
     assert processes_left(job_id, job_dir) == []

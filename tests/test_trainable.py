@@ -8,21 +8,12 @@ import os
 import tempfile
 
 import pytest
-import ray
 import torch
 
 from orchestrator.config import parse_spec
 from orchestrator.runner import run_sweep
 
-pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray(tmp_path_factory):
-    ray.init(address="local", num_cpus=2, include_dashboard=False,
-             _temp_dir=str(tmp_path_factory.mktemp("ray")))
-    yield
-    ray.shutdown()
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("local_ray")]
 
 
 def sweep(tmp_path, workload, memory, search_space=None, epochs=3, **extra):
@@ -104,19 +95,24 @@ def test_retries_are_bounded_and_the_events_are_in_the_error(tmp_path):
     assert row.epochs == 0 and row.final_metric is None
 
 
-def test_a_worker_killed_by_an_oom_is_restarted_by_tune_with_a_smaller_plan(tmp_path):
+def test_a_worker_that_dies_recovering_from_an_oom_is_restarted_by_tune_with_a_smaller_plan(tmp_path):
     outcome = sweep(tmp_path, {"name": "tests.workloads:DiesOnOomWorkload", "params": {"width": 48}},
                     {"device": "emulated", "capacity": "8MiB", "estimator": "none", "max_oom_retries": 4}, epochs=1)
     assert outcome.ok, outcome.rows
     state = final_weights(outcome)
-    # Each forward-pass OOM killed the worker and Tune's restart applied the shrink; an OOM in
-    # backward (outside the workload's loss) is shrunk in-process.
+    # Each training OOM was written down before the recovery killed the worker; that evidence made
+    # Tune's restart apply one more reduction. An OOM in backward (outside the workload's loss) is
+    # recovered in-process like the eval OOM.
     train_events = [e for e in state["oom_events"] if e["phase"] == "train"]
     assert state["applied_shrinks"] >= 1 and state["plan"]["micro_batch"] < 128
     assert 128 // state["plan"]["micro_batch"] == 2 ** (state["applied_shrinks"] + len(train_events))
     assert state["plan"]["effective_batch"] == 128 and state["trainer"]["progress"]["epoch"] == 1
     # The eval OOM (batch 128 needs 6 MiB) was an ordinary exception: shrunk in-process.
     assert any(e["phase"] == "eval" for e in state["oom_events"]) and state["plan"]["eval_batch"] < 128
+    (row,) = outcome.rows
+    assert row.oom_retries == state["applied_shrinks"] + len(state["oom_events"])  # the deaths count too
+    (trial_dir,) = trial_dirs(outcome)
+    assert not os.path.exists(os.path.join(trial_dir, "oom_before_death.json"))  # each death took its own
 
 
 @pytest.mark.parametrize("max_failures,attempts", [(0, 1), (1, 2)])
@@ -166,10 +162,13 @@ def test_a_worker_that_dies_mid_epoch_resumes_from_its_mid_epoch_checkpoint(tmp_
     assert outcome.ok, outcome.rows
     state = final_weights(outcome)
     assert state["trainer"]["progress"] == {"epoch": 2, "step_in_epoch": 0, "step": 32}  # 2048 samples / 128
-    # The restart went back to the checkpoint of step 10: steps 11 and 12 (and the micro-batch of step
-    # 13 that died) ran twice; nothing before step 10 did.
-    micro_batches_per_step = 128 // state["plan"]["micro_batch"]
-    assert calls.read_text().count("call") == 13 + (32 - 10) * micro_batches_per_step
+    # Nothing says the worker died of memory (no OOM event, no memory monitor): the restart kept
+    # the plan, one micro-batch of 128 per step, and counts no OOM.
+    assert (state["plan"]["micro_batch"], state["plan"]["accum_steps"], state["applied_shrinks"]) == (128, 1, 0)
+    assert outcome.rows[0].oom_retries == 0
+    # The restart went back to the checkpoint of step 10: steps 11 and 12 and step 13 (during which
+    # the worker died) ran twice; nothing before step 10 did.
+    assert calls.read_text().count("call") == 13 + (32 - 10)
 
 
 def test_a_sweep_tuned_on_a_declared_metric_with_asha(tmp_path):

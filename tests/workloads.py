@@ -28,18 +28,29 @@ class HeavyEvalWorkload(MLPWorkload):
         return F.cross_entropy(logits, y)
 
 
+#: Set by :class:`DiesOnOomWorkload` when a training step of this process ran out of memory.
+_TRAIN_OOM_IN_THIS_PROCESS = False
+
+
 @dataclasses.dataclass
 class DiesOnOomWorkload(CNNWorkload):
-    """A CNN whose process dies outright when a training forward pass runs out of memory, as a
-    worker does after a hard CUDA failure: only Tune's restart (with a smaller plan) can save
-    it. Eval OOMs stay ordinary exceptions, handled in-process."""
+    """A CNN whose worker dies while recovering from an out-of-memory error in training, as one
+    does when a CUDA OOM left its context unusable: it dies building the next attempt's model.
+    The trial wrote the OOM event down before it started the recovery, which is the evidence that
+    this death was about memory, so Tune's restart shrinks the plan. Eval OOMs are recovered in
+    the same process."""
+
+    def build_model(self):
+        if _TRAIN_OOM_IN_THIS_PROCESS:
+            os._exit(1)
+        return super().build_model()
 
     def loss(self, model, batch):
+        global _TRAIN_OOM_IN_THIS_PROCESS
         try:
             return super().loss(model, batch)
         except torch.OutOfMemoryError:
-            if model.training:
-                os._exit(1)
+            _TRAIN_OOM_IN_THIS_PROCESS = _TRAIN_OOM_IN_THIS_PROCESS or model.training
             raise
 
 
@@ -87,3 +98,14 @@ class DiesOnceWorkload(MLPWorkload):
                 open(marker, "w").close()
                 os._exit(1)
         return super().loss(model, batch)
+
+
+@dataclasses.dataclass
+class GroupedMLPWorkload(MLPWorkload):
+    """An MLP whose layers split into groups of 8 units: a width that is no multiple of 8 is a
+    mistake its constructor reports, as a user's model does."""
+
+    def build_model(self):
+        if self.width % 8:
+            raise ValueError(f"width must be a multiple of 8, got {self.width}")
+        return super().build_model()

@@ -21,7 +21,7 @@ def teacher_classification(n: int, input_shape: tuple[int, ...], classes: int, s
     teacher = torch.randn(features, classes, generator=teacher_gen)
     data_gen = torch.Generator().manual_seed(DATA_SEED + (1 if split == "train" else 2))
     x = torch.randn(n, *input_shape, generator=data_gen)
-    y = (x.reshape(n, -1) @ teacher).argmax(dim=1)
+    y = (x.reshape(n, features) @ teacher).argmax(dim=1)
     return TensorDataset(x, y)
 
 

@@ -23,7 +23,10 @@ from orchestrator.config import SweepSpec
 from orchestrator.device import CudaDevice, Device, configure_allocator, open_device
 from orchestrator.estimates import Estimates, ProfileCache
 from orchestrator.failures import NotRetriedError
-from orchestrator.oom import OomEvent, OomRetriesExhausted, bytes_requested, is_oom, release_memory
+from orchestrator.oom import (
+    OomEvent, OomRetriesExhausted, bytes_requested, clear_oom_evidence, is_oom, release_memory, storage_trial_folder,
+    write_oom_evidence,
+)
 from orchestrator.planner import Plan, make_plan, next_reduction
 from trainables.loop import LoopSettings, Milestone, Trainer
 from trainables.reuse import HISTORY
@@ -83,6 +86,8 @@ class TrialRun:
         self.scratch = _fresh_scratch(trial_id)
         self.local_checkpoint: str | None = None  # folder of the newest checkpoint, this process's copy
         self.events: list[OomEvent] = []
+        self.evidence_folder = storage_trial_folder()  # where an OOM being recovered from is written down
+        self.evidence_written = False
         self.applied_shrinks = 0  # Tune-level shrinks (OOM_SHRINKS_KEY) already in self.plan
         self.estimated_by = "checkpoint"  # where the plan's profile was made: driver | worker | none
 
@@ -112,6 +117,8 @@ class TrialRun:
                 if not is_oom(exc):
                     raise
                 event = self._oom_event(trainer, exc)
+                write_oom_evidence(self.evidence_folder, event)  # should the recovery kill the worker
+                self.evidence_written = True
             # Out of the except block: the exception and the frames of the failed step are gone,
             # so dropping the trainer frees its weights and optimizer state before the next is built.
             del trainer
@@ -190,6 +197,9 @@ class TrialRun:
 
         metrics = self._milestone_metrics(milestone)
         self.metrics.record_result(metrics)
+        if self.evidence_written:  # recovered: a later death is not this OOM's
+            clear_oom_evidence(self.evidence_folder)
+            self.evidence_written = False
         if not milestone.checkpoint:
             tune.report(metrics)
             return
@@ -223,7 +233,8 @@ class TrialRun:
             "effective_batch": plan.effective_batch, "eval_batch": plan.eval_batch,
             "activation_checkpointing": int(plan.activation_checkpointing), "precision": plan.precision,
             "plan_reductions": plan.reductions, "estimator": plan.estimator, "estimated_by": self.estimated_by,
-            "oom_retries": len(self.events), "oom_events": [e.to_dict() for e in self.events],
+            # Events recovered in this process, plus workers that died of memory (restarted by Tune).
+            "oom_retries": len(self.events) + self.applied_shrinks, "oom_events": [e.to_dict() for e in self.events],
         }
         if plan.budget_bytes is not None:
             metrics["budget_bytes"] = plan.budget_bytes

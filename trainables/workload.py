@@ -209,33 +209,56 @@ def resolve_workload(name: str) -> type[Workload]:
         module = importlib.import_module(module_name)
     except Exception as exc:  # the user's module runs here: a syntax error, a missing dependency, a bug
         raise WorkloadNotFound(f"workload {name!r}: cannot import module {module_name!r} ({_import_failure(exc)})") from None
-    cls = getattr(module, attr, None)
+    if not hasattr(module, attr):
+        found = sorted(k for k, v in vars(module).items()
+                       if isinstance(v, type) and issubclass(v, Workload) and v.__module__ == module.__name__)
+        offer = f"its workloads: {', '.join(found)}" if found else "it defines no subclass of trainables.Workload"
+        raise WorkloadNotFound(f"workload {name!r}: module {module_name!r} has no {attr!r} ({offer})")
+    cls = getattr(module, attr)
     if not (isinstance(cls, type) and issubclass(cls, Workload)):
         raise WorkloadNotFound(f"workload {name!r}: {target} is not a subclass of trainables.Workload")
     return cls
 
 
 def _import_failure(exc: Exception) -> str:
-    """Why importing a user's module failed, on one line: ``FILE:LINE: what``.
+    """Why importing a user's module failed, on one line (see :func:`failure_line`).
 
-    The line is the innermost one of the user's own code (installed packages' lines are passed
-    over), so an error raised inside torch points at the user's call into it. A module that
-    does not exist ran no code: its message stands alone, ``No module named 'my_models'``.
+    The first frame is resolve_workload's own; the import machinery's are frozen or stdlib. A
+    module that does not exist ran no code: its message stands alone, ``No module named 'my_models'``.
+    """
+    return failure_line(exc, skip=1)
+
+
+def failure_line(exc: BaseException, skip: int = 0) -> str:
+    """Why a user's code failed, on one line: ``FILE:LINE: Type: what``.
+
+    The line is the innermost one of the user's own code (see :func:`failure_location`). ``skip``
+    leaves out the caller's own outermost frames.
     """
     if isinstance(exc, SyntaxError):  # raised by the compiler, outside any frame of the module
-        what, file, line = f"{type(exc).__name__}: {exc.msg}", exc.filename, exc.lineno
+        what = f"{type(exc).__name__}: {exc.msg}"
     else:
         what = str(exc) if isinstance(exc, ImportError) else f"{type(exc).__name__}: {exc}"
-        # The first frame is resolve_workload's own; the import machinery's are frozen or stdlib.
-        ran = [f for f in traceback.extract_tb(exc.__traceback__)[1:]
+    what = " ".join(what.split())
+    where = failure_location(exc, skip)
+    return f"{where}: {what}" if where else what
+
+
+def failure_location(exc: BaseException, skip: int = 0) -> str | None:
+    """``FILE:LINE`` of the innermost line of the user's own code that ``exc`` passed through
+    (installed packages' lines are passed over, so an error raised inside torch points at the
+    user's call into it), relative to the working directory when it is below it."""
+    if isinstance(exc, SyntaxError):
+        file, line = exc.filename, exc.lineno
+    else:
+        ran = [f for f in traceback.extract_tb(exc.__traceback__)[skip:]
                if not f.filename.startswith("<") and not _under(f.filename, _STDLIB)]
         own = [f for f in ran if not _under(f.filename, _SITE_PACKAGES)] or ran
         file, line = (own[-1].filename, own[-1].lineno) if own else (None, None)
-    what = " ".join(what.split())
     if file is None:
-        return what
+        return None
     shown = os.path.relpath(file)
-    return f"{file if shown.startswith('..') else shown}:{line}: {what}"
+    return f"{file if shown.startswith('..') else shown}:{line}"
 
 
 _STDLIB = {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib")}

@@ -1,0 +1,83 @@
+"""Checks a sweep passes before Ray starts: a mistake found here costs a second and one line
+(exit 2), not a started cluster, a traceback, and MLflow runs left behind.
+
+The config layer already checked every key and value (``config.py``); these look at what the
+config points to. The storage folder must take files. Each workload must have data for one
+optimizer step and an eval set (a 0-row dataset otherwise fails deep inside an estimator or a
+trial). Memory-neutral hyper-parameters (``lr``, ``seed``) are left out, so a sweep over
+learning rates reads each workload's data once. Building the model is not repeated here: the
+driver's estimates (``estimates.py``, made before Ray starts too) build every model the trace and
+static estimators plan, and a model that fails there stops the sweep in one line naming the
+user's file and line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+from orchestrator.config import SweepSpec
+from orchestrator.errors import UserError
+
+#: Hyper-parameters that change neither a workload's data nor its model.
+CHECK_NEUTRAL = ("lr", "seed")
+
+
+def check_storage(path: str) -> None:
+    """The storage folder exists (or can be made) and takes a file."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".orchestrator-write-check-"):
+            pass
+    except OSError as exc:
+        raise UserError(
+            f"storage_path: cannot write to {path} ({exc.strerror or exc}); pass --storage-path with a folder you can write"
+        ) from None
+
+
+def check_workloads(spec: SweepSpec) -> None:
+    """:func:`check_workload` for every distinct trial config of the sweep (grids expanded, random
+    parameters sampled, ``lr`` and ``seed`` left out)."""
+    from orchestrator.space import trial_configs
+    from trainables.workload import build_workload
+
+    seen = set()
+    for config in trial_configs(spec):
+        key = json.dumps({k: v for k, v in sorted(config.items()) if k not in CHECK_NEUTRAL}, default=str)
+        if key in seen:
+            continue
+        seen.add(key)
+        workload = build_workload(config)
+        check_workload(workload, spec, _label(config, spec))
+
+
+def check_workload(workload, spec: SweepSpec, label: str) -> None:
+    """The workload's training set holds one optimizer step and its eval set a sample."""
+    train = _call(workload.train_data, label, "train_data()")
+    samples = _call(lambda: len(train), label, "len(train_data())")
+    if samples < spec.effective_batch_size:
+        raise UserError(
+            f"{label}: train_data has {samples} samples, fewer than one optimizer step "
+            f"(effective_batch_size {spec.effective_batch_size})"
+        )
+    evaluation = _call(workload.eval_data, label, "eval_data()")
+    if _call(lambda: len(evaluation), label, "len(eval_data())") == 0:
+        raise UserError(f"{label}: eval_data has no samples")
+
+
+def _call(function, label: str, what: str) -> Any:
+    try:
+        return function()
+    except Exception as exc:  # noqa: BLE001 - the user's code: one line naming where it failed
+        from trainables.workload import failure_line
+
+        raise UserError(f"{label}: {what} failed ({failure_line(exc)})") from None
+
+
+def _label(config: dict[str, Any], spec: SweepSpec) -> str:
+    """``workload mlp (width=16)``: the workload and the searched values that picked this trial."""
+    shown = {k: v for k, v in config.items() if k in spec.search_space and k not in CHECK_NEUTRAL and k != "workload"}
+    values = ", ".join(f"{k}={v}" for k, v in shown.items())
+    return f"workload {config['workload']}" + (f" ({values})" if values else "")

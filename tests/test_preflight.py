@@ -1,0 +1,112 @@
+"""What ``run`` checks before Ray starts: each mistake is one line naming what is wrong, exit 2,
+and nothing started or written (no Ray, no MLflow run, no sweep folder)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.cli import main
+from orchestrator.config import load_spec
+from orchestrator.errors import UserError
+from orchestrator.preflight import check_storage, check_workloads
+
+SWEEP = """
+experiment: preflight
+workload: {name: mlp, params: {depth: 1}}
+search_space:
+  lr: {grid: [0.01, 0.1]}
+  width: {grid: [16, 32]}
+effective_batch_size: 64
+stop: {epochs: 1}
+"""
+
+
+@pytest.fixture
+def sweep_file(tmp_path):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(SWEEP)
+    return str(path)
+
+
+def spec(sweep_file, *overrides):
+    return load_spec(sweep_file, list(overrides))
+
+
+def test_a_good_sweep_passes(sweep_file):
+    check_workloads(spec(sweep_file))
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["workload.params.train_samples=0"],
+         "workload mlp (width=16): train_data has 0 samples, fewer than one optimizer step (effective_batch_size 64)"),
+        (["workload.params.train_samples=40"], "workload mlp (width=16): train_data has 40 samples, fewer than one"),
+        (["workload.params.eval_samples=0"], "workload mlp (width=16): eval_data has no samples"),
+    ],
+    ids=["empty training set", "less than one step", "empty eval set"],
+)
+def test_a_workload_without_data_is_one_line(sweep_file, overrides, message):
+    with pytest.raises(UserError) as err:
+        check_workloads(spec(sweep_file, *overrides))
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_a_model_that_does_not_build_stops_the_driver_estimate_naming_the_users_line(sweep_file):
+    """The driver's estimates (before Ray starts) build each model; preflight does not build it again."""
+    from orchestrator.runner import estimate_before_start
+
+    grouped = spec(sweep_file, "workload.name=tests.workloads:GroupedMLPWorkload", "search_space.width=12")
+    check_workloads(grouped)  # its data is fine
+    with pytest.raises(UserError) as err:
+        estimate_before_start(grouped)
+    message = str(err.value)
+    assert message.startswith("workload tests.workloads:GroupedMLPWorkload width=12: the trace estimate failed "
+                              "(ValueError: width must be a multiple of 8, got 12 (at tests/workloads.py:"), message
+    assert "\n" not in message
+
+
+def test_plan_checks_the_data_too(sweep_file, capsys):
+    assert main(["plan", sweep_file, "--set", "workload.params.train_samples=0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: workload mlp (width=16): train_data has 0 samples") and err.count("\n") == 1, err
+
+
+def test_storage_that_takes_no_files(tmp_path):
+    blocker = tmp_path / "results"
+    blocker.write_text("a file where the folder should be")
+    with pytest.raises(UserError, match=r"storage_path: cannot write to .*/results/sweeps \(Not a directory\)"):
+        check_storage(str(blocker / "sweeps"))
+    check_storage(str(tmp_path / "new" / "sweeps"))
+    assert list((tmp_path / "new" / "sweeps").iterdir()) == []  # the probe leaves nothing behind
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--set", "workload.params.train_samples=0"], "error: workload mlp (width=16): train_data has 0 samples"),
+        (["--storage-path", "{blocker}/x"], "error: storage_path: cannot write to"),
+        (["--tracking-uri", "http://127.0.0.1:{closed_port}"], "error: tracking_uri: MLflow at http://127.0.0.1:"),
+        (["--name", "../elsewhere"], "error: --name: expected a name, not a path"),
+    ],
+    ids=["empty data", "storage", "tracking server", "name"],
+)
+def test_run_stops_before_ray_starts(sweep_file, tmp_path, capsys, monkeypatch, flags, message):
+    import ray
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "blocker").write_text("")
+    flags = [f.format(blocker=tmp_path / "blocker", closed_port=closed_port()) for f in flags]
+    assert main(["run", sweep_file, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+    assert not ray.is_initialized()
+    assert not (tmp_path / "orchestrator_results").exists() or not any((tmp_path / "orchestrator_results").iterdir())
+
+
+def closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

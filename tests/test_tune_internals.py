@@ -1,0 +1,120 @@
+"""What this project takes from Ray beyond its public API, checked against the installed Ray in
+a second, without starting it.
+
+The Tune-level OOM retry (``orchestrator/retry.py``) needs Tune's failure path to call the
+scheduler's ``on_trial_error`` after Tune decided to retry the trial and before it requeues it,
+to build the restart from ``trial.config`` as set with ``Trial.set_config``, and to read
+``trial.run_metadata.num_failures`` when it next decides whether to retry. The scheduler reads
+the failure from ``Trial.error_file`` and ``Trial.pickled_error_file``, written on the driver
+by ``Trial.handle_error`` before the hook; the runner's record does too (``outcome.py``), and the
+OOM evidence is looked up under ``Trial.path``. The dashboard and job client read Ray's token
+with ``ray._raylet.AuthenticationTokenLoader``. A Ray upgrade that changes any of these fails
+here, naming what changed, instead of in a sweep. (docs/ARCHITECTURE.md: the Ray range.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from ray.exceptions import ActorDiedError
+from ray.tune.execution.tune_controller import TuneController
+from ray.tune.experiment import Trial
+from ray.tune.schedulers import FIFOScheduler
+
+from orchestrator.oom import OomEvent, write_oom_evidence
+from orchestrator.retry import OomAwareScheduler
+from trainables.trainable import NOT_RETRIED_KEY, OOM_SHRINKS_KEY
+
+
+class Controller:
+    """Just enough of a ``TuneController`` for its own failure-handling methods to run on."""
+
+    def __init__(self, scheduler):
+        self._scheduler_alg = scheduler
+        self._search_alg = SimpleNamespace(on_trial_complete=lambda *a, **k: None)
+        self._callbacks = SimpleNamespace(on_trial_recover=lambda **k: None, on_trial_error=lambda **k: None)
+        self._cached_trial_decisions, self._trial_to_actor = {}, {}
+        self._trials, self._live_trials = [], set()
+        self._iteration, self._has_errored = 0, False
+        self.seen_by_scheduler: list[tuple[str, dict]] = []  # (trial status, config) when the hook ran
+
+    def _set_trial_status(self, trial, status):
+        trial.set_status(status)
+
+    def _wrapped(self):
+        return self
+
+    def _mark_trial_to_checkpoint(self, trial):
+        pass
+
+    def fail(self, trial, exception):
+        """The running trial fails with ``exception``, as Tune's event loop hands it over."""
+        if trial not in self._trials:
+            self._trials.append(trial)
+        trial.set_status(Trial.RUNNING)
+        for name in ("_process_trial_failure", "_try_recover", "_requeue_trial", "_schedule_trial_stop"):
+            if not hasattr(TuneController, name):
+                pytest.fail(f"Tune changed: TuneController.{name} is gone; re-check orchestrator/retry.py's hook")
+            setattr(self, name, getattr(TuneController, name).__get__(self))
+        TuneController._process_trial_failure(self, trial, exception)
+
+
+class Watching(OomAwareScheduler):
+    """The retry scheduler, noting what the trial looked like when Tune called it."""
+
+    def __init__(self):
+        super().__init__(FIFOScheduler())
+
+    def on_trial_error(self, tune_controller, trial):
+        tune_controller.seen_by_scheduler.append((trial.status, dict(trial.config)))
+        super().on_trial_error(tune_controller, trial)
+
+
+def a_trial(tmp_path: Path, max_failures: int) -> Trial:
+    staging, stored = tmp_path / "staging", tmp_path / "stored"
+    staging.mkdir()
+    stored.mkdir()
+    storage = SimpleNamespace(  # a StorageContext's paths, without a Ray session
+        trial_driver_staging_path=str(staging), trial_fs_path=str(stored), trial_dir_name="t",
+        experiment_fs_path=str(tmp_path), storage_filesystem=None,
+    )
+    trial = Trial("train_trial", config={"lr": 0.1}, trial_id="abc_00000", stub=True, max_failures=max_failures)
+    trial.storage = storage
+    return trial
+
+
+def test_the_failure_path_the_oom_retry_relies_on(tmp_path):
+    trial = a_trial(tmp_path, max_failures=3)
+    assert Path(trial.path) == tmp_path / "stored", "Tune changed: Trial.path is not the trial's storage folder"
+    write_oom_evidence(trial.path, OomEvent("train", 0, 3, 64, 64, 1, 2, None, "out of memory"))
+    controller = Controller(Watching())
+
+    controller.fail(trial, ActorDiedError())  # a worker that died recovering from an OOM it wrote down
+    assert controller.seen_by_scheduler, "Tune changed: the scheduler's on_trial_error is not called on a retried failure"
+    status, config = controller.seen_by_scheduler[0]
+    assert OOM_SHRINKS_KEY not in config, "Tune changed: on_trial_error runs after the trial's config was read again"
+    assert trial.error_file and Path(trial.error_file).is_file(), "Tune changed: no error.txt on the driver before the hook"
+    assert trial.pickled_error_file and Path(trial.pickled_error_file).is_file(), "Tune changed: no error.pkl before the hook"
+    assert trial.status == Trial.PENDING, f"Tune changed: after the hook the trial is {trial.status}, not requeued"
+    assert trial.config[OOM_SHRINKS_KEY] == 1, "Tune changed: Trial.set_config in the hook does not reach the restart"
+
+    # A bug (max_failures 0 for those): the hook makes this failure the last by raising num_failures.
+    controller.seen_by_scheduler.clear()
+    controller.fail(trial, RuntimeError("ValueError: a bug in the model"))
+    assert trial.config[NOT_RETRIED_KEY] == "ValueError: a bug in the model"
+    assert trial.run_metadata.num_failures == trial.max_failures
+    assert trial.status == Trial.PENDING  # the restart Tune had decided on; it fails at once
+    controller.fail(trial, RuntimeError(f"NotRetriedError: {trial.config[NOT_RETRIED_KEY]}"))
+    assert not trial.should_recover() and trial.status == Trial.ERROR, (
+        "Tune changed: writing trial.run_metadata.num_failures no longer ends the retries"
+    )
+
+
+def test_the_token_loader_the_dashboard_uses():
+    from ray._raylet import AuthenticationTokenLoader
+
+    loader = AuthenticationTokenLoader.instance()
+    for method in ("reset_cache", "get_token_for_http_header", "has_token"):
+        assert callable(getattr(loader, method, None)), f"Ray changed: AuthenticationTokenLoader.{method} is gone"
