@@ -29,6 +29,7 @@ MEMORY_NEUTRAL = ("lr", "seed")
 
 def plan_command(args) -> int:
     from orchestrator.config import load_spec
+    from orchestrator.memory.failure import summary
     from orchestrator.planner import plan_with_profile
     from orchestrator.space import trial_configs
     from trainables.workload import build_workload
@@ -51,8 +52,8 @@ def plan_command(args) -> int:
                 cache[key] = plan_with_profile(build_workload(config), policy, spec.effective_batch_size, budget, target=target)
             except UserError:
                 raise
-            except Exception as exc:  # e.g. a model whose library is not installed here: show it, go on
-                cache[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            except Exception as exc:  # a model whose library is not installed here, a bug in it: show it, go on
+                cache[key] = summary(exc)
             print(f" {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
         if isinstance(cache[key], str):
             results.append({"trial": index, "config": config, "error": cache[key]})

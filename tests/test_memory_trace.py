@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 import textwrap
@@ -54,10 +55,12 @@ class NonzeroMLP(MLPWorkload):
         return F.cross_entropy(logits[keep], y[keep])
 
 
-def test_untraceable_workload_falls_back_with_a_note():
+def test_untraceable_workload_falls_back_with_a_note_naming_the_op_and_the_line():
     static = estimate(NonzeroMLP(), "trace", target="cpu")
     assert static.estimator == "static"
     assert static.notes[0].startswith("trace impossible (aten.nonzero") and "fell back to static" in static.notes[0]
+    line = inspect.getsourcelines(NonzeroMLP.loss)[1] + 3  # the torch.nonzero line
+    assert f"in tests/test_memory_trace.py:{line} (loss)" in static.notes[0]
     measured = estimate(NonzeroMLP(), "trace", target="cpu", device=CpuDevice())
     assert measured.estimator == "measured" and "fell back to measured" in measured.notes[0]
     assert measured.phases[0].allocated_at(64) <= static.phases[0].allocated_at(64)

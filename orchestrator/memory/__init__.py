@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from orchestrator.memory.failure import summary
 from orchestrator.memory.fake import Untraceable
 from orchestrator.memory.measured import MeasurementFailed, measured_profile
 from orchestrator.memory.profile import ESTIMATORS, TARGETS, MemoryProfile, PhaseProfile, Settings
@@ -63,7 +64,7 @@ def estimate(
     except Untraceable as exc:
         reason = str(exc)
     except Exception as exc:  # a model fake tensors trip over in some other way: still plan, say why
-        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        reason = summary(exc)
     fallback = "measured" if device is not None else "static"
     profile = estimate(workload, fallback, settings, target=target, fragmentation=fragmentation, device=device)
     return replace(profile, notes=(f"trace impossible ({reason}); fell back to {fallback}", *profile.notes))

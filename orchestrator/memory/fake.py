@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._pytree import tree_map
 
 from orchestrator.memory.cuda_emulation import cuda_semantics
+from orchestrator.memory.failure import where
 from orchestrator.tensor_tracker import CUDA_BLOCK, StorageTracker
 from trainables.workload import Workload
 
@@ -119,12 +120,13 @@ def translate_errors():
     try:
         yield
     except (DynamicOutputShapeException, DataDependentOutputException) as exc:
-        func = getattr(exc, "func", None)
         raise Untraceable(
-            f"{func or type(exc).__name__}: an op whose output depends on tensor values cannot run on fake tensors"
+            f"{where(exc) or type(exc).__name__}: an op whose output depends on tensor values cannot run on fake tensors"
         ) from exc
     except UnsupportedFakeTensorException as exc:
-        raise Untraceable(f"an op does not support fake tensors: {exc}") from exc
+        place = where(exc)
+        raise Untraceable(f"an op does not support fake tensors{' (' + place + ')' if place else ''}: {exc}") from exc
+
 
 
 def describe(setup: FakeSetup) -> str:
