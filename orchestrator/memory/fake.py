@@ -1,7 +1,8 @@
 """Running a workload on fake tensors: the shared ground of the ``trace`` and ``static`` estimators.
 
-Under ``FakeTensorMode`` tensors have shapes, dtypes and devices but no data: the real model,
-optimizer and step run for any batch size in the time of a tiny one and use no memory.
+Under ``FakeTensorMode`` tensors have shapes, dtypes and devices but no data: the real model
+(built by ``memory.construction``, never on real tensors), optimizer and step run for any batch
+size in the time of a tiny one and use no memory.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._pytree import tree_map
 
+from orchestrator.memory.construction import build_fake
 from orchestrator.memory.cuda_emulation import cuda_semantics
 from orchestrator.memory.failure import where
 from orchestrator.tensor_tracker import CUDA_BLOCK, StorageTracker
@@ -89,9 +91,10 @@ def fake_setup(workload: Workload, target: str, trace_on: str | None = None) -> 
     device = torch.device(trace_on)
     emulate = target == "cuda" and device.type == "cpu"
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with translate_errors(), mode, device:  # built where it runs: fake tensors cannot be moved by swapping
-        model = workload.build_model()
-        optimizer = workload.build_optimizer(model)
+    with translate_errors():
+        model = build_fake(workload.build_model, mode, device)
+        with mode, device:
+            optimizer = workload.build_optimizer(model)
     if target == "cuda":
         # On CUDA, optimizers default to the foreach implementation, whose temporaries span every
         # parameter at once. Fake parameters are not plain tensors, so the default would pick the
