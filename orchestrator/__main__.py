@@ -1,3 +1,4 @@
 from orchestrator.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # not when a spawned process (parallel estimates) re-imports this module
+    raise SystemExit(main())

@@ -7,6 +7,7 @@ whole command-line surface can be read in one place.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from orchestrator.errors import UserError
@@ -75,8 +76,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def import_from_working_directory() -> None:
+    """Put the working directory first on ``sys.path``, where ``python -m orchestrator`` has it.
+
+    A user's own workload (``my_models.wide:WideNet``) lives in the folder they run from. The
+    installed ``orchestrator`` script starts with its own bin folder on the path instead, so
+    without this the config check cannot import the workload. Ray then gives the workers the
+    driver's working directory, and a Ray Job's uploaded working_dir is its working directory.
+    """
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import_from_working_directory()
     try:
         if args.command == "run":
             if args.address:

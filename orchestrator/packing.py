@@ -36,10 +36,12 @@ def device_total_bytes(spec: SweepSpec) -> int:
     return spec.memory.budget
 
 
-def auto_gpu_resources(spec: SweepSpec) -> Callable[[dict[str, Any]], Any]:
-    """The ``with_resources`` callable: plan the trial in the driver, request its share."""
+def auto_gpu_resources(spec: SweepSpec, estimates) -> Callable[[dict[str, Any]], Any]:
+    """The ``with_resources`` callable: plan the trial in the driver from the sweep's estimates
+    (``orchestrator.estimates``), request its share."""
     from ray.tune import PlacementGroupFactory
 
+    from orchestrator.estimates import ProfileCache
     from orchestrator.planner import make_plan
     from trainables.workload import build_workload
 
@@ -47,7 +49,9 @@ def auto_gpu_resources(spec: SweepSpec) -> Callable[[dict[str, Any]], Any]:
 
     def resources(config: dict[str, Any]) -> PlacementGroupFactory:
         # A CUDA profile's peak already counts the context, workspaces and fragmentation.
-        plan = make_plan(build_workload(config), spec.memory, spec.effective_batch_size, total, target="cuda")
+        workload = build_workload(config)
+        profiles = ProfileCache(workload, spec.memory, "cuda", known=estimates.known(config, "cuda"))
+        plan = make_plan(workload, spec.memory, spec.effective_batch_size, total, target="cuda", profiles=profiles)
         share = gpu_fraction(plan.predicted_peak_bytes or total, total, spec.memory.gpu_granularity)
         return PlacementGroupFactory([{"CPU": spec.resources.cpu, "GPU": share}])
 

@@ -6,7 +6,9 @@ sizes, marks the worst phase, and shows the plan (micro-batch x accumulation, ev
 precision, checkpointing) or why the trial would be refused. ``static`` and ``trace`` need no
 GPU: ``--device-memory 24GiB`` plans for a card of that size from any machine.
 
-Trials that differ only in ``lr`` or ``seed`` have the same memory: they are estimated once.
+Trials with the same memory signature (``orchestrator.estimates``: they differ only in ``lr``,
+``seed`` or what the workload declares memory-neutral) are estimated once, distinct ones in
+parallel processes.
 A refused trial is a plan outcome, not an error of the command: the exit status is 0 with the
 refusals shown (and counted in the summary). A trial that could not be estimated at all (its
 model's library is not installed here, say) is shown with its error and the others still
@@ -17,18 +19,15 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from dataclasses import replace
 
 from orchestrator.errors import UserError
 from orchestrator.units import parse_bytes
 
-#: Base-class hyper-parameters that cannot change a trial's memory.
-MEMORY_NEUTRAL = ("lr", "seed")
-
 
 def plan_command(args) -> int:
     from orchestrator.config import load_spec
+    from orchestrator.estimates import ProfileCache, describe_signature, estimate_trials, memory_signature
     from orchestrator.memory.failure import summary
     from orchestrator.planner import plan_with_profile
     from orchestrator.space import trial_configs
@@ -41,25 +40,34 @@ def plan_command(args) -> int:
     target, budget = _target_and_budget(spec, policy, args.device_memory)
     configs = trial_configs(spec)
 
-    results, cache = [], {}
+    done = [0]
+
+    def progress(signature: str, trials: list[int], seconds: float) -> None:
+        done[0] += 1
+        which = ", ".join(map(str, trials[:8])) + (", ..." if len(trials) > 8 else "")
+        print(f"[{done[0]}] {describe_signature(signature, spec.search_space)} (trials {which}): "
+              f"{policy.estimator} {seconds:.1f}s",
+              file=sys.stderr, flush=True)
+
+    estimates = estimate_trials(configs, policy, target, budget, spec.effective_batch_size, on_done=progress)
+    results, caches = [], {}
     for index, config in enumerate(configs):
-        key = json.dumps({k: v for k, v in sorted(config.items()) if k not in MEMORY_NEUTRAL}, default=str)
-        started = time.perf_counter()
-        if key not in cache:
-            print(f"[{index + 1}/{len(configs)}] trial {index} ({config['workload']}): {policy.estimator} ...",
-                  end="", file=sys.stderr, flush=True)
-            try:
-                cache[key] = plan_with_profile(build_workload(config), policy, spec.effective_batch_size, budget, target=target)
-            except UserError:
-                raise
-            except Exception as exc:  # a model whose library is not installed here, a bug in it: show it, go on
-                cache[key] = summary(exc)
-            print(f" {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
-        if isinstance(cache[key], str):
-            results.append({"trial": index, "config": config, "error": cache[key]})
-        else:
-            plan, profile = cache[key]
-            results.append({"trial": index, "config": config, "plan": plan, "profile": profile})
+        signature = memory_signature(config, policy, target)
+        if signature in estimates.errors:  # e.g. a model whose library is not installed here: show it, go on
+            results.append({"trial": index, "config": config, "error": estimates.errors[signature]})
+            continue
+        workload = build_workload(config)
+        if signature not in caches:  # the measured estimator probes here, once per signature too
+            caches[signature] = ProfileCache(workload, policy, target, known=estimates.by_signature.get(signature))
+        try:
+            plan, profile = plan_with_profile(workload, policy, spec.effective_batch_size, budget, target=target,
+                                              profiles=caches[signature])
+        except UserError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - shown with the trial (op and line), the others still planned
+            results.append({"trial": index, "config": config, "error": summary(exc)})
+            continue
+        results.append({"trial": index, "config": config, "plan": plan, "profile": profile})
 
     if args.json:
         print(json.dumps(_as_json(spec, policy, target, budget, results), indent=2, default=str))

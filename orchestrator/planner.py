@@ -19,7 +19,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Callable
 
-from orchestrator.memory import EstimationError, MemoryProfile, Settings, estimate
+from orchestrator.estimates import ProfileCache
+from orchestrator.memory import EstimationError, MemoryProfile, Settings
 from orchestrator.units import GiB, gib, human
 
 #: The eval batch is a throughput knob, not a hyper-parameter; beyond this many times the
@@ -71,7 +72,8 @@ class Plan:
 
 
 def make_plan(
-    workload, policy, effective_batch: int, budget_bytes: int | None, *, target: str, device=None
+    workload, policy, effective_batch: int, budget_bytes: int | None, *, target: str, device=None,
+    profiles: ProfileCache | None = None,
 ) -> Plan:
     """The plan for one trial of ``workload`` on a device of kind ``target`` with ``budget_bytes``.
 
@@ -79,13 +81,16 @@ def make_plan(
     profile counts the CUDA context itself, so this is the free memory *before* the trial's
     process initialises CUDA (or the card's size). None means unbounded (the CPU): the whole
     effective batch at once. ``policy`` is the sweep's ``MemoryPolicy``; ``device`` the worker's
-    ``Device``, which the ``measured`` estimator probes on.
+    ``Device``, which the ``measured`` estimator probes on; ``profiles`` the estimates made so
+    far (the driver's, handed to a trial), which the plan adds to where it needs more.
     """
-    return plan_with_profile(workload, policy, effective_batch, budget_bytes, target=target, device=device)[0]
+    return plan_with_profile(workload, policy, effective_batch, budget_bytes, target=target, device=device,
+                             profiles=profiles)[0]
 
 
 def plan_with_profile(
-    workload, policy, effective_batch: int, budget_bytes: int | None, *, target: str, device=None
+    workload, policy, effective_batch: int, budget_bytes: int | None, *, target: str, device=None,
+    profiles: ProfileCache | None = None,
 ) -> tuple[Plan, MemoryProfile | None]:
     """:func:`make_plan`, and the profile of the settings it planned with (to show its breakdown)."""
     if effective_batch < 1:
@@ -95,7 +100,7 @@ def plan_with_profile(
         plan = Plan(effective_batch, 1, effective_batch, effective_batch, False, policy.precision,
                     "none", budget_bytes, None, None)
         return plan, None
-    profiles = _Profiles(workload, policy, target, device)
+    profiles = profiles if profiles is not None else ProfileCache(workload, policy, target, device)
     eval_cap = min(EVAL_BATCH_CAP * effective_batch, _eval_samples(workload))
     if budget_bytes is None:
         profile = profiles.get(start)
@@ -154,27 +159,6 @@ def next_reduction(
 def format_bytes(n: int) -> str:
     """GiB as every table shows them, or a smaller unit where GiB would read 0.00G."""
     return gib(n) if abs(n) >= GiB / 100 else human(n).replace(" ", "")
-
-
-class _Profiles:
-    """Profiles by settings, estimated only when first asked for; None where estimation failed."""
-
-    def __init__(self, workload, policy, target: str, device):
-        self.workload, self.policy, self.target, self.device = workload, policy, target, device
-        self.cache: dict[Settings, MemoryProfile | None] = {}
-        self.errors: dict[Settings, str] = {}
-
-    def get(self, settings: Settings) -> MemoryProfile | None:
-        if settings not in self.cache:
-            try:
-                self.cache[settings] = estimate(
-                    self.workload, self.policy.estimator, settings, target=self.target,
-                    fragmentation=self.policy.fragmentation, device=self.device,
-                )
-            except EstimationError as exc:
-                self.cache[settings] = None
-                self.errors[settings] = str(exc)
-        return self.cache[settings]
 
 
 def _candidates(start: Settings, policy, supports_checkpointing: bool) -> list[Settings]:
@@ -255,7 +239,7 @@ def _plan(profile: MemoryProfile, micro: int, effective: int, eval_batch: int, b
     )
 
 
-def _refuse(workload, policy, effective: int, budget: int, limit: int, profiles: _Profiles, start: Settings) -> Plan:
+def _refuse(workload, policy, effective: int, budget: int, limit: int, profiles: ProfileCache, start: Settings) -> Plan:
     """Nothing allowed fits: what the trial needs at micro-batch 1, and what (if anything) would fit."""
     profile = profiles.get(start)
     if profile is None:
@@ -283,7 +267,7 @@ def _breakdown_at_one(profile: MemoryProfile) -> str:
     return f"{format_bytes(peak)} at micro-batch 1 in {name} ({shown}{frag})"
 
 
-def _what_would_fit(workload, policy, limit: int, profiles: _Profiles, start: Settings) -> str:
+def _what_would_fit(workload, policy, limit: int, profiles: ProfileCache, start: Settings) -> str:
     """Try what the policy does not allow too, to say what would make the trial fit."""
     lower = policy.lower_precision or "bf16"
     options = []

@@ -99,10 +99,11 @@ def run_sweep(
 
     tracking_uri = resolve_tracking_uri(tracking_uri, spec)
     storage = os.path.abspath(storage_path or spec.storage_path)
+    estimates = estimate_before_start(spec)  # before Ray starts: its CPUs are free, a broken model stops here
     started_ray = _connect_ray(ray_address, num_cpus, num_gpus, dashboard, dashboard_host)
     try:
         name, restore_from = _experiment_name(spec, storage, name, resume)
-        trainable = _trainable(spec)
+        trainable = _trainable(spec, estimates)
         if restore_from:
             print(f"Resuming {restore_from}: finishing the trials that did not finish")
             tuner = tune.Tuner.restore(restore_from, trainable=trainable, resume_unfinished=True, resume_errored=False)
@@ -127,19 +128,19 @@ def _connect_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashb
 
     if ray.is_initialized():
         return False
-    # Workers import the user's own workloads (``my_package.module:Class``) from the working directory.
-    path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
-    runtime_env = {"env_vars": {"PYTHONPATH": path}}
+    # Workers import the user's own workloads (``my_package.module:Class``) from the driver's
+    # working directory: Ray puts it on every worker's sys.path (a Ray Job's uploaded working_dir
+    # takes its place), as long as the driver runs with no working_dir of its own.
     if os.environ.get("RAY_ADDRESS"):  # inside a Ray Job: the job's runtime environment applies
         ray.init(address=os.environ["RAY_ADDRESS"])
     elif address:
         if address == "auto":
             raise UserError("--ray-address: give the head's HOST:PORT; 'auto' can attach to another user's cluster")
-        ray.init(address=address, runtime_env=runtime_env)
+        ray.init(address=address)
     else:
         context = ray.init(
             address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=dashboard,
-            dashboard_host=dashboard_host, runtime_env=runtime_env,
+            dashboard_host=dashboard_host,
         )
         if dashboard:
             from orchestrator.dashboard import how_to_open, token_required
@@ -176,15 +177,41 @@ def _experiment_name(spec: SweepSpec, storage: str, name: str | None, resume: bo
     return f"{spec.experiment}_{time.strftime('%Y%m%d-%H%M%S')}", None
 
 
-def _trainable(spec: SweepSpec):
+def estimate_before_start(spec: SweepSpec):
+    """The trials' memory, estimated once per memory signature before the Tuner starts.
+
+    A workload whose estimate raises (its model or loss fails on the first batch) stops the sweep
+    here, in one line, instead of failing every trial after Ray has started.
+    """
+    from orchestrator.estimates import describe_signature, estimate_trials, planning_target
+    from orchestrator.space import memory_configs
+
+    target = planning_target(spec)
+    policy = spec.memory
+    budget = policy.budget
+    if target == "emulated":
+        budget = min(budget, policy.capacity) if budget else policy.capacity
+    started = time.perf_counter()
+    estimates = estimate_trials(memory_configs(spec), policy, target, budget, spec.effective_batch_size)
+    if estimates.errors:
+        signature, error = next(iter(estimates.errors.items()))
+        raise UserError(f"workload {describe_signature(signature, spec.search_space)}: the {policy.estimator} estimate failed ({error}); "
+                        "fix the workload, or set memory.estimator: none to start trials without an estimate")
+    if estimates.by_signature:
+        print(f"Estimated the memory of {len(estimates.by_signature)} distinct trial configuration(s) for a "
+              f"{target} device in {time.perf_counter() - started:.1f}s ({policy.estimator})", flush=True)
+    return estimates
+
+
+def _trainable(spec: SweepSpec, estimates):
     from ray import tune
 
     from orchestrator.packing import auto_gpu_resources
     from trainables.trainable import train_trial
 
-    trainable = tune.with_parameters(train_trial, spec=spec)
+    trainable = tune.with_parameters(train_trial, spec=spec, estimates=estimates)
     if spec.resources.gpu == "auto":
-        return tune.with_resources(trainable, auto_gpu_resources(spec))
+        return tune.with_resources(trainable, auto_gpu_resources(spec, estimates))
     return tune.with_resources(trainable, {"cpu": spec.resources.cpu, "gpu": spec.resources.gpu})
 
 

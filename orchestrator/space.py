@@ -41,3 +41,45 @@ def trial_configs(spec: SweepSpec) -> list[dict[str, Any]]:
         for _, config in generate_variants(tune_param_space(spec), random_state=random_state):
             configs.append(config)
     return configs
+
+
+def memory_configs(spec: SweepSpec, limit: int = 256) -> list[dict[str, Any]]:
+    """Configs that cover every memory signature the sweep's trials can have, where that is finite.
+
+    Tune samples random domains itself, so the driver cannot know the trials' values in advance;
+    but only memory-relevant parameters make signatures, and a ``choice`` or ``grid`` of them has
+    finitely many values: every combination is listed (memory-neutral parameters take their first
+    value). A workload with a memory-relevant ``uniform``/``randint`` parameter, or with more than
+    ``limit`` combinations, is left to its trials' workers to estimate.
+    """
+    import itertools
+
+    from trainables.workload import resolve_workload
+
+    space: dict[str, Any] = {"workload": spec.workload, **spec.params, "seed": spec.seed, **spec.search_space}
+    names = spec.workload_names()
+    configs = []
+    for name in names:
+        cls = resolve_workload(name)
+        fields = set(cls.parameter_names())
+        choices: dict[str, list] = {}
+        for key, value in space.items():
+            if key == "workload" or key not in fields:
+                continue
+            if not isinstance(value, Domain):
+                choices[key] = [value]
+            elif key in cls.memory_neutral:
+                choices[key] = [_representative(value)]
+            elif value.kind in ("choice", "grid"):
+                choices[key] = list(value.args[0])
+            else:
+                break  # a continuous memory-relevant parameter: the workers estimate this workload
+        else:
+            combinations = list(itertools.islice(itertools.product(*choices.values()), limit + 1))
+            if len(combinations) <= limit:
+                configs += [{"workload": name, **dict(zip(choices, values))} for values in combinations]
+    return configs
+
+
+def _representative(domain: Domain) -> Any:
+    return domain.args[0][0] if domain.kind in ("choice", "grid") else domain.args[0]

@@ -53,7 +53,7 @@ TUNE_BOOKKEEPING = frozenset({
     "iterations_since_restore", "done", "refused", "training_done",
 })
 #: Per-trial facts that do not change while it runs: params, logged once.
-TRIAL_PARAM_KEYS = ("estimator", "memory_source", "budget_bytes", "gpu_name", "gpu_total_bytes")
+TRIAL_PARAM_KEYS = ("estimator", "estimated_by", "memory_source", "budget_bytes", "gpu_name", "gpu_total_bytes")
 #: Strings that can change with the plan: tags, which MLflow lets us overwrite.
 TRIAL_TAG_KEYS = ("precision", "predicted_phase", "memory_source")
 

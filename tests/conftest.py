@@ -1,10 +1,16 @@
 """Every test runs with its own HOME, so Ray's auth token, MLflow's telemetry settings and
-any cache land in a temporary folder instead of the user's home."""
+any cache land in a temporary folder instead of the user's home.
+
+The README's own-model example is written out here as a user would copy it, for the tests
+that run it with the installed ``orchestrator`` command.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,3 +33,58 @@ def isolated_environment(tmp_path_factory):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@dataclass(frozen=True)
+class OwnModelProject:
+    """The README's "Your own model" files, written into a folder of their own."""
+
+    folder: Path
+    config: str  # the sweep file's name, relative to ``folder``
+    commands: list[list[str]]  # the README's commands for it, split into words
+
+    def command(self, verb: str) -> list[str]:
+        """The README's ``orchestrator VERB ...`` line, with the installed script's full path."""
+        [words] = [c for c in self.commands if c[1] == verb]
+        return [installed_command(), *words[1:]]
+
+
+def installed_command() -> str:
+    """The console script ``pip install`` made next to this Python, as a user's shell finds it."""
+    script = Path(sys.executable).parent / "orchestrator"
+    assert script.exists(), f"{script} is missing: install the project (pip install -e .) to test its command"
+    return str(script)
+
+
+def command_env() -> dict[str, str]:
+    """The environment of a user's shell: nothing puts the project or the working directory on
+    Python's path, so the command must find the user's package itself."""
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+@pytest.fixture
+def own_model_project(tmp_path_factory) -> OwnModelProject:
+    """The files of the README's own-model example, each written to the path its first line
+    names (``# my_models/wide.py``), in a temporary folder outside the repository; and the
+    README's commands for them."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### Your own model"):]
+    section = section[: section.index("\n## ")]
+    blocks = re.findall(r"```(\w+)\n(.*?)```", section, re.S)
+    folder = tmp_path_factory.mktemp("own_model")
+    config = None
+    for language, text in blocks:
+        named = re.match(r"# ([\w./-]+\.(?:py|yaml))\b", text)
+        if language in ("python", "yaml") and named:
+            path = folder / named.group(1)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            if language == "yaml":
+                config = named.group(1)
+    commands = [line.split("#")[0].split() for language, text in blocks if language == "bash"
+                for line in text.splitlines() if line.startswith("orchestrator ")]
+    assert config and (folder / "my_models" / "wide.py").exists(), "the README's own-model files are missing"
+    assert commands, "the README shows no orchestrator command for its own-model example"
+    return OwnModelProject(folder, config, commands)

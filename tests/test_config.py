@@ -180,18 +180,15 @@ def test_the_cli_prints_one_line_and_exits_2_without_starting_anything(tmp_path)
     assert not (tmp_path / "results").exists() and not (tmp_path / "m.db").exists()
 
 
-def test_the_readme_examples_are_valid(tmp_path, monkeypatch):
-    """The sweep file and the own-model example a newcomer copies from the README."""
+def test_the_readme_examples_are_valid(tmp_path, monkeypatch, own_model_project):
+    """The sweep file and the own-model example a newcomer copies from the README, as written."""
     readme = open("README.md").read()
     blocks = re.findall(r"```(yaml|python)\n(.*?)```", readme, re.S)
     sweep = next(text for lang, text in blocks if lang == "yaml" and text.startswith("experiment: my_sweep"))
     spec = load_spec(write(tmp_path, sweep))
     assert spec.workload == "cnn" and spec.search_space["lr"] == Domain("loguniform", (0.0001, 0.1))
 
-    model = next(text for lang, text in blocks if lang == "python" and text.startswith("# my_models/wide.py"))
-    (tmp_path / "my_models").mkdir()
-    (tmp_path / "my_models" / "wide.py").write_text(model)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    snippet = next(text for lang, text in blocks if lang == "yaml" and "my_models.wide:WideNet" in text)
-    own = load_spec(write(tmp_path, snippet + "effective_batch_size: 64\nstop: {epochs: 1}\nexperiment: own\n", "own.yaml"))
+    monkeypatch.syspath_prepend(str(own_model_project.folder))
+    own = load_spec(str(own_model_project.folder / own_model_project.config))
+    assert own.workload == "my_models.wide:WideNet"
     assert own.search_space["lr"] == Domain("loguniform", (0.0001, 0.01))

@@ -28,6 +28,7 @@ def test_the_demo_sweep_runs_and_every_trial_is_in_mlflow(tmp_path):
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Estimated the memory of 2 distinct trial configuration(s) for a cpu device" in proc.stdout
     table = proc.stdout[proc.stdout.index("trial  "):]
     assert "micro x accum" in table and "peak memory" in table
     assert table.count("TERMINATED") == 2 and "2/2 trials finished" in table
@@ -42,6 +43,9 @@ def test_the_demo_sweep_runs_and_every_trial_is_in_mlflow(tmp_path):
     for run in trials:
         assert run.info.status == "FINISHED"
         assert run.data.params["config.lr"] == "0.03"
+        assert run.data.params["estimated_by"] == "driver"  # one estimate per workload, made before the trials
         assert run.data.params["config.workload"] in ("mlp", "cnn")
-        for metric in ("train_loss", "eval_loss", "peak_allocated_bytes"):
-            assert [m.step for m in client.get_metric_history(run.info.run_id, metric)] == [1, 2], metric
+        # one report per epoch, at MLflow step = optimizer steps so far (2048 or 1024 samples / 64)
+        per_epoch = {"mlp": 32, "cnn": 16}[run.data.params["config.workload"]]
+        for metric in ("train_loss", "eval_loss", "peak_allocated_bytes", "epoch"):
+            assert [m.step for m in client.get_metric_history(run.info.run_id, metric)] == [per_epoch, 2 * per_epoch], metric

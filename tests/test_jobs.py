@@ -1,7 +1,8 @@
 """``orchestrator run CONFIG --address URL``: the sweep as a Ray Job on a running cluster.
 
-The request is checked without Ray; the integration tests submit the demo sweep (a 2-trial
-cut) to a real ``ray start --head`` with token auth, through the CLI as a user would.
+The request is checked without Ray; the integration tests submit sweeps to a real
+``ray start --head`` with token auth, through the CLI as a user would: the README's own-model
+example with the installed command from its own folder, and the demo sweeps from the repository.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from orchestrator.config import load_spec
 from orchestrator.errors import UserError
 from orchestrator.jobs import build_job_request, connect, results_notes
 from ray_cluster import free_port, ray_head  # noqa: F401 (fixture)
+from tests.conftest import command_env
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = "configs/demo_cpu.yaml"
@@ -132,10 +134,17 @@ def test_without_the_token_the_cli_says_where_to_put_it(ray_head, tmp_path):
 
 
 @pytest.mark.integration
-def test_demo_sweep_as_a_job(ray_head, tmp_path):
+def test_the_readmes_own_model_as_a_job(ray_head, own_model_project, tmp_path):
+    """The README's own-model sweep (two trials, one epoch) submitted with the installed command
+    from the folder that holds ``my_models/``, with no PYTHONPATH: the job uploads that folder
+    and its workers import the user's package from it."""
     started = time.monotonic()
-    run = cli("run", DEMO, "--address", ray_head.dashboard_url, *SMALL_CUT,
-              "--storage-path", str(tmp_path / "results"), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db")
+    run = subprocess.Popen(
+        own_model_project.command("run") + [
+            "--address", ray_head.dashboard_url, "--set", "stop.epochs=1",
+            "--storage-path", str(tmp_path / "results"), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"],
+        cwd=own_model_project.folder, env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
     out, _ = run.communicate(timeout=400)
     print(out[-4000:])
     print(f"job CLI took {time.monotonic() - started:.0f} s")
@@ -144,17 +153,19 @@ def test_demo_sweep_as_a_job(ray_head, tmp_path):
     assert f"Ray dashboard: {ray_head.dashboard_url}/#/jobs/{submission_id}" in out
     assert "ray get-auth-token" in out
     assert f"Job {submission_id} SUCCEEDED" in out
+    assert "2/2 trials finished" in out
 
     client = job_client(ray_head)
     info = client.get_job_info(submission_id)
     assert info.status == "SUCCEEDED"
-    assert info.metadata["job_name"] == "orchestrator demo_cpu"
-    assert "--address" not in info.entrypoint
+    assert info.metadata["job_name"] == "orchestrator wide"
+    assert info.entrypoint == "python -m orchestrator run wide.yaml --set stop.epochs=1 " \
+        f"--tracking-uri sqlite:///{tmp_path}/mlflow.db --storage-path {tmp_path}/results"
     assert (tmp_path / "mlflow.db").exists()  # the paths we passed reached the runner
 
     # Both trials' gauges reach the node's Prometheus endpoint with the values Tune recorded last.
     assert ray_head.session_metrics_port() == ray_head.metrics_export_port
-    final = {r["trial_id"]: r for r in map(last_result, glob.glob(f"{tmp_path}/results/demo_cpu_*/*/result.json"))}
+    final = {r["trial_id"]: r for r in map(last_result, glob.glob(f"{tmp_path}/results/wide_*/*/result.json"))}
     assert len(final) == 2
     expected = {}
     for trial_id, result in final.items():
@@ -165,7 +176,7 @@ def test_demo_sweep_as_a_job(ray_head, tmp_path):
 
     def ours(samples) -> dict:
         return {(name, s.labels["trial_id"], s.labels.get("kind")): s.value for name, s in samples
-                if s.labels.get("experiment") == "demo_cpu" and s.labels.get("workload") == "mlp"}
+                if s.labels.get("experiment") == "wide" and s.labels.get("workload") == "my_models.wide:WideNet"}
 
     seen = ours(scrape_until(ray_head, lambda samples: ours(samples).keys() >= expected.keys()))
     assert {key: seen.get(key) for key in expected} == expected

@@ -9,7 +9,8 @@ Three layers, cheapest first:
   the driver's exit status comes back, that USR1 leads to a requeue and the next attempt
   resumes, and that everything it started is stopped;
 - a real single-node SLURM (munged, slurmctld, slurmd started here, see ``slurm_cluster.py``)
-  running a real two-trial sweep with a real Ray cluster and MLflow server, then a sweep that
+  running a real two-trial sweep of the README's own model, submitted with the installed command
+  from the user's folder, with a real Ray cluster and MLflow server, then a sweep that
   is stopped near its "time limit", requeued and resumed.
 """
 
@@ -35,6 +36,7 @@ from orchestrator.config import load_spec
 from orchestrator.errors import UserError
 from orchestrator.slurm import expected_dashboard_port, parse_time_limit, plan_job, render, shared_tracking_uri
 from slurm_cluster import LocalSlurm, SlurmStartError
+from tests.conftest import command_env, installed_command
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "configs" / "demo_cpu.yaml"
@@ -432,13 +434,13 @@ def slurm(tmp_path_factory):
     cluster.stop()
 
 
-def orchestrator_submit(cluster: LocalSlurm, workdir: Path, *flags: str) -> tuple[str, Path]:
-    """``orchestrator submit`` as a user runs it; returns the job id and the job folder."""
-    env = cluster.env()
-    env["MLFLOW_DISABLE_TELEMETRY"] = "true"
+def orchestrator_submit(cluster: LocalSlurm, workdir: Path, *flags: str, command: list[str] | None = None,
+                        ) -> tuple[str, Path]:
+    """``orchestrator submit`` as a user runs it (``python -m orchestrator submit`` unless
+    ``command`` says otherwise); returns the job id and the job folder."""
     result = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "submit", *flags], cwd=workdir, env=env,
-        capture_output=True, text=True, timeout=60,
+        (command or [sys.executable, "-m", "orchestrator", "submit"]) + list(flags), cwd=workdir,
+        env=cluster.env(command_env()), capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 0, result.stderr
     job_id = re.search(r"Submitted SLURM job (\d+)", result.stdout).group(1)
@@ -489,16 +491,18 @@ def small_sweep(workdir: Path, epochs: int, lrs: list[float]) -> Path:
 
 
 @pytest.mark.integration
-def test_submit_runs_the_sweep_on_slurm(slurm, tmp_path):
-    """Two trials, one epoch, on a Ray cluster inside a real SLURM job with (fake) GPUs from gres."""
-    config = small_sweep(tmp_path, epochs=1, lrs=[0.003, 0.03])
+def test_submit_runs_the_readmes_own_model_on_slurm(slurm, own_model_project, tmp_path):
+    """The README's own-model sweep (two trials, one epoch) submitted with the installed command
+    from the folder that holds ``my_models/``, with no PYTHONPATH: the job runs there, on a Ray
+    cluster inside a real SLURM job with (fake) GPUs from gres, and its workers import the package."""
     gpus = ["--gpus-per-node", "2"] if slurm.has_gpus else []
     started = time.monotonic()
     job_id, job_dir = orchestrator_submit(
-        slurm, tmp_path, str(config), "--cpus-per-node", "2", *gpus, "--time", "00:15:00",
-        "--storage-path", str(tmp_path / "store"), "--log-dir", str(tmp_path / "logs"),
+        slurm, own_model_project.folder, "--set", "stop.epochs=1", "--cpus-per-node", "2", *gpus,
+        "--time", "00:15:00", "--storage-path", str(tmp_path / "store"), "--log-dir", str(tmp_path / "logs"),
+        command=[installed_command(), "submit", own_model_project.config],
     )
-    log = tmp_path / "logs" / f"orch-{config.stem}-{job_id}.out"
+    log = tmp_path / "logs" / f"orch-wide-{job_id}.out"
     state = wait_for(lambda: (s := job_state(slurm, job_id)).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED",
                      "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY") and s, 600, "the job to end", slurm, log)
     elapsed = time.monotonic() - started
@@ -509,9 +513,9 @@ def test_submit_runs_the_sweep_on_slurm(slurm, tmp_path):
         assert "/2 GPUs" in text  # Tune's resource line: gres -> ray start --num-gpus
     assert "ssh -N -L 8265:" in text
 
-    runs = trial_runs(f"sqlite:///{job_dir}/mlflow.db", config.stem)
+    runs = trial_runs(f"sqlite:///{job_dir}/mlflow.db", "wide")
     assert len(runs) == 2 and {r.info.status for r in runs} == {"FINISHED"}
-    assert sorted(float(r.data.params["config.lr"]) for r in runs) == [0.003, 0.03]
+    assert sorted(int(r.data.params["config.hidden"]) for r in runs) == [256, 1024]
     assert processes_left(job_id, job_dir) == []
     print(f"SLURM sweep: 2 trials in {elapsed:.0f} s from submit to end")
 

@@ -54,3 +54,35 @@ def test_build_workload_keeps_only_its_own_fields():
     """A sweep over two workloads carries hyper-parameters only one of them has."""
     workload = build_workload({"workload": "mlp", "width": 16, "channels": 8, "lr": 0.1})
     assert (workload.width, workload.lr) == (16, 0.1)
+
+
+@pytest.mark.parametrize(
+    "source,line,message",
+    [
+        ("import torch\nimport a_dependency_not_installed\n", 2, "No module named 'a_dependency_not_installed'"),
+        ("x = 1\nraise RuntimeError('no data\\nfound')\n", 2, "RuntimeError: no data found"),
+        # Raised inside torch: the line shown is the user's call into it.
+        ("import torch\n\ntorch.load('/no/such/weights.pt')\n", 3, "FileNotFoundError: [Errno 2] No such file"),
+        ("class Broken(\n", 1, "SyntaxError: '(' was never closed"),
+    ],
+    ids=["missing dependency", "error at import", "error inside a library", "syntax error"],
+)
+def test_a_broken_user_module_is_one_line_naming_its_file_and_line(tmp_path, monkeypatch, request, source, line, message):
+    package = f"user_models_{request.node.callspec.id.replace(' ', '_')}"
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "wide.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(WorkloadNotFound) as err:
+        resolve_workload(f"{package}.wide:WideNet")
+    text = str(err.value)
+    prefix = f"workload '{package}.wide:WideNet': cannot import module '{package}.wide' ({tmp_path}/{package}/wide.py:{line}: "
+    assert text.startswith(prefix + message), text
+    assert "\n" not in text
+
+
+def test_a_module_that_is_not_there_says_only_that(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(WorkloadNotFound) as err:
+        resolve_workload("no_such_models.wide:WideNet")
+    assert str(err.value) == ("workload 'no_such_models.wide:WideNet': cannot import module 'no_such_models.wide' "
+                              "(No module named 'no_such_models')")

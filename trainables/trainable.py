@@ -21,6 +21,7 @@ import torch
 from orchestrator import nvml
 from orchestrator.config import SweepSpec
 from orchestrator.device import CudaDevice, Device, configure_allocator, open_device
+from orchestrator.estimates import Estimates, ProfileCache
 from orchestrator.failures import NotRetriedError
 from orchestrator.oom import OomEvent, OomRetriesExhausted, bytes_requested, is_oom, release_memory
 from orchestrator.planner import Plan, make_plan, next_reduction
@@ -41,8 +42,9 @@ NOT_RETRIED_KEY = "_not_retried"
 STATE_FILE = "state.pt"
 
 
-def train_trial(config: dict[str, Any], spec: SweepSpec) -> None:
-    """Tune entry point (wrapped with ``tune.with_parameters(train_trial, spec=spec)``)."""
+def train_trial(config: dict[str, Any], spec: SweepSpec, estimates: Estimates | None = None) -> None:
+    """Tune entry point (wrapped with ``tune.with_parameters(train_trial, spec=spec, estimates=...)``:
+    ``estimates`` are the driver's memory profiles, ``orchestrator.estimates``)."""
     if config.get(OOM_GAVE_UP_KEY):
         raise OomRetriesExhausted(config[OOM_GAVE_UP_KEY])
     if config.get(NOT_RETRIED_KEY):
@@ -50,17 +52,18 @@ def train_trial(config: dict[str, Any], spec: SweepSpec) -> None:
             f"{config[NOT_RETRIED_KEY]} (failed {config.get(OTHER_FAILURES_KEY, 1)} time(s); errors other "
             f"than out-of-memory are retried at most max_failures={spec.max_failures} time(s))"
         )
-    TrialRun(config, spec).run()
+    TrialRun(config, spec, estimates).run()
 
 
 class TrialRun:
-    def __init__(self, config: dict[str, Any], spec: SweepSpec):
+    def __init__(self, config: dict[str, Any], spec: SweepSpec, estimates: Estimates | None = None):
         from ray import tune
 
         from orchestrator.metrics import TrialMetrics
 
         self.config = config
         self.spec = spec
+        self.estimates = estimates
         self.policy = spec.memory
         self.loop_settings = LoopSettings.of(spec)
         configure_allocator(self.policy.allocator_conf)  # before anything touches CUDA
@@ -77,6 +80,7 @@ class TrialRun:
         self.local_checkpoint: str | None = None  # folder of the newest checkpoint, this process's copy
         self.events: list[OomEvent] = []
         self.applied_shrinks = 0  # Tune-level shrinks (OOM_SHRINKS_KEY) already in self.plan
+        self.estimated_by = "checkpoint"  # where the plan's profile was made: driver | worker | none
 
     # -- the story ---------------------------------------------------------------------------
     def run(self) -> None:
@@ -115,9 +119,13 @@ class TrialRun:
 
         checkpoint = tune.get_checkpoint()
         if checkpoint is None:
+            target = self.device.target
+            known = self.estimates.known(self.config, target) if self.estimates else None
+            profiles = ProfileCache(self.workload, self.policy, target, self.device, known=known)
+            self.estimated_by = "none" if self.policy.estimator == "none" else "driver" if known else "worker"
             plan = make_plan(
                 self.workload, self.policy, self.spec.effective_batch_size, self._budget(),
-                target=self.device.target, device=self.device,
+                target=target, device=self.device, profiles=profiles,
             )
         else:
             self.local_checkpoint = tempfile.mkdtemp(prefix="checkpoint-", dir=self.scratch)
@@ -208,7 +216,7 @@ class TrialRun:
             "micro_batch": plan.micro_batch, "accum_steps": plan.accum_steps,
             "effective_batch": plan.effective_batch, "eval_batch": plan.eval_batch,
             "activation_checkpointing": int(plan.activation_checkpointing), "precision": plan.precision,
-            "plan_reductions": plan.reductions, "estimator": plan.estimator,
+            "plan_reductions": plan.reductions, "estimator": plan.estimator, "estimated_by": self.estimated_by,
             "oom_retries": len(self.events), "oom_events": [e.to_dict() for e in self.events],
         }
         if plan.budget_bytes is not None:

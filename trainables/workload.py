@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import site
+import sysconfig
+import traceback
 import types
 import typing
 from typing import Any, ClassVar, Literal
@@ -43,6 +47,9 @@ class Workload:
     #: What :meth:`summarize_metrics` reports, each as ``eval_<name>``. Declared, so that a
     #: sweep's ``metric: eval_accuracy`` is checked before anything starts.
     metrics: ClassVar[tuple[str, ...]] = ("loss",)
+    #: Hyper-parameters that cannot change memory: trials differing only in these share one
+    #: estimate. Extend it for such fields of your own (``Workload.memory_neutral + ("dropout",)``).
+    memory_neutral: ClassVar[tuple[str, ...]] = ("lr", "seed")
 
     # -- what a subclass must provide ---------------------------------------------------------
     def build_model(self) -> nn.Module:
@@ -200,12 +207,43 @@ def resolve_workload(name: str) -> type[Workload]:
     module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise WorkloadNotFound(f"workload {name!r}: cannot import module {module_name!r} ({exc})") from None
+    except Exception as exc:  # the user's module runs here: a syntax error, a missing dependency, a bug
+        raise WorkloadNotFound(f"workload {name!r}: cannot import module {module_name!r} ({_import_failure(exc)})") from None
     cls = getattr(module, attr, None)
     if not (isinstance(cls, type) and issubclass(cls, Workload)):
         raise WorkloadNotFound(f"workload {name!r}: {target} is not a subclass of trainables.Workload")
     return cls
+
+
+def _import_failure(exc: Exception) -> str:
+    """Why importing a user's module failed, on one line: ``FILE:LINE: what``.
+
+    The line is the innermost one of the user's own code (installed packages' lines are passed
+    over), so an error raised inside torch points at the user's call into it. A module that
+    does not exist ran no code: its message stands alone, ``No module named 'my_models'``.
+    """
+    if isinstance(exc, SyntaxError):  # raised by the compiler, outside any frame of the module
+        what, file, line = f"{type(exc).__name__}: {exc.msg}", exc.filename, exc.lineno
+    else:
+        what = str(exc) if isinstance(exc, ImportError) else f"{type(exc).__name__}: {exc}"
+        # The first frame is resolve_workload's own; the import machinery's are frozen or stdlib.
+        ran = [f for f in traceback.extract_tb(exc.__traceback__)[1:]
+               if not f.filename.startswith("<") and not _under(f.filename, _STDLIB)]
+        own = [f for f in ran if not _under(f.filename, _SITE_PACKAGES)] or ran
+        file, line = (own[-1].filename, own[-1].lineno) if own else (None, None)
+    what = " ".join(what.split())
+    if file is None:
+        return what
+    shown = os.path.relpath(file)
+    return f"{file if shown.startswith('..') else shown}:{line}: {what}"
+
+
+_STDLIB = {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib")}
+_SITE_PACKAGES = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")} | set(site.getsitepackages())
+
+
+def _under(path: str, roots: set[str]) -> bool:
+    return any(os.path.abspath(path).startswith(os.path.join(root, "")) for root in roots)
 
 
 def build_workload(config: dict[str, Any]) -> Workload:

@@ -1,0 +1,167 @@
+"""One memory estimate per memory signature, made before the trials start.
+
+Trials whose workload, memory-relevant hyper-parameters, estimator, precision policy and target
+are the same have the same memory: a sweep of one model over 8 learning rates and 2 widths
+needs two estimates, not sixteen. The driver makes them (in parallel processes where it has the
+CPUs) before the Tuner starts and hands them to the trials, so a trial never spends its start-up
+on an estimate it could have been given; ``orchestrator plan`` shares the same code.
+
+A trial re-estimates on its worker only where the driver could not stand in for it: its device
+is not the one the driver planned for (a CPU-only worker in a GPU sweep), the estimator is
+``measured`` (it probes the worker's device), or the driver's trace fell back to ``static``
+(the worker can fall back to ``measured`` instead).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from orchestrator.config import MemoryPolicy, SweepSpec
+from orchestrator.memory import MemoryProfile, Settings
+
+
+class ProfileCache:
+    """Profiles of one workload by planner settings, estimated when first asked for.
+
+    ``known`` holds profiles made elsewhere (the driver's); a setting that is not there is
+    estimated here. ``None`` marks a setting whose estimation failed, with the reason in ``errors``.
+    """
+
+    def __init__(self, workload, policy: MemoryPolicy, target: str, device=None,
+                 known: dict[Settings, MemoryProfile | None] | None = None):
+        self.workload, self.policy, self.target, self.device = workload, policy, target, device
+        self.cache: dict[Settings, MemoryProfile | None] = dict(known or {})
+        self.errors: dict[Settings, str] = {}
+
+    def get(self, settings: Settings) -> MemoryProfile | None:
+        from orchestrator.memory import EstimationError, estimate
+
+        if settings not in self.cache:
+            try:
+                self.cache[settings] = estimate(
+                    self.workload, self.policy.estimator, settings, target=self.target,
+                    fragmentation=self.policy.fragmentation, device=self.device,
+                )
+            except EstimationError as exc:
+                self.cache[settings] = None
+                self.errors[settings] = str(exc)
+        return self.cache[settings]
+
+    def shareable(self) -> dict[Settings, MemoryProfile]:
+        """The profiles a worker of the same target can use as they are: made by the configured
+        estimator itself (a fallback made here without a device is not what the worker would make)."""
+        return {s: p for s, p in self.cache.items() if p is not None and p.estimator == self.policy.estimator}
+
+
+def memory_signature(config: dict[str, Any], policy: MemoryPolicy, target: str) -> str:
+    """What a trial's memory depends on, as a string: equal strings, equal memory.
+
+    The workload's hyper-parameters count except those it declares memory-neutral
+    (``Workload.memory_neutral``: ``lr`` and ``seed`` by default).
+    """
+    from trainables.workload import resolve_workload
+
+    cls = resolve_workload(config["workload"])
+    names = set(cls.parameter_names()) - set(cls.memory_neutral)
+    return json.dumps({
+        "workload": config["workload"],
+        "params": {k: v for k, v in sorted(config.items()) if k in names},
+        "estimator": policy.estimator, "precision": policy.precision, "lower_precision": policy.lower_precision,
+        "checkpointing": policy.allow_activation_checkpointing, "fragmentation": policy.fragmentation,
+        "allocator_conf": policy.allocator_conf, "target": target,
+    }, sort_keys=True, default=str)
+
+
+def planning_target(spec: SweepSpec) -> str:
+    """The kind of device the trials will train on, as the driver can tell before they start."""
+    device = spec.memory.device
+    if device in ("cuda", "cpu", "emulated"):
+        return device
+    return "cpu" if spec.resources.gpu in (0, 0.0) else "cuda"
+
+
+@dataclass
+class Estimates:
+    """The driver's profiles by memory signature, for one target; what trials are handed."""
+
+    target: str
+    policy: MemoryPolicy
+    by_signature: dict[str, dict[Settings, MemoryProfile]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # signature -> why it could not be estimated
+
+    def known(self, config: dict[str, Any], target: str) -> dict[Settings, MemoryProfile]:
+        """The profiles for a trial of ``config`` on a device of kind ``target`` (empty if none fit)."""
+        if target != self.target:
+            return {}
+        return self.by_signature.get(memory_signature(config, self.policy, target), {})
+
+
+def estimate_trials(
+    configs: list[dict[str, Any]], policy: MemoryPolicy, target: str, budget: int | None,
+    effective_batch: int, *, processes: int | None = None,
+    on_done: Callable[[str, list[int], float], None] | None = None,
+) -> Estimates:
+    """Estimate each distinct memory signature of ``configs`` once, in parallel processes.
+
+    Each signature is planned as its trials will be (``budget`` is the driver's best knowledge:
+    None where only the worker can tell), so the profiles the plan needs are the ones made.
+    ``on_done(signature, trial indices, seconds)`` reports progress. A signature whose estimate
+    raised is recorded in ``errors`` (the worker will meet the same error and report it).
+    """
+    estimates = Estimates(target, policy)
+    if policy.estimator in ("none", "measured"):
+        return estimates  # nothing to estimate, or only the worker's device can
+    groups: dict[str, list[int]] = {}
+    for index, config in enumerate(configs):
+        groups.setdefault(memory_signature(config, policy, target), []).append(index)
+    jobs = [(configs[indices[0]], policy, target, budget, effective_batch) for indices in groups.values()]
+    workers = min(len(jobs), processes or os.cpu_count() or 1)
+    if workers <= 1:
+        results = map(_estimate_one, jobs)
+        pool = None
+    else:
+        # spawn, not fork: the driver may run Ray's threads; the children get our sys.path
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        results = pool.map(_estimate_one, jobs)
+    try:
+        for (signature, indices), (profiles, error, seconds) in zip(groups.items(), results):
+            if error is None:
+                estimates.by_signature[signature] = profiles
+            else:
+                estimates.errors[signature] = error
+            if on_done is not None:
+                on_done(signature, indices, seconds)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    return estimates
+
+
+def _estimate_one(job) -> tuple[dict[Settings, MemoryProfile], str | None, float]:
+    """In a worker process: plan one signature's first trial; its profiles, or the error's line."""
+    import time
+
+    from orchestrator.memory.failure import summary
+    from orchestrator.planner import make_plan
+    from trainables.workload import build_workload
+
+    config, policy, target, budget, effective_batch = job
+    started = time.perf_counter()
+    try:
+        cache = ProfileCache(build_workload(config), policy, target)
+        make_plan(cache.workload, policy, effective_batch, budget, target=target, profiles=cache)
+    except Exception as exc:  # noqa: BLE001 - a user's model failing: reported (op and line), the sweep decides
+        return {}, summary(exc), time.perf_counter() - started
+    return cache.shareable(), None, time.perf_counter() - started
+
+
+def describe_signature(signature: str, keys) -> str:
+    """'mlp width=16' from a signature, showing the parameters in ``keys`` (those a sweep searches)."""
+    data = json.loads(signature)
+    params = " ".join(f"{k}={v}" for k, v in data["params"].items() if k in keys)
+    return f"{data['workload']} {params}".strip()
