@@ -193,8 +193,9 @@ class DeepLabV3(Workload):
 @dataclasses.dataclass
 class FasterRCNN(Workload):
     """torchvision's Faster R-CNN (MobileNetV3-Large FPN, 320 px): its training losses; in eval,
-    the detections' scores. Region proposals keep the boxes that survive non-maximum suppression,
-    a number that depends on the values: fake tensors cannot trace it."""
+    the detections' scores. Fake tensors cannot trace it: in training its transform picks a
+    resize at random and reads the choice on the host (``.item()``), and its region proposals
+    keep the boxes that survive non-maximum suppression, a number that depends on the values."""
 
     classes: int = 91
     image: int = 64  # the published model resizes to 320
