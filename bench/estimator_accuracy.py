@@ -5,6 +5,8 @@
     python bench/estimator_accuracy.py --cpu      # the CPU zoo even where there is a GPU
     python bench/estimator_accuracy.py --models resnet50,gpt2_bf16_seq1024 --json out.json
     python bench/estimator_accuracy.py --truth ../shared/gpu-truth/zoo_h100_default.json  # any machine
+    python bench/estimator_accuracy.py --zoo library        # timm, torchvision, transformers, torch.nn
+    python bench/estimator_accuracy.py --list [--zoo NAME]  # each model: traced, or why it falls back
 
 On a GPU the truth is a trial's sequence run for real, per batch size ``b`` from a fresh model:
 the model moved to the GPU, a first and a second train step of two micro-batches of ``b``
@@ -47,19 +49,24 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.zoo import CPU_ZOO, GPU_ZOO, Entry, StepRunner, describe_bytes, relative  # noqa: E402
+from bench.zoo import ZOOS, Entry, StepRunner, describe_bytes, relative  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="the CPU zoo and the CPU tracker, even on a GPU machine")
+    parser.add_argument("--zoo", choices=sorted(ZOOS), help="which zoo (default: gpu on a GPU, else cpu; --list: all)")
     parser.add_argument("--models", help="comma-separated zoo names (default: all available)")
     parser.add_argument("--json", help="also write every row to this file")
     parser.add_argument("--allocator-conf", default=None,
                         help="PYTORCH_CUDA_ALLOC_CONF for the GPU run and the predictions ('' = PyTorch's default; "
                              "default: the orchestrator's)")
     parser.add_argument("--truth", help="a ground-truth JSON of gpu-truth/measure_zoo.py to predict (no GPU needed)")
+    parser.add_argument("--list", action="store_true",
+                        help="only trace each model for a CUDA target and say whether it traced or why it fell back")
     args = parser.parse_args(argv)
+    if args.list:
+        return list_zoo([args.zoo] if args.zoo else list(ZOOS), args.models)
 
     from orchestrator.device import DEFAULT_ALLOC_CONF, configure_allocator, effective_allocator_conf
 
@@ -76,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     on_gpu = torch.cuda.is_available() and not args.cpu
-    zoo = GPU_ZOO if on_gpu else CPU_ZOO
+    zoo = ZOOS[args.zoo or ("gpu" if on_gpu else "cpu")]
     wanted = set(args.models.split(",")) if args.models else None
     entries = [e for e in zoo if (wanted is None or e.name in wanted)]
     print(f"# estimator accuracy on {describe_machine(on_gpu)}; allocator: {conf or 'PyTorch default'}", flush=True)
@@ -91,6 +98,43 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def list_zoo(zoos: list[str], models: str | None) -> int:
+    """Trace every available model of ``zoos`` for a CUDA target, as ``orchestrator plan`` does
+    for a GPU sweep from this machine, and print whether it traced or why it fell back."""
+    import torch
+
+    from orchestrator.memory import Settings, estimate
+
+    wanted = set(models.split(",")) if models else None
+    where = "fake cuda tensors" if torch.cuda.is_available() else "fake cpu tensors, CUDA emulated"
+    print(f"# the zoo, traced for a CUDA target on {where} (torch {torch.__version__})")
+    print(f"{'zoo':<8} {'model':<28} {'workload':<30} {'precision':<9} {'seconds':>7}  status")
+    failures = 0
+    for zoo in zoos:
+        for entry in ZOOS[zoo]:
+            if wanted is not None and entry.name not in wanted:
+                continue
+            head = f"{zoo:<8} {entry.name:<28} {entry.import_path.split(':')[1]:<30} {entry.precision:<9}"
+            if not entry.available():
+                print(f"{head} {'-':>7}  not installed here (needs {', '.join(entry.needs)})", flush=True)
+                continue
+            started = time.perf_counter()
+            try:
+                profile = estimate(entry.make(), "trace", Settings(entry.precision), target="cuda")
+            except Exception as exc:  # a model that no estimator can run here: say so, list the rest
+                failures += 1
+                status = f"no estimate: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            else:
+                fell_back = profile.estimator != "trace"
+                failures += fell_back != (entry.untraceable is not None)
+                status = profile.notes[0] if fell_back else "traced" + "".join(
+                    f"; {n}" for n in profile.notes[1:] if "math kernel" in n or "not counted" in n
+                )
+            print(f"{head} {time.perf_counter() - started:>7.1f}  {status}", flush=True)
+    print(f"# {failures} model(s) not as expected (traced, or the expected reason for the untraceable ones)")
+    return 1 if failures else 0
 
 
 def describe_machine(on_gpu: bool) -> str:

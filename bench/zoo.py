@@ -1,31 +1,36 @@
-"""The model zoo of the memory benchmarks, as workloads (``trainables.workload.Workload``).
+"""The model zoo of the memory benchmarks and the zoo test, as workloads (``trainables.workload.Workload``).
 
-Two families:
+Three families:
 
-* GPU models (``GPU_ZOO``), from the libraries the GPU machine has: ResNet-50 (torchvision),
-  ViT-B/16 in bf16 (torchvision), GPT-2 124M in bf16 at sequence 1024 (transformers), a 1-d
-  conv net on (b, 19, 15360) EEG-like input, a GAT (torch_geometric) on batches of small
-  graphs, and GPT-2 written with plain PyTorch in transformers' ops (a model whose every op we
-  can see, to tell the CUDA emulation's error from transformers' specifics). The first four are
-  the models of the H100 ground truth (``/work/shared/gpu-truth``, ``Entry.truth``), built the
-  same way.
+* the library zoo (``LIBRARY_ZOO``): models people train, from timm (ConvNeXt, Swin,
+  EfficientNet, ViT), torchvision (ResNet, DeepLabV3, Faster R-CNN), transformers (BERT, GPT-2,
+  Llama) and torch.nn (Transformer, TransformerEncoder, LSTM, GRU, a UNet), at small sizes
+  that trace in seconds. ``tests/test_zoo.py`` plans them all on fake tensors (``bash
+  scripts/setup.sh --zoo`` installs the libraries); the accuracy benchmark compares them with a
+  GPU's truth.
+* GPU models (``GPU_ZOO``), at their published sizes: ResNet-50 (torchvision), ViT-B/16 in bf16
+  (torchvision), GPT-2 124M in bf16 at sequence 1024 (transformers), a temporal conv net on
+  (b, 19, 15360) EEG-like input, a GAT (torch_geometric) on batches of small graphs, and GPT-2
+  written with plain PyTorch in transformers' ops (a model whose every op we can see, to tell
+  the CUDA emulation's error from transformers' specifics). The first four are the models of
+  the H100 ground truth (``/work/shared/gpu-truth``, ``Entry.truth``), built the same way.
 * CPU stand-ins (``CPU_ZOO``), hand-written with plain PyTorch so they run where those
   libraries are not installed: a bottleneck ResNet on small images, the same 1-d conv net on
   a shorter signal, a GPT-style causal transformer (``scaled_dot_product_attention`` with
   dropout, tied embeddings, bf16) and a ViT-style encoder, plus the project's own workloads.
 
 Data are synthetic and small (the benchmarks index them modulo their length): memory depends
-on shapes, not values.
+on shapes, not values. A sweep names a zoo model as ``bench.zoo:Swin`` (run from the project
+root); its fields are the sweep's hyper-parameters.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 import math
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -69,19 +74,63 @@ class _Classifier(Workload):
         return F.cross_entropy(model(x), y)
 
 
-# -- GPU models (need torchvision / timm / transformers / torch_geometric) --------------------
+# -- models from the libraries people train with ----------------------------------------------
+#
+# Each class's defaults are a small configuration of the model (the same kinds of layers, fewer
+# of them), which traces in seconds: the zoo test plans them all on a CPU. The published sizes
+# are presets (``ResNet50``, ``ViTB16``, ``GPT2``) or parameters of the zoo's entries.
 
 
 @dataclasses.dataclass
-class ResNet50(_Classifier):
-    def build_model(self):
-        import torchvision
+class _Timm(_Classifier):
+    """A timm classifier: ``arch`` as published, or cut down by ``SMALL`` (the default), which
+    keeps its kinds of blocks. Stochastic depth on, as timm's recipes train them."""
 
-        return torchvision.models.resnet50()
+    arch: str = ""
+    published: bool = False
+    classes: int = 1000
+
+    SMALL: ClassVar[dict] = {}
+
+    def build_model(self):
+        import timm
+
+        small = {} if self.published else dict(self.SMALL)
+        arch = small.pop("arch", self.arch)
+        return timm.create_model(arch, num_classes=self.classes, drop_path_rate=0.1, **small)
+
+
+@dataclasses.dataclass
+class ConvNeXt(_Timm):
+    arch: str = "convnext_atto"
+    SMALL: ClassVar[dict] = {"depths": (1, 1, 1, 1)}
+
+
+@dataclasses.dataclass
+class Swin(_Timm):
+    """Shifted windows: the constructor builds index tables and attention masks on the host."""
+
+    arch: str = "swin_tiny_patch4_window7_224"
+    SMALL: ClassVar[dict] = {"depths": (2, 2), "num_heads": (3, 6)}
+
+
+@dataclasses.dataclass
+class EfficientNet(_Timm):
+    arch: str = "efficientnet_b0"
+    SMALL: ClassVar[dict] = {"arch": "test_efficientnet"}  # timm's own EfficientNet of a few blocks
+    input_shape = (3, 160, 160)
+
+
+@dataclasses.dataclass
+class ViT(_Timm):
+    arch: str = "vit_tiny_patch16_224"
+    SMALL: ClassVar[dict] = {"depth": 2}
 
 
 @dataclasses.dataclass
 class ViTB16(_Classifier):
+    """ViT-B/16 as torchvision builds it: the ground truth's model."""
+
     def build_model(self):
         import torchvision
 
@@ -89,25 +138,379 @@ class ViTB16(_Classifier):
 
 
 @dataclasses.dataclass
-class GPT2(Workload):
-    """GPT-2 124M (transformers), causal LM loss on random tokens, as transformers computes it."""
+class ResNet(_Classifier):
+    """A torchvision ResNet by name."""
 
-    seq: int = 1024
+    arch: str = "resnet18"
+
+    def build_model(self):
+        import torchvision
+
+        return getattr(torchvision.models, self.arch)(num_classes=self.classes)
+
+
+@dataclasses.dataclass
+class ResNet50(ResNet):
+    arch: str = "resnet50"
+
+
+def _segmentation(image: int, classes: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(
+        torch.randn(SAMPLES, 3, image, image, generator=g), torch.randint(0, classes, (SAMPLES, image, image), generator=g)
+    )
+
+
+@dataclasses.dataclass
+class DeepLabV3(Workload):
+    """torchvision's DeepLabV3 with its auxiliary head: per-pixel cross-entropy. The published
+    backbones (``resnet50``, ``mobilenet_v3_large``) through torchvision's builders; the default
+    puts torchvision's DeepLabV3 head on a ResNet-18, which traces in a few seconds."""
+
+    backbone: Literal["resnet18", "resnet50", "mobilenet_v3_large"] = "resnet18"
+    classes: int = 21
+    image: int = 224
+
+    def build_model(self):
+        from torchvision.models import resnet18, segmentation
+        from torchvision.models._utils import IntermediateLayerGetter
+
+        if self.backbone != "resnet18":
+            build = getattr(segmentation, f"deeplabv3_{self.backbone}")
+            return build(weights=None, weights_backbone=None, num_classes=self.classes, aux_loss=True)
+        layers = IntermediateLayerGetter(resnet18(), {"layer4": "out", "layer3": "aux"})
+        return segmentation.DeepLabV3(
+            layers, segmentation.deeplabv3.DeepLabHead(512, self.classes), segmentation.fcn.FCNHead(256, self.classes)
+        )
+
+    def train_data(self):
+        return _segmentation(self.image, self.classes)
+
+    def eval_data(self):
+        return _segmentation(self.image, self.classes)
+
+    def loss(self, model, batch):
+        x, y = batch
+        out = model(x)
+        return F.cross_entropy(out["out"], y) + 0.5 * F.cross_entropy(out["aux"], y)
+
+
+@dataclasses.dataclass
+class FasterRCNN(Workload):
+    """torchvision's Faster R-CNN (MobileNetV3-Large FPN, 320 px): its training losses; in eval,
+    the detections' scores. Fake tensors cannot trace it: in training its transform picks a
+    resize at random and reads the choice on the host (``.item()``), and its region proposals
+    keep the boxes that survive non-maximum suppression, a number that depends on the values."""
+
+    classes: int = 91
+    image: int = 64  # the published model resizes to 320
+    boxes: int = 4
+    proposals: int = 64  # region proposals per image (published: 150 of 2000 at test, 512 sampled in training)
+
+    def build_model(self):
+        from torchvision.models.detection import fasterrcnn_mobilenet_v3_large_320_fpn
+
+        return fasterrcnn_mobilenet_v3_large_320_fpn(
+            weights=None, weights_backbone=None, num_classes=self.classes, min_size=self.image, max_size=self.image,
+            rpn_pre_nms_top_n_train=self.proposals, rpn_post_nms_top_n_train=self.proposals,
+            rpn_pre_nms_top_n_test=self.proposals, rpn_post_nms_top_n_test=self.proposals,
+            box_batch_size_per_image=self.proposals,
+        )
+
+    def _data(self):
+        g = torch.Generator().manual_seed(0)
+        corner = torch.rand(SAMPLES, self.boxes, 2, generator=g) * self.image / 2
+        size = 8 + torch.rand(SAMPLES, self.boxes, 2, generator=g) * self.image / 2
+        return TensorDataset(
+            torch.rand(SAMPLES, 3, self.image, self.image, generator=g),
+            torch.cat([corner, corner + size], dim=-1),
+            torch.randint(1, self.classes, (SAMPLES, self.boxes), generator=g),
+        )
+
+    def train_data(self):
+        return self._data()
+
+    def eval_data(self):
+        return self._data()
+
+    def loss(self, model, batch):
+        images, boxes, labels = batch
+        if not model.training:
+            return sum(d["scores"].sum() for d in model(list(images)))
+        targets = [{"boxes": b, "labels": c} for b, c in zip(boxes, labels)]
+        return sum(model(list(images), targets).values())
+
+
+class _Records(torch.utils.data.Dataset):
+    """A dataset of dict samples, as tokenizers make them."""
+
+    def __init__(self, records: list[dict]):
+        self.records = records
+
+    def __len__(self):
+        return len(self.records)
+
+    def __getitem__(self, i):
+        return self.records[i]
+
+
+@dataclasses.dataclass
+class Bert(Workload):
+    """transformers' BERT, masked-LM loss on random tokens, with an attention mask (padded batches)."""
+
+    layers: int = 2
+    dim: int = 128
+    heads: int = 2
+    seq: int = 128
+    vocab: int = 30522
+
+    def build_model(self):
+        from transformers import BertConfig, BertForMaskedLM
+
+        return BertForMaskedLM(BertConfig(
+            vocab_size=self.vocab, hidden_size=self.dim, num_hidden_layers=self.layers, num_attention_heads=self.heads,
+            intermediate_size=4 * self.dim, max_position_embeddings=max(512, self.seq),
+        ))
+
+    def _data(self):
+        (ids,) = _tokens(self.vocab, self.seq).tensors
+        return _Records([{"input_ids": i, "attention_mask": torch.ones_like(i)} for i in ids])
+
+    def train_data(self):
+        return self._data()
+
+    def eval_data(self):
+        return self._data()
+
+    def loss(self, model, batch):
+        return model(**batch, labels=batch["input_ids"]).loss
+
+
+@dataclasses.dataclass
+class GPT2LM(Workload):
+    """transformers' GPT-2, causal LM loss on random tokens, as transformers computes it."""
+
+    layers: int = 2
+    dim: int = 128
+    heads: int = 2
+    seq: int = 128
+    vocab: int = 50257
 
     def build_model(self):
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        return GPT2LMHeadModel(GPT2Config(n_positions=max(self.seq, 1024)))  # SDPA attention by default
+        return GPT2LMHeadModel(GPT2Config(  # SDPA attention by default
+            vocab_size=self.vocab, n_embd=self.dim, n_layer=self.layers, n_head=self.heads, n_positions=max(self.seq, 1024),
+        ))
 
     def train_data(self):
-        return _tokens(50257, self.seq)
+        return _tokens(self.vocab, self.seq)
 
     def eval_data(self):
-        return _tokens(50257, self.seq)
+        return _tokens(self.vocab, self.seq)
 
     def loss(self, model, batch):
         (ids,) = batch
         return model(input_ids=ids, labels=ids).loss
+
+
+@dataclasses.dataclass
+class GPT2(GPT2LM):
+    """GPT-2 124M at sequence 1024."""
+
+    layers: int = 12
+    dim: int = 768
+    heads: int = 12
+    seq: int = 1024
+
+
+@dataclasses.dataclass
+class Llama(GPT2LM):
+    """transformers' Llama from a small config: RMSNorm, rotary positions, SwiGLU, grouped-query
+    attention (fewer key/value heads than query heads)."""
+
+    layers: int = 2
+    dim: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    seq: int = 128
+    vocab: int = 32000
+
+    def build_model(self):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(
+            vocab_size=self.vocab, hidden_size=self.dim, intermediate_size=int(8 / 3 * self.dim),
+            num_hidden_layers=self.layers, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+            max_position_embeddings=self.seq,
+        ))
+
+
+class _Seq2Seq(nn.Module):
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, dropout: float):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.transformer = nn.Transformer(dim, heads, layers, layers, 4 * dim, dropout, batch_first=True)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, src, tgt):
+        mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1], device=tgt.device)
+        return self.head(self.transformer(self.embed(src), self.embed(tgt), tgt_mask=mask, tgt_is_causal=True))
+
+
+@dataclasses.dataclass
+class NNTransformer(Workload):
+    """``torch.nn.Transformer`` (encoder-decoder, causal decoder) translating token sequences."""
+
+    layers: int = 1
+    dim: int = 64
+    heads: int = 4
+    seq: int = 64
+    vocab: int = 1000
+    dropout: float = 0.1
+
+    def build_model(self):
+        return _Seq2Seq(self.vocab, self.dim, self.heads, self.layers, self.dropout)
+
+    def _data(self):
+        g = torch.Generator().manual_seed(0)
+        return TensorDataset(*(torch.randint(0, self.vocab, (SAMPLES, self.seq), generator=g) for _ in range(2)))
+
+    def train_data(self):
+        return self._data()
+
+    def eval_data(self):
+        return self._data()
+
+    def loss(self, model, batch):
+        src, tgt = batch
+        logits = model(src, tgt[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1), tgt[:, 1:].flatten())
+
+
+class _SequenceClassifier(nn.Module):
+    def __init__(self, body: nn.Module, dim: int, classes: int, batch_first: bool):
+        super().__init__()
+        self.body, self.head, self.batch_first = body, nn.Linear(dim, classes), batch_first
+
+    def forward(self, x):  # x: (batch, seq, features)
+        h = self.body(x if self.batch_first else x.transpose(0, 1))
+        h = h[0] if isinstance(h, tuple) else h  # an RNN's (output, state)
+        return self.head(h.mean(dim=1 if self.batch_first else 0))
+
+
+@dataclasses.dataclass
+class _Sequences(Workload):
+    layers: int = 2
+    dim: int = 64
+    seq: int = 64
+    classes: int = 10
+
+    def train_data(self):
+        return _images((self.seq, self.dim), self.classes)
+
+    def eval_data(self):
+        return _images((self.seq, self.dim), self.classes)
+
+    def loss(self, model, batch):
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+
+@dataclasses.dataclass
+class NNEncoder(_Sequences):
+    """``torch.nn.TransformerEncoder`` classifying sequences, batch first (its eval fast path)."""
+
+    heads: int = 4
+    dropout: float = 0.1
+    batch_first: bool = True
+
+    def build_model(self):
+        layer = nn.TransformerEncoderLayer(self.dim, self.heads, 4 * self.dim, self.dropout, batch_first=self.batch_first)
+        encoder = nn.TransformerEncoder(layer, self.layers, enable_nested_tensor=self.batch_first)
+        return _SequenceClassifier(encoder, self.dim, self.classes, self.batch_first)
+
+
+@dataclasses.dataclass
+class NNEncoderSeqFirst(NNEncoder):
+    """The same, sequence first (``batch_first=False``, torch's default)."""
+
+    batch_first: bool = False
+
+
+@dataclasses.dataclass
+class LSTM(_Sequences):
+    """``torch.nn.LSTM`` (stacked, dropout between layers) classifying sequences."""
+
+    seq: int = 8  # CPU's GRU runs step by step: the trace's op count grows with the sequence
+    dropout: float = 0.1
+
+    RNN: ClassVar[type[nn.Module]] = nn.LSTM
+
+    def build_model(self):
+        rnn = self.RNN(self.dim, self.dim, self.layers, batch_first=True, dropout=self.dropout)
+        return _SequenceClassifier(rnn, self.dim, self.classes, batch_first=True)
+
+
+@dataclasses.dataclass
+class GRU(LSTM):
+    """``torch.nn.GRU``, the same way."""
+
+    RNN: ClassVar[type[nn.Module]] = nn.GRU
+
+
+def _double_conv(cin: int, cout: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
+        nn.Conv2d(cout, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
+    )
+
+
+class _UNet(nn.Module):
+    def __init__(self, channels: int, classes: int, depth: int, width: int):
+        super().__init__()
+        widths = [width * 2**i for i in range(depth + 1)]
+        self.down = nn.ModuleList([_double_conv(channels, widths[0])] + [_double_conv(a, b) for a, b in zip(widths, widths[1:])])
+        self.up = nn.ModuleList(nn.ConvTranspose2d(b, a, 2, stride=2) for a, b in zip(widths, widths[1:]))
+        self.merge = nn.ModuleList(_double_conv(2 * a, a) for a in widths[:-1])
+        self.head = nn.Conv2d(widths[0], classes, 1)
+
+    def forward(self, x):
+        skips = []
+        for i, block in enumerate(self.down):
+            x = block(x if i == 0 else F.max_pool2d(x, 2))
+            skips.append(x)
+        x = skips.pop()
+        for up, merge in zip(reversed(self.up), reversed(self.merge)):
+            x = merge(torch.cat([skips.pop(), up(x)], dim=1))
+        return self.head(x)
+
+
+@dataclasses.dataclass
+class UNet(Workload):
+    """A UNet as people write it in torch.nn (convolutions, batch norm, max-pooling, transposed
+    convolutions, skip connections by concatenation), per-pixel cross-entropy."""
+
+    depth: int = 3
+    width: int = 16
+    classes: int = 4
+    image: int = 64
+
+    def build_model(self):
+        return _UNet(3, self.classes, self.depth, self.width)
+
+    def train_data(self):
+        return _segmentation(self.image, self.classes)
+
+    def eval_data(self):
+        return _segmentation(self.image, self.classes)
+
+    def loss(self, model, batch):
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+
+# -- GPU models without a library zoo counterpart --------------------------------------------
 
 
 class Conv1dNet(nn.Module):
@@ -458,19 +861,32 @@ class ViTIsh(_Classifier):
 @dataclass(frozen=True)
 class Entry:
     name: str
-    make: Callable[[], Workload]
+    workload: type[Workload]
     precision: str
     batches: tuple[int, ...]  # where the accuracy benchmark compares predicted and true peaks
     needs: tuple[str, ...] = ()  # modules that must be importable
+    params: dict = field(default_factory=dict)  # hyper-parameters beyond the workload's defaults
+    #: For a model fake tensors cannot trace: the library folder of the code the trace stops in.
+    untraceable: str | None = None
     truth: str | None = None  # its name in the H100 ground truth, where it is one of those models
+
+    def make(self) -> Workload:
+        return self.workload(**self.params)
+
+    @property
+    def import_path(self) -> str:
+        """What a sweep's YAML names it by (``workload: {name: ...}``)."""
+        return f"{self.workload.__module__}:{self.workload.__qualname__}"
 
     def available(self) -> bool:
         return all(importlib.util.find_spec(m) is not None for m in self.needs)
 
 
+_VISION = ("timm", "torchvision")
+
 GPU_ZOO = (
     # SGD with momentum, as the ground truth trains it (the others use AdamW, as there)
-    Entry("resnet50", functools.partial(ResNet50, optimizer="sgd"), "fp32", (32, 64, 128, 256), ("torchvision",),
+    Entry("resnet50", ResNet50, "fp32", (32, 64, 128, 256), ("torchvision",), params={"optimizer": "sgd"},
           truth="resnet50"),
     Entry("vit_b16_bf16", ViTB16, "bf16", (32, 64, 128, 256), ("torchvision",), truth="vit_b16_bf16"),
     Entry("gpt2_bf16_seq1024", GPT2, "bf16", (2, 4, 8, 12), ("transformers",), truth="gpt2_bf16"),
@@ -484,10 +900,35 @@ CPU_ZOO = (
     Entry("cnn", CNNWorkload, "fp32", (8, 32, 64)),
     Entry("staged_mlp", StagedMLPWorkload, "fp32", (8, 64, 256)),
     Entry("resnet_ish", ResNetIsh, "fp32", (4, 16, 32)),
-    Entry("conv1d_19x1536", lambda: Conv1d(length=1536), "fp32", (4, 16, 32)),
+    Entry("conv1d_19x1536", Conv1d, "fp32", (4, 16, 32), params={"length": 1536}),
     Entry("tiny_gpt_bf16", TinyGPTWorkload, "bf16", (2, 4, 8)),
     Entry("vit_ish_bf16", ViTIsh, "bf16", (4, 16, 32)),
 )
+
+#: Models people train, from timm, torchvision, transformers and torch.nn, at the small sizes
+#: of their classes' defaults (bf16: mixed precision, as they are usually trained). The zoo
+#: test plans every one with ``orchestrator plan`` on fake tensors; the accuracy benchmark
+#: compares them with the truth on a GPU.
+LIBRARY_ZOO = (
+    Entry("convnext", ConvNeXt, "bf16", (16, 64, 128), _VISION),
+    Entry("swin", Swin, "bf16", (16, 64, 128), _VISION),
+    Entry("efficientnet", EfficientNet, "bf16", (16, 64, 128), _VISION),
+    Entry("vit", ViT, "bf16", (16, 64, 128), _VISION),
+    Entry("resnet18", ResNet, "bf16", (16, 64, 128), ("torchvision",)),
+    Entry("deeplabv3", DeepLabV3, "bf16", (4, 16, 32), ("torchvision",)),
+    Entry("fasterrcnn", FasterRCNN, "fp32", (2, 4, 8), ("torchvision",), untraceable="torchvision/models/detection"),
+    Entry("bert", Bert, "bf16", (8, 32, 64), ("transformers",)),
+    Entry("gpt2", GPT2LM, "bf16", (8, 32, 64), ("transformers",)),
+    Entry("llama", Llama, "bf16", (8, 32, 64), ("transformers",)),
+    Entry("nn_transformer", NNTransformer, "bf16", (8, 32, 64)),
+    Entry("nn_encoder", NNEncoder, "bf16", (8, 32, 64)),
+    Entry("nn_encoder_seq_first", NNEncoderSeqFirst, "bf16", (8, 32, 64)),
+    Entry("lstm", LSTM, "bf16", (8, 32, 64)),
+    Entry("gru", GRU, "bf16", (8, 32, 64)),
+    Entry("unet", UNet, "bf16", (8, 32, 64)),
+)
+
+ZOOS = {"gpu": GPU_ZOO, "cpu": CPU_ZOO, "library": LIBRARY_ZOO}
 
 
 class StepRunner:

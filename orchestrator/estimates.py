@@ -152,6 +152,7 @@ def _estimate_one(job) -> tuple[dict[Settings, MemoryProfile], str | None, float
     """In a worker process: plan one signature's first trial; its profiles, or the error's line."""
     import time
 
+    from orchestrator.memory.failure import summary
     from orchestrator.planner import make_plan
     from trainables.workload import build_workload
 
@@ -160,13 +161,8 @@ def _estimate_one(job) -> tuple[dict[Settings, MemoryProfile], str | None, float
     try:
         cache = ProfileCache(build_workload(config), policy, target)
         make_plan(cache.workload, policy, effective_batch, budget, target=target, profiles=cache)
-    except Exception as exc:  # noqa: BLE001 - a user's model failing: reported, the sweep decides
-        from trainables.workload import failure_location
-
-        line = str(exc).splitlines()[0] if str(exc) else ""
-        where = failure_location(exc)
-        error = f"{type(exc).__name__}: {line}" + (f" (at {where})" if where else "")
-        return {}, error, time.perf_counter() - started
+    except Exception as exc:  # noqa: BLE001 - a user's model failing: reported (op and line), the sweep decides
+        return {}, summary(exc), time.perf_counter() - started
     return cache.shareable(), None, time.perf_counter() - started
 
 

@@ -30,6 +30,7 @@ from orchestrator.units import parse_bytes
 def plan_command(args) -> int:
     from orchestrator.config import load_spec
     from orchestrator.estimates import ProfileCache, describe_signature, estimate_trials, memory_signature
+    from orchestrator.memory.failure import summary
     from orchestrator.planner import plan_with_profile
     from orchestrator.preflight import check_workloads
     from orchestrator.space import trial_configs
@@ -67,8 +68,8 @@ def plan_command(args) -> int:
                                               profiles=caches[signature])
         except UserError:
             raise
-        except Exception as exc:  # noqa: BLE001 - shown with the trial, the others still planned
-            results.append({"trial": index, "config": config, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"})
+        except Exception as exc:  # noqa: BLE001 - shown with the trial (op and line), the others still planned
+            results.append({"trial": index, "config": config, "error": summary(exc)})
             continue
         results.append({"trial": index, "config": config, "plan": plan, "profile": profile})
 

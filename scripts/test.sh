@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# The test command of the README and CI: sets up, installs the system packages the integration
-# tests use (SLURM, Chromium) where it can, then runs the whole suite.
+# The test command of the README and CI: sets up .venv, installs the system packages the
+# integration tests use (SLURM, Chromium) where it can, then runs the whole suite.
+#   bash scripts/test.sh [PYTEST ARGS]         # what CI runs; tests/test_zoo.py skips without .venv-zoo
+#   bash scripts/test.sh --zoo [PYTEST ARGS]   # also makes .venv-zoo (timm, torchvision, transformers:
+#                                              # ~6 GB, minutes), so tests/test_zoo.py runs too
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --dev
+if [[ "${1:-}" == "--zoo" ]]; then
+  shift
+  bash scripts/setup.sh --zoo
+fi
 for installer in scripts/install_slurm.sh scripts/install_browser.sh; do
   [[ -f "$installer" ]] && bash "$installer"
 done

@@ -93,3 +93,15 @@ def test_forward_runs_on_real_tensors_when_fake_ones_cannot():
     assert any("fake tensors failed" in n for n in profile.notes)
     assert profile.phases[0].params == F32 * MLP_PARAMS
     assert profile.phases[0].allocated_at(64) >= estimate(Masked(), "measured", target="cpu").phases[0].allocated_at(64)
+
+
+def test_a_model_too_large_for_this_machine_is_not_built_for_real(monkeypatch):
+    """The real-tensor fallback would build the model: it refuses when its states would not fit."""
+    import orchestrator.memory.static as static
+
+    monkeypatch.setattr(static, "_available_memory", lambda: 4 * F32 * MLP_PARAMS)  # states need 4x, half is allowed
+    built = []
+    monkeypatch.setattr(Masked, "build_model", lambda self: built.append(1) or MLPWorkload.build_model(self))
+    with pytest.raises(static.TooLargeForRealTensors, match=r"aten\.nonzero.*test_memory_static.py:\d+ \(loss\).*too large to run on real CPU tensors"):
+        estimate(Masked(), "static", target="cpu")
+    assert len(built) == 2  # on fake tensors, then for its size: never a third time, for real

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from argparse import Namespace
 
@@ -10,6 +11,8 @@ import pytest
 from orchestrator.cli import main
 from orchestrator.errors import UserError
 from orchestrator.plan_command import plan_command
+from tests.conftest import ROOT
+from tests.workloads import BuggyWorkload
 
 SWEEP = """
 experiment: plan_test
@@ -104,3 +107,20 @@ def test_a_trial_that_cannot_be_estimated_is_shown_and_the_rest_planned(sweep, c
     out = capsys.readouterr().out
     assert "could not be estimated: ModuleNotFoundError: No module named 'torchvision_not_installed_here'" in out
     assert "trial 0 (staged_mlp" in out and "4 trials, 0 refused, 2 could not be estimated" in out
+
+
+def test_a_model_that_crashes_is_shown_with_the_line_of_its_code(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)  # tests.workloads, as a user's package in the working directory
+    path = tmp_path / "sweep.yaml"
+    path.write_text(
+        "experiment: crash\nworkload: {name: 'tests.workloads:BuggyWorkload', "
+        f"params: {{attempts_file: {tmp_path / 'attempts'}}}}}\n"
+        "search_space: {lr: 0.01}\neffective_batch_size: 32\nstop: {epochs: 1}\nmemory: {estimator: trace}\n"
+    )
+    assert plan_command(args(str(path), device_memory="2GiB")) == 1
+    out = capsys.readouterr().out
+    line = inspect.getsourcelines(BuggyWorkload.loss)[1] + 1
+    assert (
+        "could not be estimated: ValueError: mat1 and mat2 shapes cannot be multiplied (64x32 and 31x16) "
+        f"(in tests/workloads.py:{line} (loss))"
+    ) in out

@@ -62,7 +62,7 @@ def test_a_model_that_does_not_build_stops_the_driver_estimate_naming_the_users_
         estimate_before_start(grouped)
     message = str(err.value)
     assert message.startswith("workload tests.workloads:GroupedMLPWorkload width=12: the trace estimate failed "
-                              "(ValueError: width must be a multiple of 8, got 12 (at tests/workloads.py:"), message
+                              "(ValueError: width must be a multiple of 8, got 12 (in tests/workloads.py:"), message
     assert "\n" not in message
 
 

@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from orchestrator.device import DEFAULT_ALLOC_CONF
 from orchestrator.memory.allocator import parse_alloc_conf
+from orchestrator.memory.failure import summary
 from orchestrator.memory.fake import Untraceable
 from orchestrator.memory.measured import MeasurementFailed, measured_profile
 from orchestrator.memory.profile import ESTIMATORS, TARGETS, MemoryProfile, PhaseProfile, Settings
@@ -69,7 +70,7 @@ def estimate(
     except Untraceable as exc:
         reason = str(exc)
     except Exception as exc:  # a model fake tensors trip over in some other way: still plan, say why
-        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        reason = summary(exc)
     fallback = "measured" if device is not None else "static"
     profile = estimate(workload, fallback, settings, target=target, fragmentation=fragmentation, device=device,
                        allocator_conf=allocator_conf)

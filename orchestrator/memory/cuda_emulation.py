@@ -1,15 +1,15 @@
 """Make a fake-CPU trace allocate what the same step would allocate on CUDA.
 
 Without a GPU, fake *cuda* tensors cannot run backward (pytorch #92627, #157869, #148977), so a
-head node traces on fake *cpu* tensors. Three CPU code paths then allocate differently from
+head node traces on fake *cpu* tensors. Four CPU code paths then allocate differently from
 CUDA, which put transformers 36-95 % over the truth (FACTS.md); during the trace only:
 
 * attention: ``scaled_dot_product_attention`` with dropout takes CPU's math path, which
   materialises the (b, heads, s, s) score matrix; CUDA's flash/efficient kernels keep only the
-  output and a logsumexp, dropout included. The call is made dropout-free on CPU's flash kernel,
+  output and a logsumexp, dropout included. The call runs dropout-free on CPU's flash kernel,
   which allocates what CUDA's does.
 * dropout: CPU multiplies by a noise mask of the input's dtype; CUDA's fused kernel keeps a
-  1-byte bool mask. ``F.dropout`` becomes ``native_dropout``, which has that mask on CPU too.
+  1-byte bool mask. ``dropout`` becomes ``native_dropout``, which has that mask on CPU too.
 * autocast: CPU and CUDA cast different ops (CUDA runs softmax, log_softmax, layer_norm, sum,
   exp, ... in fp32 and ``cross_entropy`` only through them; CPU casts ``cross_entropy_loss``
   as a whole and pooling/padding ops to fp32). CUDA's cast policy replaces CPU's for the
@@ -17,22 +17,29 @@ CUDA, which put transformers 36-95 % over the truth (FACTS.md); during the trace
   itself works at, above autograd, so casts are recorded and saved for backward as on CUDA).
   CPU's own kernels stay for the matmul/conv ops both devices run in lower precision, which
   keeps autocast's weight-cast cache for them.
+* fused transformer layers: in eval, ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer``
+  take a fast path of single ops (``_native_multi_head_attention``,
+  ``_transformer_encoder_layer_fwd``) whose intermediates no tracker sees, and CPU's computes the
+  score matrix where CUDA's uses fused attention. The fast path is off during the trace: the
+  layers' Python path shows every intermediate (at most one extra copy of the packed q/k/v per
+  layer over CUDA's fused op).
 
-The registrations are process-global while active (another thread running CPU autocast at the
-same time would see CUDA's policy) and are removed on exit.
+Attention and dropout are replaced where the ops are defined (their ``CompositeImplicitAutograd``
+kernels), not where Python calls them, so calls made inside torch's own Python functions
+(``F.multi_head_attention_forward``) and positional arguments are covered alike. The
+registrations are process-global while active (another thread running CPU autocast, attention
+or dropout at the same time would see CUDA's behaviour) and are removed on exit.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import threading
 import warnings
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 LOWER, FP32, FP32_SET_OPT_DTYPE, FP32_APPEND_DTYPE, PROMOTE = "lower", "fp32", "fp32_set_opt_dtype", "fp32_append_dtype", "promote"
@@ -146,37 +153,47 @@ def _cpu_autocast_ops() -> frozenset[str]:
     return frozenset(found)
 
 
-_lock = threading.Lock()
-_active = 0
-_library: torch.library.Library | None = None
+class _Registrations:
+    """Kernels registered on ``aten`` while at least one trace uses them (process-global)."""
+
+    def __init__(self, register):
+        self._register = register
+        self._lock = threading.Lock()
+        self._active = 0
+        self._library: torch.library.Library | None = None
+
+    @contextlib.contextmanager
+    def __call__(self):
+        with self._lock:
+            if self._active == 0:
+                library = torch.library.Library("aten", "IMPL")
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+                    self._register(library)
+                self._library = library
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active -= 1
+                if self._active == 0 and self._library is not None:
+                    self._library._destroy()
+                    self._library = None
 
 
-@contextlib.contextmanager
-def cuda_autocast_policy():
-    """While active, CPU autocast casts exactly what CUDA autocast would."""
-    global _active, _library
-    with _lock:
-        if _active == 0:
-            cpu_ops = _cpu_autocast_ops()
-            library = torch.library.Library("aten", "IMPL")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
-                for name in cpu_ops - CUDA_POLICY.keys():
-                    library.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
-                for name, policy in CUDA_POLICY.items():
-                    if not _exists(name) or (policy == LOWER and name in cpu_ops):
-                        continue  # both devices cast it down: keep CPU's kernel and its weight cache
-                    library.impl(name, _kernel(name, policy), "AutocastCPU")
-            _library = library
-        _active += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _active -= 1
-            if _active == 0 and _library is not None:
-                _library._destroy()
-                _library = None
+def _register_autocast_policy(library: torch.library.Library) -> None:
+    cpu_ops = _cpu_autocast_ops()
+    for name in cpu_ops - CUDA_POLICY.keys():
+        library.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
+    for name, policy in CUDA_POLICY.items():
+        if not _exists(name) or (policy == LOWER and name in cpu_ops):
+            continue  # both devices cast it down: keep CPU's kernel and its weight cache
+        library.impl(name, _kernel(name, policy), "AutocastCPU")
+
+
+#: While active, CPU autocast casts exactly what CUDA autocast would.
+cuda_autocast_policy = _Registrations(_register_autocast_policy)
 
 
 def _exists(name: str) -> bool:
@@ -187,50 +204,78 @@ def _exists(name: str) -> bool:
         return False
 
 
-class CudaKernels(TorchFunctionMode):
-    """Route attention and dropout to the CPU kernels that allocate what CUDA's kernels do."""
+#: Notes of the traces running now (a kernel adds to every one): what could not be emulated.
+_collectors: list[set[str]] = []
 
-    def __init__(self):
-        super().__init__()
-        self.notes: set[str] = set()
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return self._attention(func, args, kwargs)
-        if func is F.dropout:
-            return self._dropout(func, args, kwargs)
-        return func(*args, **kwargs)
-
-    def _attention(self, func, args, kwargs):
-        flash_kwargs = {**kwargs, "dropout_p": 0.0}
-        if len(args) > 4:  # dropout_p given positionally
-            args = args[:4] + (0.0,) + args[5:]
-        try:
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-                return func(*args, **flash_kwargs)
-        except RuntimeError as exc:
-            self.notes.add(
+def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+    """``scaled_dot_product_attention`` as CUDA's fused kernels allocate it: CPU's flash kernel,
+    without dropout (CUDA's keep the output and logsumexp whatever the dropout), which also
+    takes grouped-query attention as CUDA's flash kernel does, without repeating k and v."""
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        # what sdpa makes of a boolean mask before any fused kernel, on CUDA as well
+        zero = torch.scalar_tensor(0.0, dtype=query.dtype, device=attn_mask.device)
+        masked = torch.scalar_tensor(-math.inf, dtype=query.dtype, device=attn_mask.device)
+        attn_mask = torch.where(attn_mask, zero, masked)
+    unbatched = query.dim() == 3
+    if unbatched:  # (heads, L, E): the flash kernel wants a batch dimension
+        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+    try:
+        if query.dim() != 4:
+            raise RuntimeError(f"{query.dim()}-d inputs")
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale
+        )[0]
+    except RuntimeError as exc:
+        for notes in _collectors:
+            notes.add(
                 "attention traced on CPU's math kernel, which materialises the score matrix CUDA's "
                 f"flash/efficient kernels do not: over-estimates ({str(exc).splitlines()[0][:120]})"
             )
-            return func(*args, **kwargs)
+        out = torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
+        )[0]
+    return out.squeeze(0) if unbatched else out
 
-    @staticmethod
-    def _dropout(func, args, kwargs):
-        names = ("input", "p", "training", "inplace")
-        bound = {**dict(zip(names, args)), **kwargs}
-        p, training, inplace = bound.get("p", 0.5), bound.get("training", True), bound.get("inplace", False)
-        if not training or p == 0.0 or inplace:
-            return func(*args, **kwargs)
-        return torch.native_dropout(bound["input"], p, True)[0]
+
+def _dropout(input, p, train):
+    """``dropout`` as CUDA runs it: the fused kernel with a 1-byte mask (``native_dropout``)."""
+    if not train or p == 0 or input.numel() == 0:
+        return input
+    if p == 1:
+        return input * torch.zeros((), dtype=input.dtype, device=input.device)
+    return torch.ops.aten.native_dropout(input, p, True)[0]
+
+
+def _register_kernels(library: torch.library.Library) -> None:
+    library.impl("scaled_dot_product_attention", _attention, "CompositeImplicitAutograd")
+    library.impl("dropout", _dropout, "CompositeImplicitAutograd")
+
+
+#: While active, attention and dropout allocate what CUDA's kernels allocate.
+cuda_kernels = _Registrations(_register_kernels)
+
+
+@contextlib.contextmanager
+def mha_fast_path(enabled: bool):
+    """``nn.MultiheadAttention``'s and ``nn.TransformerEncoderLayer``'s fused eval path on or off."""
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(enabled)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
 
 
 @contextlib.contextmanager
 def cuda_semantics():
     """Everything above, for the duration of a trace; yields the notes it gathers."""
     notes: list[str] = []
-    kernels = CudaKernels()
-    with cuda_autocast_policy(), kernels:
-        yield notes
-    notes.extend(sorted(kernels.notes))
+    seen: set[str] = set()
+    _collectors.append(seen)
+    try:
+        with cuda_autocast_policy(), cuda_kernels(), mha_fast_path(False):
+            yield notes
+    finally:
+        _collectors.remove(seen)
+    notes.extend(sorted(seen))

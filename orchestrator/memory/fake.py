@@ -1,13 +1,14 @@
 """Running a workload on fake tensors: the shared ground of the ``trace`` and ``static`` estimators.
 
-Under ``FakeTensorMode`` tensors have shapes, dtypes and devices but no data: the real model,
-optimizer and step run for any batch size in the time of a tiny one and use no memory.
+Under ``FakeTensorMode`` tensors have shapes, dtypes and devices but no data: the real model
+(built by ``memory.construction``, never on real tensors), optimizer and step run for any batch
+size in the time of a tiny one and use no memory.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch._subclasses.fake_tensor import (
@@ -15,10 +16,15 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensorMode,
     UnsupportedFakeTensorException,
+    unset_fake_temporarily,
 )
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
-from orchestrator.memory.cuda_emulation import cuda_semantics
+from orchestrator.memory.construction import build_fake
+from orchestrator.memory.cuda_emulation import cuda_semantics, mha_fast_path
+from orchestrator.memory.failure import where
+from orchestrator.memory.workspaces import KernelWorkspaces
 from orchestrator.tensor_tracker import CUDA_BLOCK, StorageTracker
 from trainables.workload import Workload
 
@@ -35,9 +41,11 @@ class FakeSetup:
     device: torch.device
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    sample: object  # one real sample batch: shapes and dtypes for the fake batches
+    workload: Workload
+    sample: object  # the workload's largest sample (real): every probe batch is copies of it
     round_to: int
     emulate_cuda: bool
+    _host_batches: dict = field(default_factory=dict)  # collated host batches by size
 
     def tracker(self) -> StorageTracker:
         tracker = StorageTracker(self.device.type, self.round_to)
@@ -45,17 +53,24 @@ class FakeSetup:
         return tracker
 
     def batch(self, size: int):
-        """A fake batch of ``size`` samples as the loop hands it to the steps: on ``meta``, i.e.
-        still on the host. The steps copy it to the device, so the device copy is counted for its
-        micro-batch's lifetime and the host copy is not, as in the loop on every device.
+        """A fake batch of ``size`` samples as the loop hands it to the steps: ``size`` copies of
+        the workload's largest sample, through its own ``collate``, on ``meta``, i.e. still on the
+        host. The steps copy it to the device, so the device copy is counted for its micro-batch's
+        lifetime and the host copy is not, as in the loop on every device.
+
+        The collate runs on fake host tensors, which take no memory at any size; one that needs
+        values (a graph batch's node offsets, say) runs on real copies of the sample instead, and
+        its batch's tensors become fake host tensors of the same shapes.
         """
-
-        def grow(t):
-            if not isinstance(t, torch.Tensor):
-                return t
-            return self.mode.from_tensor(torch.empty((size, *t.shape[1:]), dtype=t.dtype, device="meta"))
-
-        return tree_map(grow, self.sample)
+        if size not in self._host_batches:
+            with _disable_current_modes():  # the host's work, not the step's: no tracker sees it
+                try:
+                    with self.mode:
+                        batch = self.workload.collate([_host_fakes(self.mode, self.sample)] * size)
+                except Exception:  # a collate that reads values: real samples, then shapes only
+                    batch = _host_fakes(self.mode, self.workload.collate([self.sample] * size))
+            self._host_batches[size] = batch
+        return self._host_batches[size]
 
     def params_bytes(self, tracker: StorageTracker) -> int:
         return sum(tracker.size_of(p) for p in self.model.parameters())
@@ -88,9 +103,10 @@ def fake_setup(workload: Workload, target: str, trace_on: str | None = None) -> 
     device = torch.device(trace_on)
     emulate = target == "cuda" and device.type == "cpu"
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with translate_errors(), mode, device:  # built where it runs: fake tensors cannot be moved by swapping
-        model = workload.build_model()
-        optimizer = workload.build_optimizer(model)
+    with translate_errors():
+        model = build_fake(workload.build_model, mode, device)
+        with mode, device:
+            optimizer = workload.build_optimizer(model)
     if target == "cuda":
         # On CUDA, optimizers default to the foreach implementation, whose temporaries span every
         # parameter at once. Fake parameters are not plain tensors, so the default would pick the
@@ -98,19 +114,39 @@ def fake_setup(workload: Workload, target: str, trace_on: str | None = None) -> 
         for group in optimizer.param_groups:
             if group.get("foreach", False) is None:
                 group["foreach"] = True
-    sample = workload.collate([workload.largest_sample()])
-    return FakeSetup(mode, device, model, optimizer, sample, CUDA_BLOCK if target == "cuda" else 1, emulate)
+    sample = workload.largest_sample()
+    return FakeSetup(mode, device, model, optimizer, workload, sample, CUDA_BLOCK if target == "cuda" else 1, emulate)
+
+
+def _host_fakes(mode: FakeTensorMode, tree):
+    """``tree`` with every tensor a fake tensor on ``meta`` (the host, not the device), same shape."""
+
+    def host_fake(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        with unset_fake_temporarily():
+            meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        return mode.from_tensor(meta)
+
+    return tree_map(host_fake, tree)
 
 
 @contextlib.contextmanager
 def running(setup: FakeSetup):
-    """Fake mode, plus CUDA emulation where needed; yields the list the emulation's notes go to."""
-    with translate_errors(), setup.mode:
+    """Fake mode, plus CUDA emulation where needed; yields the list the trace's notes go to
+    (filled on exit: what could not be emulated or counted)."""
+    notes: list[str] = []
+    with translate_errors(), setup.mode, contextlib.ExitStack() as stack:
+        workspaces = stack.enter_context(KernelWorkspaces()) if setup.device.type == "cpu" else None
         if setup.emulate_cuda:
-            with cuda_semantics() as notes:
-                yield notes
-        else:
-            yield []
+            emulation = stack.enter_context(cuda_semantics())
+        elif setup.device.type == "cuda":  # fake cuda: CUDA's kernels, but fused layers hide their insides
+            stack.enter_context(mha_fast_path(False))
+        yield notes
+    if setup.emulate_cuda:
+        notes.extend(emulation)
+    if workspaces is not None:
+        notes.extend(sorted(workspaces.notes))
 
 
 @contextlib.contextmanager
@@ -119,12 +155,12 @@ def translate_errors():
     try:
         yield
     except (DynamicOutputShapeException, DataDependentOutputException) as exc:
-        func = getattr(exc, "func", None)
         raise Untraceable(
-            f"{func or type(exc).__name__}: an op whose output depends on tensor values cannot run on fake tensors"
+            f"{where(exc) or type(exc).__name__}: an op whose output depends on tensor values cannot run on fake tensors"
         ) from exc
     except UnsupportedFakeTensorException as exc:
-        raise Untraceable(f"an op does not support fake tensors: {exc}") from exc
+        place = where(exc)
+        raise Untraceable(f"an op does not support fake tensors{' (' + place + ')' if place else ''}: {exc}") from exc
 
 
 def describe(setup: FakeSetup) -> str:

@@ -13,19 +13,25 @@ Nothing runs backward and nothing is fitted to a trace, so it is quick and errs 
 budgets less than the step needs, and the planner's micro-batch from it is smaller than from
 ``trace``. Where the model cannot run on fake tensors (ops with data-dependent shapes, or
 anything else fake tensors trip over), it runs on real CPU tensors at small batch sizes
-instead, and the profile says so.
+instead, and the profile says so; a model too large for this machine's memory is not built
+for real, and the estimate fails with both reasons.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.utils._pytree import tree_leaves
 
+from orchestrator.memory.construction import HostOrMeta
+from orchestrator.memory.failure import summary
 from orchestrator.memory.fake import Untraceable, describe, fake_setup, running
 from orchestrator.memory.fit import line_through
 from orchestrator.memory.phases import Phase, enter_phase, phases_of
 from orchestrator.memory.profile import MemoryProfile, PhaseProfile, Settings, overheads
 from orchestrator.tensor_tracker import CUDA_BLOCK, StorageTracker
+from orchestrator.units import human
 from trainables.step import autocast
 from trainables.workload import Workload, sample_batch, to_device
 
@@ -37,6 +43,10 @@ GRADIENTS_IN_FLIGHT = 2
 STEP_SCALARS = 4
 #: Real-CPU fallback: batch sizes small enough to run quickly.
 REAL_PROBE_BATCHES = (2, 8)
+#: ... and only for a model whose parameters, gradients and two optimizer moments (4x the
+#: parameters' bytes) take at most this share of the memory available here.
+REAL_STATES_PER_PARAMETER_BYTE = 4
+REAL_MEMORY_SHARE = 0.5
 
 
 def static_profile(workload: Workload, settings: Settings, *, target: str, fragmentation: float) -> MemoryProfile:
@@ -57,8 +67,11 @@ def static_profile(workload: Workload, settings: Settings, *, target: str, fragm
     except ImportError:
         raise  # a missing library fails on real tensors too
     except Exception as exc:  # Untraceable, or a model fake tensors trip over in another way
-        reason = str(exc) if isinstance(exc, Untraceable) else f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-        states, bounds = _on_real_cpu(workload, settings, target)
+        reason = str(exc) if isinstance(exc, Untraceable) else summary(exc)
+        try:
+            states, bounds = _on_real_cpu(workload, settings, target)
+        except TooLargeForRealTensors as too_large:
+            raise TooLargeForRealTensors(f"fake tensors failed ({reason}), and {too_large}") from exc
         notes.append(f"fake tensors failed ({reason}); forward run on real CPU tensors at b={REAL_PROBE_BATCHES}")
     extra = overheads(target, fragmentation)
     phases = tuple(_phase(phase, states, bounds[phase.name], extra) for phase in phases_of(workload))
@@ -114,8 +127,41 @@ def _forward_bounds(workload, model, phase: Phase, settings, device, round_to, m
     return bounds
 
 
+class TooLargeForRealTensors(Exception):
+    """Fake tensors failed, and the model is too large to run on real CPU tensors here instead."""
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _check_fits_here(workload: Workload) -> None:
+    """Refuse to build a model for real whose states would not fit this machine's memory.
+
+    Its size comes from a build that makes no large tensor (``memory.construction``); its
+    states on real tensors are the parameters, their gradients and an optimizer's two moments.
+    """
+    with HostOrMeta():
+        model = workload.build_model()
+    size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    available = _available_memory()
+    if REAL_STATES_PER_PARAMETER_BYTE * size > REAL_MEMORY_SHARE * available:
+        raise TooLargeForRealTensors(
+            f"its {human(size)} of parameters and buffers are too large to run on real CPU tensors "
+            f"here ({human(available)} available)"
+        )
+
+
 def _on_real_cpu(workload: Workload, settings: Settings, target: str):
     """The same counts on a real CPU model, for workloads fake tensors cannot run."""
+    _check_fits_here(workload)
     torch.manual_seed(workload.seed)
     model = workload.build_model()
     optimizer = workload.build_optimizer(model)
