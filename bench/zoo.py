@@ -35,24 +35,43 @@ from typing import ClassVar, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from trainables.cnn import CNNWorkload
 from trainables.mlp import MLPWorkload
 from trainables.staged import StagedMLPWorkload
 from trainables.workload import Workload
 
-SAMPLES = 16  # synthetic samples per dataset; batches repeat them
+SAMPLES = 16  # distinct synthetic samples per dataset
+LENGTH = 4096  # samples per epoch: the stored ones repeated, so a sweep has whole optimizer steps
 
 
-def _images(shape: tuple[int, ...], classes: int) -> TensorDataset:
+class Repeated(Dataset):
+    """``base`` cycled to ``length`` samples: memory is what matters here, not what is learnt,
+    and a few samples of a (19, 15360) signal or a 224 px image are enough."""
+
+    def __init__(self, base: Dataset, length: int = LENGTH):
+        self.base, self.length = base, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int):
+        return self.base[index % len(self.base)]
+
+
+def _repeated(*tensors: torch.Tensor) -> Repeated:
+    return Repeated(TensorDataset(*tensors))
+
+
+def _images(shape: tuple[int, ...], classes: int) -> Repeated:
     g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(SAMPLES, *shape, generator=g), torch.randint(0, classes, (SAMPLES,), generator=g))
+    return _repeated(torch.randn(SAMPLES, *shape, generator=g), torch.randint(0, classes, (SAMPLES,), generator=g))
 
 
-def _tokens(vocab: int, seq: int) -> TensorDataset:
+def _tokens(vocab: int, seq: int) -> Repeated:
     g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randint(0, vocab, (SAMPLES, seq), generator=g))
+    return _repeated(torch.randint(0, vocab, (SAMPLES, seq), generator=g))
 
 
 @dataclasses.dataclass
@@ -154,9 +173,9 @@ class ResNet50(ResNet):
     arch: str = "resnet50"
 
 
-def _segmentation(image: int, classes: int) -> TensorDataset:
+def _segmentation(image: int, classes: int) -> Repeated:
     g = torch.Generator().manual_seed(0)
-    return TensorDataset(
+    return _repeated(
         torch.randn(SAMPLES, 3, image, image, generator=g), torch.randint(0, classes, (SAMPLES, image, image), generator=g)
     )
 
@@ -221,7 +240,7 @@ class FasterRCNN(Workload):
         g = torch.Generator().manual_seed(0)
         corner = torch.rand(SAMPLES, self.boxes, 2, generator=g) * self.image / 2
         size = 8 + torch.rand(SAMPLES, self.boxes, 2, generator=g) * self.image / 2
-        return TensorDataset(
+        return _repeated(
             torch.rand(SAMPLES, 3, self.image, self.image, generator=g),
             torch.cat([corner, corner + size], dim=-1),
             torch.randint(1, self.classes, (SAMPLES, self.boxes), generator=g),
@@ -273,8 +292,8 @@ class Bert(Workload):
         ))
 
     def _data(self):
-        (ids,) = _tokens(self.vocab, self.seq).tensors
-        return _Records([{"input_ids": i, "attention_mask": torch.ones_like(i)} for i in ids])
+        (ids,) = _tokens(self.vocab, self.seq).base.tensors
+        return Repeated(_Records([{"input_ids": i, "attention_mask": torch.ones_like(i)} for i in ids]))
 
     def train_data(self):
         return self._data()
@@ -374,7 +393,7 @@ class NNTransformer(Workload):
 
     def _data(self):
         g = torch.Generator().manual_seed(0)
-        return TensorDataset(*(torch.randint(0, self.vocab, (SAMPLES, self.seq), generator=g) for _ in range(2)))
+        return _repeated(*(torch.randint(0, self.vocab, (SAMPLES, self.seq), generator=g) for _ in range(2)))
 
     def train_data(self):
         return self._data()
@@ -558,7 +577,7 @@ class TCNWorkload(Workload):
 
     def _data(self):
         g = torch.Generator().manual_seed(0)
-        return TensorDataset(torch.randn(SAMPLES, 19, 15360, generator=g), torch.randn(SAMPLES, 1, 960, generator=g))
+        return _repeated(torch.randn(SAMPLES, 19, 15360, generator=g), torch.randn(SAMPLES, 1, 960, generator=g))
 
     def train_data(self):
         return self._data()
@@ -624,7 +643,7 @@ class GAT(Workload):
         x = torch.randn(SAMPLES, self.nodes, self.features, generator=g)
         edge_index = torch.randint(0, self.nodes, (SAMPLES, 2, self.edges), generator=g)
         y = torch.randint(0, self.classes, (SAMPLES, self.nodes), generator=g)
-        return TensorDataset(x, edge_index, y)
+        return _repeated(x, edge_index, y)
 
     def train_data(self):
         return self._graphs()
