@@ -15,8 +15,9 @@ import os
 import shlex
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from orchestrator.capacity import WaitForNodes, check_schedulable, trial_request
 from orchestrator.config import SweepSpec, folder_name, load_spec
@@ -158,8 +159,8 @@ def run_sweep(
     tracking_uri = resolve_tracking_uri(tracking_uri, spec)
     storage = os.path.abspath(storage_path or spec.storage_path)
     _check_before_ray(spec, storage, tracking_uri, offline_tracking)
-    estimates = estimate_before_start(spec)  # before Ray starts: its CPUs are free, a broken model stops here
-    started_ray = _connect_ray(ray_address, num_cpus, num_gpus, dashboard, dashboard_host)
+    estimates, started_ray = _estimate_while_ray_starts(
+        spec, lambda: _connect_ray(ray_address, num_cpus, num_gpus, dashboard, dashboard_host))
     try:
         wait = check_schedulable(trial_request(spec), spec.resources.wait_minutes)
         name, restore_from = _experiment_name(spec, storage, name, resume)
@@ -181,6 +182,27 @@ def run_sweep(
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def _estimate_while_ray_starts(spec: SweepSpec, connect: Callable[[], bool]):
+    """The driver's memory estimates, made while Ray starts (each takes seconds; in spawned
+    processes, so they do not wait on each other), and whether we started Ray.
+
+    A model whose estimate fails still stops the sweep before any trial: the Ray we started for
+    it is shut down again and the error is the estimate's one line.
+    """
+    import ray
+
+    with ThreadPoolExecutor(1, thread_name_prefix="estimate") as pool:
+        estimating = pool.submit(estimate_before_start, spec)
+        started_ray = False
+        try:
+            started_ray = connect()
+            return estimating.result(), started_ray
+        except BaseException:
+            if started_ray:
+                ray.shutdown()
+            raise
 
 
 def _check_before_ray(spec: SweepSpec, storage: str, tracking_uri: str, offline_tracking: bool) -> None:

@@ -3,6 +3,8 @@
 import os
 from types import SimpleNamespace
 
+import pytest
+
 from orchestrator.config import parse_spec
 from orchestrator.runner import SweepOutcome, _experiment_name, _row, summary_table
 
@@ -101,3 +103,22 @@ def test_an_interrupted_sweep_says_our_resume_command():
     lines = summary_lines(SweepOutcome(rows, "/r/exp_1", "sqlite:///m.db"), SPEC, run_args(storage_path="/r"))
     assert ("Interrupted trials continue from their last checkpoints with: orchestrator run sweep.yaml --set "
             "stop.epochs=2 --storage-path /r --tracking-uri http://127.0.0.1:5000 --name exp_1 --resume") in lines
+
+
+@pytest.mark.integration
+def test_a_model_whose_estimate_fails_stops_the_sweep_and_the_ray_started_for_it(tmp_path):
+    """The driver estimates while Ray starts; a model that does not build ends the sweep in the
+    estimate's one line, before any trial, and the Ray it started is shut down again."""
+    import ray
+
+    from orchestrator.errors import UserError
+    from orchestrator.runner import run_sweep
+
+    spec = parse_spec({
+        "experiment": "broken", "workload": {"name": "tests.workloads:GroupedMLPWorkload", "params": {"width": 12}},
+        "search_space": {"lr": 0.01}, "effective_batch_size": 32, "stop": {"epochs": 1}, "resources": {"cpu": 1},
+    })
+    with pytest.raises(UserError, match="the trace estimate failed .*width must be a multiple of 8"):
+        run_sweep(spec, tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", storage_path=str(tmp_path / "results"),
+                  num_cpus=1)
+    assert not ray.is_initialized()
