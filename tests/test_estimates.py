@@ -34,6 +34,8 @@ def test_what_changes_memory_changes_the_signature():
     base = {"workload": "mlp", "width": 16, "lr": 0.1, "seed": 0, "depth": 1}
     same = memory_signature(base, policy, "cuda")
     assert memory_signature({**base, "lr": 0.001, "seed": 7, "_oom_shrinks": 1}, policy, "cuda") == same
+    # How many samples the datasets hold changes how long a trial runs, not a step's memory.
+    assert memory_signature({**base, "train_samples": 99_999, "eval_samples": 7}, policy, "cuda") == same
     assert memory_signature({**base, "width": 32}, policy, "cuda") != same
     assert memory_signature(base, policy, "cpu") != same
     assert memory_signature(base, dataclasses.replace(policy, precision="bf16"), "cuda") != same

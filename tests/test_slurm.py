@@ -489,7 +489,7 @@ def wait_for(predicate, timeout: float, what: str, cluster: LocalSlurm, log: Pat
         value = predicate()
         if value:
             return value
-        time.sleep(2)
+        time.sleep(0.5)
     log_text = log.read_text() if log.exists() else "(no job log)"
     pytest.fail(f"timed out waiting for {what}\n--- job log\n{log_text[-6000:]}\n--- slurm\n{cluster.logs(10)}")
 
@@ -510,10 +510,11 @@ def processes_left(job_id: str, job_dir: Path) -> list[str]:
     return [line for line in out.splitlines() if f"/ray-{job_id}-" in line or str(job_dir) in line]
 
 
-def small_sweep(workdir: Path, epochs: int, lrs: list[float]) -> Path:
+def small_sweep(workdir: Path, epochs: int, train_samples: list[int]) -> Path:
+    """The demo's MLP, one trial per training-set size (the sizes set how long each trial runs)."""
     config = yaml.safe_load(DEMO.read_text())
-    config["experiment"] = f"slurm_e{epochs}_t{len(lrs)}"
-    config["search_space"] = {"workload": "mlp", "lr": {"grid": lrs}, "width": 16}
+    config["experiment"] = f"slurm_e{epochs}_t{len(train_samples)}"
+    config["search_space"] = {"workload": "mlp", "lr": 0.01, "width": 16, "train_samples": {"grid": train_samples}}
     config["stop"]["epochs"] = epochs
     path = workdir / f"{config['experiment']}.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -554,10 +555,11 @@ def test_submit_runs_the_readmes_own_model_on_slurm(slurm, own_model_project, tm
 def test_time_limit_requeues_and_resumes_only_unfinished_trials(slurm, tmp_path):
     """USR1 (what --signal sends before the limit) mid-sweep: stop, requeue, resume, finish the rest.
 
-    Three trials on two CPUs: two run first; the signal comes once at least one has finished
-    and before all have, so the resumed attempt has both finished and unfinished trials.
+    Three trials on two CPUs: a short one and a long one run first; the signal comes once the
+    short one has finished, while the long ones still have many seconds to go (8x the data), so
+    the resumed attempt has both finished and unfinished trials however fast the machine is.
     """
-    config = small_sweep(tmp_path, epochs=4, lrs=[0.001, 0.003, 0.03])
+    config = small_sweep(tmp_path, epochs=4, train_samples=[2048, 16384, 16384 + 64])
     job_id, job_dir = orchestrator_submit(
         slurm, tmp_path, str(config), "--cpus-per-node", "2", "--time", "00:15:00",
         "--storage-path", str(tmp_path / "store"), "--log-dir", str(tmp_path / "logs"),
@@ -583,8 +585,10 @@ def test_time_limit_requeues_and_resumes_only_unfinished_trials(slurm, tmp_path)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm.env(), check=True)
 
     wait_for(lambda: int(job_state(slurm, job_id).get("Restarts", "0")) >= 1, 300, "the requeue", slurm, log)
-    # SLURM holds a requeued job back ~2 minutes (BeginTime); a test need not wait for that.
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm.env(), check=True)
+    # SLURM holds a requeued job back ~2 minutes (BeginTime); a test need not wait for that, but it
+    # must not start the job in the second its last attempt was killed: slurmd compares the new
+    # credential's time with the revocation's to the second and refuses it ("credential revoked").
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+3"], env=slurm.env(), check=True)
     state = wait_for(lambda: (s := job_state(slurm, job_id)).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED",
                      "TIMEOUT") and s, 600, "the resumed job to end", slurm, log)
     text = log.read_text()

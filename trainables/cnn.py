@@ -54,6 +54,9 @@ class CNNWorkload(Workload):
     train_samples: int = 1024
     eval_samples: int = 256
 
+    #: A step's memory depends on the batch, not on how many samples the datasets hold.
+    memory_neutral = Workload.memory_neutral + ("train_samples", "eval_samples")
+
     supports_activation_checkpointing = True
 
     def build_model(self) -> nn.Module:

@@ -20,6 +20,9 @@ class MLPWorkload(Workload):
     train_samples: int = 2048
     eval_samples: int = 512
 
+    #: A step's memory depends on the batch, not on how many samples the datasets hold.
+    memory_neutral = Workload.memory_neutral + ("train_samples", "eval_samples")
+
     def build_model(self) -> nn.Module:
         layers: list[nn.Module] = []
         features = self.in_features
