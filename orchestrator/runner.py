@@ -162,7 +162,7 @@ def run_sweep(
     estimates, started_ray = _estimate_while_ray_starts(
         spec, lambda: _connect_ray(ray_address, num_cpus, num_gpus, dashboard, dashboard_host))
     try:
-        wait = check_schedulable(trial_request(spec), spec.resources.wait_minutes)
+        wait = check_schedulable(trial_request(spec), spec.resources.wait_minutes, spec.resources.workers)
         name, restore_from = _experiment_name(spec, storage, name, resume)
         trainable = _trainable(spec, estimates)
         if restore_from:
@@ -335,6 +335,9 @@ def _trainable(spec: SweepSpec, estimates):
     trainable = tune.with_parameters(train_trial, spec=spec, estimates=estimates)
     if spec.resources.gpu == "auto":
         return tune.with_resources(trainable, auto_gpu_resources(spec, estimates))
+    if spec.resources.workers > 1:  # one bundle per rank; rank 0 is the trial's own actor (trainables.group)
+        bundle = {"CPU": spec.resources.cpu, "GPU": float(spec.resources.gpu)}
+        return tune.with_resources(trainable, tune.PlacementGroupFactory([bundle] * spec.resources.workers))
     return tune.with_resources(trainable, {"cpu": spec.resources.cpu, "gpu": spec.resources.gpu})
 
 
