@@ -183,7 +183,8 @@ def plan_for_ranks(
 ) -> Plan:
     """The plan of a data-parallel group whose rank ``r`` may fill ``rank_budgets[r]``.
 
-    Each distinct budget is planned once (less the exchange's bytes); the group takes the smallest
+    Each distinct budget is planned once, less the exchange's bucket (made at the first step and
+    kept, as DDP keeps its buckets, so it sits beside every phase's peak). The group takes the smallest
     micro-batch and eval batch of its ranks, so the slowest-to-fit rank decides and every rank
     cuts its share of a step the same way. A refusal names the rank that cannot fit.
     """

@@ -315,7 +315,8 @@ def estimate_before_start(spec: SweepSpec):
     if target == "emulated":
         budget = min(budget, policy.capacity) if budget else policy.capacity
     started = time.perf_counter()
-    estimates = estimate_trials(memory_configs(spec), policy, target, budget, spec.effective_batch_size)
+    rank_batch = spec.effective_batch_size // spec.resources.workers  # what one rank of a trial computes per step
+    estimates = estimate_trials(memory_configs(spec), policy, target, budget, rank_batch)
     if estimates.errors:
         signature, error = next(iter(estimates.errors.items()))
         raise UserError(f"workload {describe_signature(signature, spec.search_space)}: the {policy.estimator} estimate failed ({error}); "

@@ -226,7 +226,8 @@ def test_a_group_is_planned_per_rank_and_runs_the_smallest_ranks_plan(profiles):
     # 100 B of weights, 40 B of gradients (the exchange's bucket), 10 B per training sample.
     profiles[FP32] = profile(FP32, ranked_phase("train", "train", 100, 40, 10), ranked_phase("eval", "eval", 100, 0, 1))
     plan = plan_for_ranks(MLPWorkload(), policy(), 64, [2000, 400], target="emulated", profiles=profiles)
-    # Rank 1: 400 - 40 (exchange) - 140 (states) = 220 B -> micro-batch 22 (16, the divisor of 32, costs 27 %).
+    # Rank 1: 400 - 40 (the exchange's bucket) - 140 (states) = 220 B -> micro-batch 22 (16, the
+    # divisor of 32, would cost 27 %).
     assert (plan.ranks, plan.rank_batch, plan.effective_batch, plan.exchange_bytes) == (2, 32, 64, 40)
     assert plan.rank_budgets == (2000, 400) and plan.budget_bytes == 400
     assert (plan.micro_batch, plan.accum_steps) == (22, 2)
@@ -243,6 +244,8 @@ def test_a_group_that_one_rank_cannot_hold_is_refused_naming_the_rank(profiles):
     profiles[BF16] = profile(BF16, ranked_phase("train", "train", 100, 40, 10), ranked_phase("eval", "eval", 100, 0, 1))
     plan = plan_for_ranks(MLPWorkload(), policy(), 60, [2000, 2000, 150], target="emulated", profiles=profiles)
     assert plan.refusal.startswith("rank 2: needs ")
+    # Micro-batch 1 alone would fit 175 B (140 + 10), not beside the exchange's bucket (40 B).
+    assert plan_for_ranks(MLPWorkload(), policy(), 60, [2000, 175], target="emulated", profiles=profiles).refusal.startswith("rank 1: ")
 
 
 def test_a_groups_reductions_keep_micro_batch_x_accumulation_x_ranks_exact():

@@ -56,6 +56,11 @@ def train_trial(config: dict[str, Any], spec: SweepSpec, estimates: Estimates | 
             f"{config[NOT_RETRIED_KEY]} (failed {config.get(OTHER_FAILURES_KEY, 1)} time(s); errors other "
             f"than out-of-memory are retried at most max_failures={spec.max_failures} time(s))"
         )
+    if spec.resources.workers > 1:
+        from trainables.group import GroupTrialRun
+
+        GroupTrialRun(config, spec, estimates).run()
+        return
     TrialRun(config, spec, estimates).run()
 
 
@@ -136,10 +141,7 @@ class TrialRun:
             known = self.estimates.known(self.config, target) if self.estimates else None
             profiles = ProfileCache(self.workload, self.policy, target, self.device, known=known)
             self.estimated_by = "none" if self.policy.estimator == "none" else "driver" if known else "worker"
-            plan = make_plan(
-                self.workload, self.policy, self.spec.effective_batch_size, self._budget(),
-                target=target, device=self.device, profiles=profiles,
-            )
+            plan = self._plan_from_estimates(profiles)
         else:
             self.local_checkpoint = tempfile.mkdtemp(prefix="checkpoint-", dir=self.scratch)
             with checkpoint.as_directory() as folder:
@@ -156,6 +158,12 @@ class TrialRun:
                 raise OomRetriesExhausted.from_events(self.events, "the worker died of OOM and no smaller plan is left")
             plan, self.applied_shrinks = smaller, self.applied_shrinks + 1
         return plan
+
+    def _plan_from_estimates(self, profiles: ProfileCache) -> Plan:
+        return make_plan(
+            self.workload, self.policy, self.spec.effective_batch_size, self._budget(),
+            target=self.device.target, device=self.device, profiles=profiles,
+        )
 
     def _new_trainer(self) -> Trainer:
         seed = self.config.get("seed", self.spec.seed)
@@ -178,7 +186,8 @@ class TrialRun:
 
     def _shrink(self, event: OomEvent) -> None:
         """Move the plan to its next reduction, or give up with every event in the error."""
-        self.metrics.record_oom(event.phase)
+        if self.metrics is not None:  # rank 0 counts a group's OOMs
+            self.metrics.record_oom(event.phase)
         smaller = next_reduction(self.plan, self.policy, event.phase, workload_supports_checkpointing=self.checkpointable)
         if smaller is None or len(self.events) >= self.policy.max_oom_retries:
             reason = "no smaller plan is left" if smaller is None else f"memory.max_oom_retries={self.policy.max_oom_retries} reached"

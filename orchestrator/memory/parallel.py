@@ -6,7 +6,9 @@ the gradients bucket by bucket through one flat buffer, as DDP does with
 ``gradient_as_bucket_view=False`` and a bucket cap: the buffer is at most one bucket, or the
 gradients themselves when they are smaller. With ``gradient_as_bucket_view=True`` DDP would hold
 the gradients *in* its buckets and add nothing; with the view off it holds a second copy of all
-of them. The planner takes this from each rank's budget before fitting micro-batches.
+of them. Our bucket is made at the first step and kept for the trial's life (a buffer made and
+dropped every step would be freed whenever the backend's last work object lets go of it, which
+makes a rank's peak depend on a race), so the planner takes it from each rank's budget.
 
 A sharded strategy (FSDP2's ``fully_shard``) is another class with the same two answers: its
 rank holds params/grads/optimizer state divided by the ranks, plus the all-gather buffers of the
