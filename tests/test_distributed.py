@@ -86,3 +86,23 @@ def test_an_oom_on_rank_1_only_is_recovered_by_the_group_with_the_weights_of_a_s
     for name, tensor in state_a["trainer"]["model"].items():
         torch.testing.assert_close(tensor, state_b["trainer"]["model"][name], rtol=1e-4, atol=1e-5)
     assert state_a["trainer"]["progress"] == state_b["trainer"]["progress"] == {"epoch": 2, "step_in_epoch": 0, "step": 8}
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("local_ray")
+def test_a_group_whose_rank_1_process_dies_resumes_from_its_last_checkpoint(tmp_path):
+    calls = tmp_path / "calls"
+    workload = {"name": "tests.workloads:RankDiesOnceWorkload",
+                "params": {**MLP["params"], "calls_file": str(calls), "die_at_call": 6}}  # during step 6 of 8
+    outcome = sweep(tmp_path, workload, {"device": "cpu", "estimator": "none"}, checkpoint={"every": {"steps": 2}},
+                    max_failures=1)
+    assert outcome.ok, outcome.rows
+    state = final_state(outcome)
+    assert state["trainer"]["progress"] == {"epoch": 2, "step_in_epoch": 0, "step": 8}  # 2048 samples / 512
+    # Nothing says the rank died of memory: the restart kept the plan, one micro-batch of 256 per rank.
+    assert (state["plan"]["micro_batch"], state["plan"]["ranks"], state["applied_shrinks"]) == (256, 2, 0)
+    assert outcome.rows[0].oom_retries == 0
+    # The restart went back to the checkpoint of step 4: step 5 and step 6 (during which rank 1
+    # died) ran twice on rank 1; nothing before step 4 did.
+    assert (tmp_path / "calls.rank1").read_text().count("call") == 6 + (8 - 4)
+    assert (tmp_path / "calls.rank0").read_text().count("call") == 6 + (8 - 4)

@@ -109,3 +109,28 @@ class GroupedMLPWorkload(MLPWorkload):
         if self.width % 8:
             raise ValueError(f"width must be a multiple of 8, got {self.width}")
         return super().build_model()
+
+
+@dataclasses.dataclass
+class RankDiesOnceWorkload(MLPWorkload):
+    """In a data-parallel trial, rank ``die_on_rank``'s process dies once, at its ``die_at_call``-th
+    training micro-batch (a node lost, a process killed); each rank's training micro-batches leave
+    lines in ``calls_file`` + ``.rank<r>``."""
+
+    calls_file: str = ""
+    die_at_call: int = 0
+    die_on_rank: int = 1
+
+    def loss(self, model, batch):
+        if model.training:
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            calls = f"{self.calls_file}.rank{rank}"
+            with open(calls, "a") as f:
+                f.write("call\n")
+            marker = self.calls_file + ".died"
+            if rank == self.die_on_rank and not os.path.exists(marker) and open(calls).read().count("call") == self.die_at_call:
+                open(marker, "w").close()
+                os._exit(1)
+        return super().loss(model, batch)
