@@ -42,8 +42,9 @@ def sweep(tmp_path, workload, memory, **extra):
     raw = {
         "experiment": "ddp_test", "workload": workload, "search_space": {"lr": 0.05},
         "effective_batch_size": 512, "stop": {"epochs": 2}, "resources": {"cpu": 1, "workers": 2},
-        "memory": memory, **extra,
+        "memory": memory,
     }
+    raw.update(extra)
     with within(TRIAL_TIMEOUT_S):
         return run_sweep(parse_spec(raw), tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", storage_path=str(tmp_path / "results"))
 
@@ -106,3 +107,17 @@ def test_a_group_whose_rank_1_process_dies_resumes_from_its_last_checkpoint(tmp_
     # died) ran twice on rank 1; nothing before step 4 did.
     assert (tmp_path / "calls.rank1").read_text().count("call") == 6 + (8 - 4)
     assert (tmp_path / "calls.rank0").read_text().count("call") == 6 + (8 - 4)
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("local_ray")
+def test_an_eval_oom_on_rank_1_only_halves_the_groups_eval_batch(tmp_path):
+    heavy_eval = {"name": "tests.workloads:HeavyEvalWorkload", "params": {"width": 64, "train_samples": 1024, "eval_samples": 512}}
+    outcome = sweep(tmp_path, heavy_eval, {"device": "emulated", "capacity": ["64MiB", "1.5MiB"], "estimator": "none",
+                                           "max_oom_retries": 4}, effective_batch_size=256)
+    assert outcome.ok, outcome.rows
+    state = final_state(outcome)
+    events = state["oom_events"]
+    assert events and {(e["rank"], e["phase"], e["micro_batch"]) for e in events} == {(1, "eval", 128)}
+    assert state["plan"]["micro_batch"] == 128 and state["plan"]["eval_batch"] == 128 // 2 ** len(events)
+    assert state["trainer"]["progress"]["step"] == 8  # 1024 samples / 256, 2 epochs
