@@ -121,3 +121,13 @@ def test_an_eval_oom_on_rank_1_only_halves_the_groups_eval_batch(tmp_path):
     assert events and {(e["rank"], e["phase"], e["micro_batch"]) for e in events} == {(1, "eval", 128)}
     assert state["plan"]["micro_batch"] == 128 and state["plan"]["eval_batch"] == 128 // 2 ** len(events)
     assert state["trainer"]["progress"]["step"] == 8  # 1024 samples / 256, 2 epochs
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("local_ray")
+def test_a_bug_on_rank_1_only_fails_the_group_at_once_naming_the_rank(tmp_path):
+    outcome = sweep(tmp_path, {"name": "tests.workloads:RankBuggyWorkload", "params": {"width": 16, "train_samples": 1024}},
+                    {"device": "cpu", "estimator": "none"})
+    (row,) = outcome.rows
+    assert not outcome.ok and row.status == "ERROR"
+    assert "rank 1 failed in setup at 0: ValueError: no such layer on rank 1" in row.note, row.note

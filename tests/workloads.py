@@ -134,3 +134,18 @@ class RankDiesOnceWorkload(MLPWorkload):
                 open(marker, "w").close()
                 os._exit(1)
         return super().loss(model, batch)
+
+
+@dataclasses.dataclass
+class RankBuggyWorkload(MLPWorkload):
+    """A model whose construction fails on one rank only (a bug behind ``if rank == 1``, a
+    library missing on one node): the others must not wait for it."""
+
+    buggy_rank: int = 1
+
+    def build_model(self):
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_rank() == self.buggy_rank:
+            raise ValueError(f"no such layer on rank {self.buggy_rank}")
+        return super().build_model()

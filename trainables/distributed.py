@@ -92,6 +92,13 @@ class RankGroup:
         dist.init_process_group(self.backend, init_method=address, rank=rank, world_size=ranks,
                                 timeout=COLLECTIVE_TIMEOUT)
 
+    @staticmethod
+    def join_and_leave(rank: int, ranks: int, address: str, backend: str) -> None:
+        """For a rank that failed before it could take part: the others stop at their next
+        collective (the closed connections) instead of waiting for it to join."""
+        dist.init_process_group(backend, init_method=address, rank=rank, world_size=ranks, timeout=COLLECTIVE_TIMEOUT)
+        dist.destroy_process_group()
+
     @property
     def shard(self) -> Shard:
         return Shard(self.rank, self.ranks)

@@ -41,7 +41,7 @@ import torch
 from orchestrator.config import SweepSpec
 from orchestrator.device import Device, configure_allocator, open_device
 from orchestrator.estimates import Estimates, ProfileCache
-from orchestrator.oom import OomEvent
+from orchestrator.oom import OomEvent, OomRetriesExhausted, is_oom
 from orchestrator.planner import Plan, plan_for_ranks
 from trainables.distributed import DistributedTrainer, GroupFailure, RankGroup, failed_rank
 from trainables.loop import LoopSettings, Milestone, Trainer
@@ -75,10 +75,18 @@ class _GroupRank:
         return None  # a rank has a whole GPU (the config refuses fractions in a group)
 
     def _new_trainer(self) -> Trainer:
+        """Built on every rank, then agreed on: a rank whose model fails to build (or to fit) fails
+        the group's attempt on every rank, as it fails a single process's, instead of leaving the
+        others in their first step's collective."""
         seed = self.config.get("seed", self.spec.seed)
-        trainer = DistributedTrainer(self.workload, self.device, self.plan, self.loop_settings, seed, self.group)
-        if self.local_checkpoint is not None:
-            trainer.load_state_dict(self._saved_state(map_location=self.device.torch_device)["trainer"])
+        trainer = failure = None
+        try:
+            trainer = DistributedTrainer(self.workload, self.device, self.plan, self.loop_settings, seed, self.group)
+            if self.local_checkpoint is not None:
+                trainer.load_state_dict(self._saved_state(map_location=self.device.torch_device)["trainer"])
+        except Exception as exc:  # noqa: BLE001 - agreed on, then raised on every rank
+            failure = exc
+        self.group.agree(failure, "setup", 0)
         return trainer
 
     def _oom_event(self, trainer: Trainer, exc: BaseException) -> OomEvent:
@@ -119,10 +127,17 @@ class GroupTrialRun(_GroupRank, TrialRun):
             self.group = RankGroup(0, self.ranks, address, self.device)
             super().run()
         except Exception as exc:
-            dead = _dead_rank(runs)
-            if dead is not None:
-                raise RankDiedError(f"rank {dead[0]} of the trial's group died ({dead[1]}); the group stopped at: {exc}") from None
-            raise
+            if isinstance(exc, (GroupFailure, OomRetriesExhausted)) or is_oom(exc):
+                raise  # agreed by every rank: this error is the group's
+            # The group broke without an agreement: a rank died, or failed where no rank waits for
+            # it (its group closed, so this rank's collective failed at once). Say which.
+            culprit = _failed_rank(runs)
+            if culprit is None:
+                raise
+            rank, died, line = culprit
+            if died:
+                raise RankDiedError(f"rank {rank} of the trial's group died ({line}); the group stopped at: {exc}") from None
+            raise GroupFailure(f"rank {rank} failed: {line}") from None
         else:
             ray.get(runs, timeout=DEATH_NOTICE_S * 6)  # they finished with rank 0; a rank's error surfaces here
         finally:
@@ -188,16 +203,21 @@ class RankRun(_GroupRank, TrialRun):
         self.rank, self.ranks = rank, ranks
         self.policy = spec.memory
         self.loop_settings = LoopSettings.of(spec)
-        configure_allocator(self.policy.allocator_conf)
-        self.workload = build_workload(config)
-        self.checkpointable = type(self.workload).supports_activation_checkpointing
+        try:
+            configure_allocator(self.policy.allocator_conf)
+            self.workload = build_workload(config)
+            self.checkpointable = type(self.workload).supports_activation_checkpointing
+            self.gpu_free_before_context = None
+            if torch.cuda.is_available():
+                release_memory()
+                info = nvml.gpu_info(0)
+                self.gpu_free_before_context = HISTORY.gpu_free_before_context(info.free if info else None)
+            self.device = self._open_device()
+        except Exception:
+            # Rank 0 waits for this rank to join the group: join and leave, so it stops at once.
+            RankGroup.join_and_leave(rank, ranks, group_address, _backend(self.policy))
+            raise
         self.metrics = None
-        self.gpu_free_before_context = None
-        if torch.cuda.is_available():
-            release_memory()
-            info = nvml.gpu_info(0)
-            self.gpu_free_before_context = HISTORY.gpu_free_before_context(info.free if info else None)
-        self.device = self._open_device()
         self.scratch = _fresh_scratch(f"{trial_id}-rank{rank}")
         self.local_checkpoint = None
         if state is not None:
@@ -248,9 +268,9 @@ class RankActor:
         RankRun(config, spec, trial_id, address, rank, ranks, state).run()
 
 
-def _dead_rank(runs: list) -> tuple[int, str] | None:
-    """The first rank whose actor died, with Ray's words for it, or None."""
-    from ray.exceptions import RayActorError
+def _failed_rank(runs: list) -> tuple[int, bool, str] | None:
+    """The first rank whose actor died or raised: (rank, died, Ray's or its own exception line)."""
+    from ray.exceptions import RayActorError, RayTaskError
 
     for rank, run in enumerate(runs, start=1):
         ready, _ = ray.wait([run], timeout=DEATH_NOTICE_S)
@@ -259,10 +279,18 @@ def _dead_rank(runs: list) -> tuple[int, str] | None:
         try:
             ray.get(run)
         except RayActorError as exc:
-            return rank, f"ActorDiedError: {str(exc).strip().splitlines()[0]}"
-        except Exception:  # noqa: BLE001 - the rank raised: the group's own error says what
-            continue
+            return rank, True, f"ActorDiedError: {str(exc).strip().splitlines()[0]}"
+        except RayTaskError as exc:
+            cause = exc.cause if exc.cause is not None else exc
+            lines = str(cause).strip().splitlines()
+            return rank, False, f"{type(cause).__name__}: {lines[0] if lines else ''}"
     return None
+
+
+def _backend(policy) -> str:
+    """The group's backend as ``_open_device`` would choose it, without opening a device."""
+    on_gpu = policy.device == "cuda" or (policy.device == "auto" and torch.cuda.is_available())
+    return "nccl" if on_gpu else "gloo"
 
 
 def _free_port() -> int:
