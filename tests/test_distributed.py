@@ -5,8 +5,10 @@ slices of every step."""
 
 import contextlib
 import glob
+import multiprocessing
 import os
 import signal
+import socket
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ import torch
 from orchestrator.config import parse_spec
 from orchestrator.runner import run_sweep
 from trainables.data import Shard, StepCut, StepSampler
+from trainables.distributed import GroupOutOfMemory, RankGroup, failed_rank
 
 #: Far below a hang: the gloo collective timeout is 10 minutes, a Tune retry loop forever.
 TRIAL_TIMEOUT_S = 240
@@ -61,6 +64,50 @@ def test_each_rank_takes_a_disjoint_slice_of_every_step_and_together_the_whole_s
     for step, indices in enumerate(whole):  # micro-batches of 4: two per rank per step
         shares = [sum(rank[2 * step : 2 * step + 2], []) for rank in ranks]
         assert sum(shares, []) == indices
+
+
+def _rank(rank: int, address: str, results) -> None:
+    """One rank of a two-process gloo group (no Ray): an OOM on rank 1 only, then a gradient sum
+    through a bucket smaller than one parameter."""
+    from orchestrator.device import CpuDevice
+
+    group = RankGroup(rank, 2, address, CpuDevice())
+    try:
+        failure = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB") if rank == 1 else None
+        try:
+            group.agree(failure, "train", 7)
+            results.put((rank, "no error"))
+        except GroupOutOfMemory as exc:
+            results.put((rank, str(exc), failed_rank(exc)))
+        torch.manual_seed(rank)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 2))
+        for p in model.parameters():
+            p.grad = torch.full_like(p, float(rank + 1))
+        group.sum_gradients(model, torch.empty(4))  # 15 + 3 + 6 + 2 elements through 4 at a time
+        results.put((rank, [p.grad.tolist() for p in model.parameters()]))
+    finally:
+        group.close()
+
+
+def test_every_rank_learns_of_one_ranks_oom_and_gradients_sum_through_a_small_bucket():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    ranks = [context.Process(target=_rank, args=(r, address, results)) for r in range(2)]
+    for process in ranks:
+        process.start()
+    got = [results.get(timeout=120) for _ in range(4)]
+    for process in ranks:
+        process.join(timeout=60)
+        assert process.exitcode == 0
+    agreed = sorted(r for r in got if len(r) == 3)
+    message = "rank 1 ran out of memory in train at 7: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 MiB"
+    assert agreed == [(0, message, 1), (1, message, 1)]
+    sums = [r[1] for r in got if len(r) == 2]
+    expected = [[[3.0] * 5] * 3, [3.0] * 3, [[3.0] * 3] * 2, [3.0] * 2]  # 1 + 2 everywhere
+    assert sums == [expected, expected]
 
 
 @pytest.mark.integration
