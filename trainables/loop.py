@@ -144,12 +144,13 @@ class Trainer:
         self.phase, self.position = "train", self.progress.step
         seed_generators(step_seed(self.seed, self.progress.step), self.device.torch_device)
         sizes = self.cut.sizes
-        loss = train_step(
-            self.workload, self.model, self.optimizer, self._take(batches, len(sizes)), sizes,
-            self.device.torch_device, self.plan.precision, self.scaler, self.settings.max_grad_norm,
-        )
-        if self.scheduler is not None:
-            self.scheduler.step()
+        with self.device.step("train", self.state_tensors):
+            loss = train_step(
+                self.workload, self.model, self.optimizer, self._take(batches, len(sizes)), sizes,
+                self.device.torch_device, self.plan.precision, self.scaler, self.settings.max_grad_norm,
+            )
+            if self.scheduler is not None:
+                self.scheduler.step()
         self._loss_sum += loss
         self._loss_steps += 1
         p = self.progress
@@ -197,10 +198,11 @@ class Trainer:
         with self.device.host():
             batches = iter(self.eval_loader)
         for self.position, samples in enumerate(eval_batch_sizes(self.eval_samples, self.plan.eval_batch)):
-            sums = eval_step(
-                self.workload, self.model, self.device.admit(self._fetch(batches)), samples,
-                self.device.torch_device, self.plan.precision,
-            )
+            with self.device.step("eval", self.state_tensors):
+                sums = eval_step(
+                    self.workload, self.model, self.device.admit(self._fetch(batches)), samples,
+                    self.device.torch_device, self.plan.precision,
+                )
             for name, value in sums.items():
                 totals[name] = totals[name] + value if name in totals else value
         del batches
