@@ -8,7 +8,7 @@ Ray's start-up, as a user's command does), interleaved so that other work on the
 each alike:
 
 * ``tune``: plain Ray Tune with its defaults, a function trainable with a hand-written PyTorch
-  loop (a ``DataLoader``, Adam, a report per epoch), no checkpoints;
+  loop (a ``DataLoader``, the workload's optimizer, a report per epoch), no checkpoints;
 * ``tune-reuse``: the same with ``reuse_actors=True``;
 * ``orchestrator``: ``orchestrator run`` on the same sweep (memory estimate before Ray starts,
   a checkpoint per epoch, MLflow in a SQLite store, the summary table).
@@ -52,7 +52,7 @@ def train_plain(config: dict) -> None:
     workload = MLPWorkload(width=config["width"], lr=config["lr"], train_samples=config["samples"])
     torch.manual_seed(0)
     model = workload.build_model()
-    optimizer = torch.optim.Adam(model.parameters(), lr=config["lr"])
+    optimizer = workload.build_optimizer(model)  # the trial's own (AdamW at lr), not a cheaper one
     train = DataLoader(workload.train_data(), batch_size=32, shuffle=True, drop_last=True)
     evaluate = DataLoader(workload.eval_data(), batch_size=64)
     for epoch in range(1, config["epochs"] + 1):

@@ -109,3 +109,12 @@ class GroupedMLPWorkload(MLPWorkload):
         if self.width % 8:
             raise ValueError(f"width must be a multiple of 8, got {self.width}")
         return super().build_model()
+
+
+@dataclasses.dataclass
+class BrokenCollateWorkload(MLPWorkload):
+    """A ``collate`` with a bug: it fails on every batch, wherever it runs."""
+
+    def collate(self, samples):
+        features = torch.stack([x for x, _ in samples])
+        return features, torch.tensor([y for _, y in samples]).view(len(samples), -1, 2)
