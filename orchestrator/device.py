@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -24,6 +25,10 @@ from orchestrator.units import human
 
 #: How tables and plots name each kind of reading (``MemoryReading.source``).
 MEMORY_LABELS = {"cuda_allocator": "reserved", "cpu_tensor_tracker": "tensor bytes", "emulated": "emulated"}
+
+#: The CPU measures the first steps of every report window, then one step per this many seconds.
+CPU_SAMPLED_STEPS = 2
+CPU_SAMPLE_EVERY_S = 1.0
 
 #: What the allocator-settings knob defaults to; fragmentation 1.39 -> 1.07 on GPT-2 (FACTS.md).
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
@@ -78,7 +83,9 @@ class Device:
     ``track`` registers state that was created before measuring began (a no-op where the
     allocator sees everything anyway). Host-side work, loading and collating data, runs
     inside ``with device.host():``, and a batch becomes device memory through ``admit``
-    when a step takes it (on a GPU, the step's copy to the device does that).
+    when a step takes it (on a GPU, the step's copy to the device does that). Each train step
+    and eval batch runs inside ``with device.step(state):``, where a device that measures only
+    some steps (the CPU) decides which.
     """
 
     kind: str  # what a reading measured: cuda_allocator | cpu_tensor_tracker | emulated
@@ -99,6 +106,11 @@ class Device:
         """``batch``, now counted as this device's memory until it is dropped."""
         return batch
 
+    def step(self, phase: str, state: Callable[[], Iterable[torch.Tensor]]):
+        """One train step or eval batch (``phase``: train | eval); ``state`` gives the tensors
+        that outlive steps (weights, optimizer state), for a device that did not see them made."""
+        return contextlib.nullcontext()
+
     def reset_peak(self) -> None:
         raise NotImplementedError
 
@@ -117,7 +129,16 @@ class Device:
 
 
 class CpuDevice(Device):
-    """The CPU: peak = the most tensor bytes alive at once (not process RSS, not a GPU figure)."""
+    """The CPU: peak = the most tensor bytes alive at once (not process RSS, not a GPU figure).
+
+    Counting runs every op through a Python dispatch mode, about 1 ms a step for a small MLP,
+    which would make a CPU trial 2-3x slower than a plain loop (``bench/sweep_overhead.py
+    --long``). So a trial's steps are sampled: the first ``CPU_SAMPLED_STEPS`` train steps and
+    eval batches of each report window (the first step creates the optimizer's state), then one
+    every ``CPU_SAMPLE_EVERY_S``; the others run with the tracker off and admit nothing. A step's
+    tensors are temporaries, so a sampled step peaks as any step of its shape does; batches of
+    varying shape may peak between samples.
+    """
 
     kind = "cpu_tensor_tracker"
     target = "cpu"
@@ -125,6 +146,9 @@ class CpuDevice(Device):
     def __init__(self, capacity: int | None = None):
         self.torch_device = torch.device("cpu")
         self.tracker = CapacityTracker(capacity) if capacity is not None else StorageTracker("cpu")
+        self._window_samples: dict[str, int] = {}  # steps measured per phase since the last reset_peak
+        self._last_sample = -float("inf")
+        self._measuring_step = True  # False inside a step that is not sampled
 
     def measuring(self):
         return self.tracker
@@ -137,11 +161,30 @@ class CpuDevice(Device):
         return _disable_current_modes()
 
     def admit(self, batch):
-        self.tracker.track(t for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
+        if self._measuring_step:
+            self.tracker.track(t for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
         return batch
+
+    @contextlib.contextmanager
+    def step(self, phase, state):
+        now = time.monotonic()
+        sampled = self._window_samples.get(phase, 0)
+        if sampled < CPU_SAMPLED_STEPS or now - self._last_sample >= CPU_SAMPLE_EVERY_S:
+            self._window_samples[phase] = sampled + 1
+            self._last_sample = now
+            self.tracker.track(state())  # what earlier, unmeasured steps made and kept
+            yield
+            return
+        self._measuring_step = False
+        try:
+            with _disable_current_modes():
+                yield
+        finally:
+            self._measuring_step = True
 
     def reset_peak(self):
         self.tracker.reset_peak()
+        self._window_samples.clear()
 
     def allocated(self) -> int:
         return self.tracker.allocated
@@ -151,13 +194,19 @@ class CpuDevice(Device):
 
 
 class EmulatedDevice(CpuDevice):
-    """A small GPU emulated on the CPU: tracked tensor bytes may not pass ``capacity``."""
+    """A small GPU emulated on the CPU: tracked tensor bytes may not pass ``capacity``.
+
+    Every step is measured, as a GPU's allocator sees every one: an OOM may come at any.
+    """
 
     kind = "emulated"
     target = "emulated"
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
+
+    def step(self, phase, state):
+        return contextlib.nullcontext()
 
     def capacity(self) -> int | None:
         return self.tracker.capacity

@@ -54,7 +54,9 @@ def check_workloads(spec: SweepSpec) -> None:
 
 
 def check_workload(workload, spec: SweepSpec, label: str) -> None:
-    """The workload's training set holds one optimizer step and its eval set a sample."""
+    """The workload's training set holds one optimizer step, its eval set a sample, and its
+    ``collate`` makes a batch of two of each (a bug there would otherwise show in every trial,
+    after Ray started, or not at all before a sweep with ``memory.estimator: none``)."""
     train = _call(workload.train_data, label, "train_data()")
     samples = _call(lambda: len(train), label, "len(train_data())")
     if samples < spec.effective_batch_size:
@@ -63,8 +65,12 @@ def check_workload(workload, spec: SweepSpec, label: str) -> None:
             f"(effective_batch_size {spec.effective_batch_size})"
         )
     evaluation = _call(workload.eval_data, label, "eval_data()")
-    if _call(lambda: len(evaluation), label, "len(eval_data())") == 0:
+    size = _call(lambda: len(evaluation), label, "len(eval_data())")
+    if size == 0:
         raise UserError(f"{label}: eval_data has no samples")
+    for name, dataset, count in (("train_data", train, samples), ("eval_data", evaluation, size)):
+        pair = _call(lambda: [dataset[0], dataset[min(1, count - 1)]], label, f"{name}()[0]")
+        _call(lambda: workload.collate(pair), label, f"collate() of two {name} samples")
 
 
 def _call(function, label: str, what: str) -> Any:

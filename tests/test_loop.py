@@ -171,3 +171,34 @@ def test_the_dataset_is_host_memory_and_a_batch_is_device_memory_while_in_use():
     _, (a,) = train(small, LoopPlan(64, 64, 64), settings)
     _, (b,) = train(large, LoopPlan(64, 64, 64), settings)
     assert a.memory.peak_allocated == b.memory.peak_allocated
+
+
+@dataclasses.dataclass
+class WatchedMLP(MLPWorkload):
+    """Records, per train step, whether a tensor tracker was watching it."""
+
+    watched: list = dataclasses.field(default_factory=list)
+
+    def loss(self, model, batch):
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        self.watched.append(_get_current_dispatch_mode() is not None)
+        return super().loss(model, batch)
+
+
+def test_the_cpu_measures_the_first_steps_of_each_window_and_then_one_a_second(monkeypatch):
+    """Counting every op costs a small model 2-3x its step time; sampled steps peak as the rest."""
+    from orchestrator import device as devices
+
+    workload = WatchedMLP(width=64, train_samples=64 * 32, eval_samples=64)
+    settings = epochs(2)  # a report window per epoch, 32 steps each
+    _, sampled = train(workload, LoopPlan(32, 64, 64), settings)  # two micro-batches a step
+    assert workload.watched[:4] == [True] * 4  # a window's first two steps, two micro-batches each
+    assert workload.watched[64:68] == [True] * 4  # the next window's too
+    assert sum(workload.watched) < len(workload.watched) / 4, workload.watched
+
+    monkeypatch.setattr(devices, "CPU_SAMPLE_EVERY_S", 0.0)  # every step measured
+    everything = WatchedMLP(width=64, train_samples=64 * 32, eval_samples=64)
+    _, full = train(everything, LoopPlan(32, 64, 64), settings)
+    assert all(everything.watched)
+    assert [m.memory.peak_allocated for m in sampled] == [m.memory.peak_allocated for m in full]

@@ -66,6 +66,16 @@ def test_a_model_that_does_not_build_stops_the_driver_estimate_naming_the_users_
     assert "\n" not in message
 
 
+def test_a_collate_that_fails_is_one_line_naming_the_users_line(sweep_file):
+    broken = spec(sweep_file, "workload.name=tests.workloads:BrokenCollateWorkload")
+    with pytest.raises(UserError) as err:
+        check_workloads(broken)
+    message = str(err.value)
+    assert message.startswith("workload tests.workloads:BrokenCollateWorkload (width=16): collate() of two "
+                              "train_data samples failed (tests/workloads.py:"), message
+    assert "RuntimeError: shape '[2, -1, 2]' is invalid" in message and "\n" not in message
+
+
 def test_plan_checks_the_data_too(sweep_file, capsys):
     assert main(["plan", sweep_file, "--set", "workload.params.train_samples=0"]) == 2
     err = capsys.readouterr().err

@@ -149,3 +149,12 @@ class RankBuggyWorkload(MLPWorkload):
         if dist.is_initialized() and dist.get_rank() == self.buggy_rank:
             raise ValueError(f"no such layer on rank {self.buggy_rank}")
         return super().build_model()
+
+
+@dataclasses.dataclass
+class BrokenCollateWorkload(MLPWorkload):
+    """A ``collate`` with a bug: it fails on every batch, wherever it runs."""
+
+    def collate(self, samples):
+        features = torch.stack([x for x, _ in samples])
+        return features, torch.tensor([y for _, y in samples]).view(len(samples), -1, 2)

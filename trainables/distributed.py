@@ -218,6 +218,10 @@ class DistributedTrainer(Trainer):
         self.phase, self.position = "train", self.progress.step
         seed_generators(step_seed(self.seed, self.progress.step) + self.group.rank * 2**42, self.device.torch_device)
         sizes = self.cut.sizes
+        with self.device.step("train", self.state_tensors):
+            self._group_step(batches, sizes)
+
+    def _group_step(self, batches, sizes: list[int]) -> None:
         failure = loss = None
         try:
             if self.bucket is None:
@@ -237,6 +241,11 @@ class DistributedTrainer(Trainer):
             failure = exc
         self.group.agree(failure, "train", self.position)
         self._advance(loss)
+
+    def state_tensors(self):
+        yield from super().state_tensors()
+        if self.bucket is not None:
+            yield self.bucket
 
     def _eval_totals(self) -> dict[str, float]:
         failure, totals = None, {}

@@ -153,11 +153,12 @@ class Trainer:
         self.phase, self.position = "train", self.progress.step
         seed_generators(step_seed(self.seed, self.progress.step), self.device.torch_device)
         sizes = self.cut.sizes
-        loss = train_step(
-            self.workload, self.model, self.optimizer, self._take(batches, len(sizes)), sizes,
-            self.device.torch_device, self.plan.precision, self.scaler, self.settings.max_grad_norm,
-        )
-        self._advance(loss)
+        with self.device.step("train", self.state_tensors):
+            loss = train_step(
+                self.workload, self.model, self.optimizer, self._take(batches, len(sizes)), sizes,
+                self.device.torch_device, self.plan.precision, self.scaler, self.settings.max_grad_norm,
+            )
+            self._advance(loss)
 
     def _advance(self, loss: torch.Tensor) -> None:
         """After an optimizer step: the learning rate, the running loss, the position."""
@@ -228,10 +229,11 @@ class Trainer:
         with self.device.host():
             batches = iter(self.eval_loader)
         for self.position, samples in enumerate(eval_batch_sizes(self.shard_eval_samples, self.plan.eval_batch)):
-            sums = eval_step(
-                self.workload, self.model, self.device.admit(self._fetch(batches)), samples,
-                self.device.torch_device, self.plan.precision,
-            )
+            with self.device.step("eval", self.state_tensors):
+                sums = eval_step(
+                    self.workload, self.model, self.device.admit(self._fetch(batches)), samples,
+                    self.device.torch_device, self.plan.precision,
+                )
             for name, value in sums.items():
                 totals[name] = totals[name] + value if name in totals else value
         del batches
