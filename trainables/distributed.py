@@ -53,10 +53,12 @@ class GroupOutOfMemory(torch.OutOfMemoryError):
     """Some rank of the group ran out of memory; raised on every rank alike.
 
     Only its message travels (Ray rebuilds exceptions from ``args``); the rank is parsed back by
-    :func:`failed_rank`. ``bytes_allocated`` is what the failed rank's device held, in this process.
+    :func:`failed_rank`. ``bytes_allocated``/``bytes_reserved`` are what the failed rank's device
+    held, set in the process that raises it.
     """
 
     bytes_allocated: int | None = None
+    bytes_reserved: int | None = None
 
 
 class GroupFailure(RuntimeError):
@@ -69,6 +71,7 @@ class RankFailure:
     kind: int  # _OOM | _ERROR
     message: str  # the rank's own exception line
     allocated: int  # bytes the rank's device held when it failed
+    reserved: int | None  # and its allocator reserved (a GPU)
 
 
 def failed_rank(exc: BaseException) -> int | None:
@@ -122,7 +125,7 @@ class RankGroup:
             kinds = outcome.tolist()
         if not any(kinds):
             return
-        mine = RankFailure(self.rank, kind, _exception_line(failure), self.device.allocated()) if failure is not None else None
+        mine = RankFailure(self.rank, kind, _exception_line(failure), self.device.allocated(), self.device.reserved()) if failure is not None else None
         del failure
         failures = [f for f in self.all_gather(mine) if f is not None]
         first_error = next((f for f in failures if f.kind == _ERROR), None)
@@ -132,7 +135,7 @@ class RankGroup:
         others = [f.rank for f in failures[1:]]
         also = f" (and rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})" if others else ""
         error = GroupOutOfMemory(f"rank {first.rank} ran out of memory in {phase} at {position}{also}: {first.message}")
-        error.bytes_allocated = first.allocated
+        error.bytes_allocated, error.bytes_reserved = first.allocated, first.reserved
         raise error
 
     def all_gather(self, value) -> list:

@@ -43,7 +43,7 @@ from orchestrator.device import Device, configure_allocator, open_device
 from orchestrator.estimates import Estimates, ProfileCache
 from orchestrator.oom import OomEvent, OomRetriesExhausted, is_oom
 from orchestrator.planner import Plan, plan_for_ranks
-from trainables.distributed import DistributedTrainer, GroupFailure, RankGroup, failed_rank
+from trainables.distributed import DistributedTrainer, GroupFailure, GroupOutOfMemory, RankGroup, failed_rank
 from trainables.loop import LoopSettings, Milestone, Trainer
 from trainables.trainable import STATE_FILE, TrialRun, _fresh_scratch
 from trainables.workload import build_workload
@@ -90,20 +90,12 @@ class _GroupRank:
         return trainer
 
     def _oom_event(self, trainer: Trainer, exc: BaseException) -> OomEvent:
-        event = replace(super()._oom_event(trainer, exc), rank=failed_rank(exc), bytes_reserved=None)
-        held = getattr(exc, "bytes_allocated", None)  # the failed rank's, not this one's
-        return event if held is None else replace(event, bytes_allocated=held)
+        event = replace(super()._oom_event(trainer, exc), rank=failed_rank(exc))
+        if not isinstance(exc, GroupOutOfMemory):
+            return event
+        # What the rank that failed held, not this one.
+        return replace(event, bytes_allocated=exc.bytes_allocated, bytes_reserved=exc.bytes_reserved)
 
-    def _save_checkpoint(self, trainer: Trainer) -> str:
-        folder = tempfile.mkdtemp(prefix="checkpoint-", dir=self.scratch)
-        torch.save(
-            {
-                "trainer": trainer.state_dict(), "plan": self.plan.to_dict(),
-                "oom_events": [e.to_dict() for e in self.events], "applied_shrinks": self.applied_shrinks,
-            },
-            os.path.join(folder, STATE_FILE),
-        )
-        return folder
 
 
 class GroupTrialRun(_GroupRank, TrialRun):

@@ -212,6 +212,14 @@ class TrialRun:
         if not milestone.checkpoint:
             tune.report(metrics)
             return
+        folder = self._save_checkpoint(trainer)
+        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(folder))
+        if self.local_checkpoint is not None:
+            shutil.rmtree(self.local_checkpoint, ignore_errors=True)
+        self.local_checkpoint = folder
+
+    def _save_checkpoint(self, trainer: Trainer) -> str:
+        """A new folder in the scratch holding everything needed to continue exactly here."""
         folder = tempfile.mkdtemp(prefix="checkpoint-", dir=self.scratch)
         torch.save(
             {
@@ -220,10 +228,7 @@ class TrialRun:
             },
             os.path.join(folder, STATE_FILE),
         )
-        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(folder))
-        if self.local_checkpoint is not None:
-            shutil.rmtree(self.local_checkpoint, ignore_errors=True)
-        self.local_checkpoint = folder
+        return folder
 
     def _report_refusal(self) -> None:
         """A refused trial reports once, with its reason, and ends without training."""
