@@ -158,6 +158,22 @@ def test_a_group_whose_rank_1_process_dies_resumes_from_its_last_checkpoint(tmp_
 
 @pytest.mark.integration
 @pytest.mark.usefixtures("local_ray")
+def test_a_rank_that_dies_recovering_from_an_oom_restarts_the_group_with_a_smaller_plan(tmp_path):
+    workload = {"name": "tests.workloads:RankDiesOnOomWorkload", "params": MLP["params"]}
+    outcome = sweep(tmp_path, workload, {"device": "emulated", "capacity": ["64MiB", "5.72MiB"], "estimator": "none",
+                                         "max_oom_retries": 3})
+    assert outcome.ok, outcome.rows
+    state = final_state(outcome)
+    # Rank 1 ran out at 256 x 1 and died; the restarted group (new rank actors) ran out at 128 x 2
+    # and rank 1 died again; Tune's second restart runs 64 x 4, which fits. Rank 0 wrote each OOM
+    # down before the recovery, which is what made each death a memory death.
+    assert (state["plan"]["micro_batch"], state["plan"]["accum_steps"], state["applied_shrinks"]) == (64, 4, 2)
+    assert outcome.rows[0].oom_retries == 2
+    assert state["trainer"]["progress"] == {"epoch": 2, "step_in_epoch": 0, "step": 8}
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("local_ray")
 def test_an_eval_oom_on_rank_1_only_halves_the_groups_eval_batch(tmp_path):
     heavy_eval = {"name": "tests.workloads:HeavyEvalWorkload", "params": {"width": 64, "train_samples": 1024, "eval_samples": 512}}
     outcome = sweep(tmp_path, heavy_eval, {"device": "emulated", "capacity": ["64MiB", "1.5MiB"], "estimator": "none",

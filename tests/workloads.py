@@ -158,3 +158,25 @@ class BrokenCollateWorkload(MLPWorkload):
     def collate(self, samples):
         features = torch.stack([x for x, _ in samples])
         return features, torch.tensor([y for _, y in samples]).view(len(samples), -1, 2)
+
+
+#: Models built by this process (a rank's actor serves one attempt of one trial).
+_BUILDS_IN_THIS_PROCESS = 0
+
+
+@dataclasses.dataclass
+class RankDiesOnOomWorkload(MLPWorkload):
+    """In a data-parallel trial, rank ``die_on_rank``'s process dies while the group recovers from an
+    out-of-memory error, as one does when a CUDA OOM left its context unusable: it dies building
+    the next attempt's model (its second build in one process is always a recovery's)."""
+
+    die_on_rank: int = 1
+
+    def build_model(self):
+        import torch.distributed as dist
+
+        global _BUILDS_IN_THIS_PROCESS
+        _BUILDS_IN_THIS_PROCESS += 1
+        if _BUILDS_IN_THIS_PROCESS > 1 and dist.is_initialized() and dist.get_rank() == self.die_on_rank:
+            os._exit(1)
+        return super().build_model()
