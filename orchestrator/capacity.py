@@ -13,6 +13,7 @@ Tune's pending trials create, so there the sweep starts and :class:`WaitForNodes
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from ray import tune
@@ -68,6 +69,24 @@ def group_unschedulable_reason(request: dict[str, float], workers: int, nodes: l
     return (f"a trial needs {workers} workers of {asked} each, and the cluster's {len(nodes)} node(s) hold "
             f"{held} such worker(s) at most; use resources.workers: {held}" if held else
             f"a trial needs {workers} workers of {asked} each, and no node of the cluster holds one")
+
+
+def local_node(num_cpus: float | None, num_gpus: float | None) -> dict[str, float]:
+    """What the embedded local Ray ``run`` starts will have: the flags, else this machine's CPUs
+    and the GPUs PyTorch sees (as Ray detects them)."""
+    if num_gpus is None:
+        import torch
+
+        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {"CPU": float(num_cpus if num_cpus is not None else os.cpu_count() or 1), "GPU": float(num_gpus)}
+
+
+def check_local_node(request: dict[str, float], workers: int, node: dict[str, float]) -> None:
+    """Before an embedded local Ray starts: a trial it could never hold is one line, not a wait."""
+    reason = group_unschedulable_reason(request, workers, [node])
+    if reason is not None:
+        raise UserError(f"resources: {reason}; ask for less (resources.workers, resources.cpu, resources.gpu) "
+                        "or give the local Ray more (--num-cpus, --num-gpus)")
 
 
 def alive_nodes() -> list[dict[str, float]]:

@@ -135,12 +135,11 @@ def _rank_lines(plan) -> list[str]:
     if plan.ranks == 1 or plan.refusal:
         return []
     lines = []
-    peak = plan.predicted_peak_bytes
+    held = plan.predicted_peak_bytes  # a rank's, the exchange's bucket included
     order = sorted(range(plan.ranks), key=lambda r: plan.rank_budgets[r] if plan.rank_budgets[r] is not None else 2**63)
     for rank in order:  # the tightest rank first: it decides the group's plan
         budget = plan.rank_budgets[rank]
         limit = None if budget is None or plan.safety_margin is None else int(budget * plan.safety_margin)
-        held = None if peak is None else peak + plan.exchange_bytes
         against = "" if limit is None or held is None else f" of {_size(limit)} ({held / limit:.0%})"
         lines.append(f"  rank {rank}: budget {_size(budget)}, exchange bucket {_size(plan.exchange_bytes)}, "
                      f"peak {_size(held)}{against}")

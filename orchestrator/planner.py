@@ -196,7 +196,8 @@ def plan_for_ranks(
         exchange = strategy.extra_bytes(profiles.get(Settings(policy.precision, False)))
     by_budget: dict[int | None, Plan] = {}
     for budget in dict.fromkeys(rank_budgets):
-        usable = None if budget is None else max(budget - exchange, 0)
+        # The plan fills usable x margin; the bucket comes on top: budget x margin in all.
+        usable = None if budget is None else max(budget - math.ceil(exchange / policy.safety_margin), 0)
         plan = make_plan(workload, policy, rank_batch, usable, target=target, device=device, profiles=profiles)
         by_budget[budget] = replace(plan, budget_bytes=budget)
     plans = [by_budget[b] for b in rank_budgets]
@@ -208,6 +209,10 @@ def plan_for_ranks(
     if refused is not None:
         return replace(plan, **group, refusal=f"rank {refused}: {plans[refused].refusal}")
     eval_batch = min(p.eval_batch for p in plans)
+    # A rank's predicted peak holds the exchange's bucket too: that is what its device will see.
+    if plan.predicted_peak_bytes is not None:
+        group.update(predicted_peak_bytes=plan.predicted_peak_bytes + exchange,
+                     predicted_phases={name: peak + exchange for name, peak in plan.predicted_phases.items()})
     return replace(plan, **group, eval_batch=eval_batch)
 
 

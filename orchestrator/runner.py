@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from orchestrator.capacity import WaitForNodes, check_schedulable, trial_request
+from orchestrator.capacity import WaitForNodes, check_local_node, check_schedulable, local_node, trial_request
 from orchestrator.config import SweepSpec, folder_name, load_spec
 from orchestrator.device import MEMORY_LABELS
 from orchestrator.errors import UserError
@@ -158,6 +158,8 @@ def run_sweep(
 
     tracking_uri = resolve_tracking_uri(tracking_uri, spec)
     storage = os.path.abspath(storage_path or spec.storage_path)
+    if ray_address is None and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
+        check_local_node(trial_request(spec), spec.resources.workers, local_node(num_cpus, num_gpus))
     _check_before_ray(spec, storage, tracking_uri, offline_tracking)
     estimates, started_ray = _estimate_while_ray_starts(
         spec, lambda: _connect_ray(ray_address, num_cpus, num_gpus, dashboard, dashboard_host))

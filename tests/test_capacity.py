@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from orchestrator.capacity import group_unschedulable_reason, trial_request, unschedulable_reason
+from orchestrator.capacity import check_local_node, group_unschedulable_reason, trial_request, unschedulable_reason
 from orchestrator.config import parse_spec
 from orchestrator.errors import UserError
 
@@ -42,6 +42,17 @@ def test_a_data_parallel_trial_spreads_its_workers_over_nodes():
         "use resources.workers: 2"
     )
     assert "no node of the cluster holds one" in group_unschedulable_reason(worker, 2, [LAPTOP])
+
+
+def test_a_local_ray_too_small_for_a_group_is_one_line_before_it_starts():
+    with pytest.raises(UserError) as err:
+        check_local_node({"CPU": 1.0, "GPU": 1.0}, 4, {"CPU": 16.0, "GPU": 2.0})
+    assert str(err.value) == (
+        "resources: a trial needs 4 workers of CPU 1, GPU 1 each, and the cluster's 1 node(s) hold 2 such worker(s) "
+        "at most; use resources.workers: 2; ask for less (resources.workers, resources.cpu, resources.gpu) or give "
+        "the local Ray more (--num-cpus, --num-gpus)"
+    )
+    check_local_node({"CPU": 1.0, "GPU": 0.0}, 2, {"CPU": 2.0, "GPU": 0.0})  # fits: nothing raised
 
 
 def test_the_request_is_the_trials():

@@ -233,6 +233,7 @@ def test_a_group_is_planned_per_rank_and_runs_the_smallest_ranks_plan(profiles):
     assert (plan.micro_batch, plan.accum_steps) == (22, 2)
     alone = make_plan(MLPWorkload(), policy(), 32, 400 - 40, target="emulated", profiles=profiles)
     assert (plan.micro_batch, plan.accum_steps) == (alone.micro_batch, alone.accum_steps)
+    assert plan.predicted_peak_bytes == alone.predicted_peak_bytes + 40  # what rank 1's device holds
     roomy = make_plan(MLPWorkload(), policy(), 32, 2000 - 40, target="emulated", profiles=profiles)
     assert roomy.micro_batch == 32 > plan.micro_batch  # rank 0 alone would take its whole share at once
     assert plan.describe().startswith(f"{plan.micro_batch} x {plan.accum_steps} x 2 ranks")
