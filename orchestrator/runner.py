@@ -420,7 +420,8 @@ def _row(result, spec: SweepSpec, record: SweepRecord | None = None) -> TrialRow
         epochs=int(metrics.get("epoch", 0) or 0),
         steps=int(metrics.get("step", 0) or 0),
         final_metric=value if isinstance(value, (int, float)) and math.isfinite(value) else None,
-        plan=f"{metrics['micro_batch']} x {metrics['accum_steps']}" if "micro_batch" in metrics else "-",
+        plan=(f"{metrics['micro_batch']} x {metrics['accum_steps']}"
+              + (f" x {metrics['ranks']} ranks" if metrics.get("ranks", 1) > 1 else "")) if "micro_batch" in metrics else "-",
         peak_bytes=metrics.get("peak_reserved_bytes", metrics.get("peak_allocated_bytes")),
         memory_source=metrics.get("memory_source", ""),
         oom_retries=int(metrics.get("oom_retries", 0) or 0),

@@ -130,7 +130,8 @@ def test_an_oom_on_rank_1_only_is_recovered_by_the_group_with_the_weights_of_a_s
     assert plan_b["rank_budgets"] == (64 * 2**20, int(5.72 * 2**20)) and plan_b["budget_bytes"] == int(5.72 * 2**20)
     assert plan_b["exchange_bytes"] == 2048 * 128 * 4 + 128 * 4 + 128 * 8 * 4 + 8 * 4  # every gradient: one bucket
     assert all(e["bytes_allocated"] <= int(5.72 * 2**20) for e in events)  # rank 1's device, not rank 0's
-    assert planned.rows[0].oom_retries == 0
+    assert planned.rows[0].oom_retries == 0 and surprised.rows[0].oom_retries == 2
+    assert surprised.rows[0].plan == "64 x 4 x 2 ranks"  # the summary table's cell
     for name, tensor in state_a["trainer"]["model"].items():
         torch.testing.assert_close(tensor, state_b["trainer"]["model"][name], rtol=1e-4, atol=1e-5)
     assert state_a["trainer"]["progress"] == state_b["trainer"]["progress"] == {"epoch": 2, "step_in_epoch": 0, "step": 8}
