@@ -15,7 +15,7 @@ import torch
 
 from orchestrator.config import parse_spec
 from orchestrator.runner import run_sweep
-from trainables.data import Shard, StepCut, StepSampler
+from trainables.data import Shard, StepCut, StepSampler, eval_slice
 from trainables.distributed import GroupOutOfMemory, RankGroup, failed_rank
 
 #: Far below a hang: the gloo collective timeout is 10 minutes, a Tune retry loop forever.
@@ -64,6 +64,8 @@ def test_each_rank_takes_a_disjoint_slice_of_every_step_and_together_the_whole_s
     for step, indices in enumerate(whole):  # micro-batches of 4: two per rank per step
         shares = [sum(rank[2 * step : 2 * step + 2], []) for rank in ranks]
         assert sum(shares, []) == indices
+    slices = [eval_slice(100, Shard(r, 3)) for r in range(3)]
+    assert slices == [(0, 33), (33, 66), (66, 100)]  # every eval sample once, near-equal shares
 
 
 def _rank(rank: int, address: str, results) -> None:
