@@ -2,7 +2,8 @@
 PENDING, and Tune waits for it forever.
 
 A trial runs on one node, so the question is whether some alive node has at least the trial's
-CPUs and GPUs in total (what is free changes as trials finish; what a node has does not). On a
+CPUs and GPUs in total; a data-parallel trial (``resources.workers``) is one bundle per worker,
+which may spread over nodes, so there the question is whether the nodes hold that many bundles (what is free changes as trials finish; what a node has does not). On a
 fixed cluster (this machine, a SLURM allocation) the answer before the sweep starts is final,
 and ``run`` stops there with one line. An autoscaling cluster adds nodes for pending work, which
 Tune's pending trials create, so there the sweep starts and :class:`WaitForNodes` stops it after
@@ -12,6 +13,7 @@ Tune's pending trials create, so there the sweep starts and :class:`WaitForNodes
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from ray import tune
@@ -48,6 +50,45 @@ def unschedulable_reason(request: dict[str, float], nodes: list[dict[str, float]
     return f"a trial needs {asked} on one node, and no node of the cluster has that (the largest of {len(nodes)}: {has})"
 
 
+def bundles_held(request: dict[str, float], node: dict[str, float]) -> int:
+    """How many bundles of ``request`` one node holds in total."""
+    wanted = [(kind, amount) for kind, amount in request.items() if amount > 0]
+    if not wanted:
+        return 2**31
+    return min(int(node.get(kind, 0.0) // amount) for kind, amount in wanted)
+
+
+def group_unschedulable_reason(request: dict[str, float], workers: int, nodes: list[dict[str, float]]) -> str | None:
+    """Why the nodes cannot hold ``workers`` bundles of ``request`` at once, or None when they can."""
+    if workers == 1:
+        return unschedulable_reason(request, nodes)
+    held = sum(bundles_held(request, node) for node in nodes)
+    if held >= workers:
+        return None
+    asked = ", ".join(f"{kind} {amount:g}" for kind, amount in request.items() if amount > 0)
+    return (f"a trial needs {workers} workers of {asked} each, and the cluster's {len(nodes)} node(s) hold "
+            f"{held} such worker(s) at most; use resources.workers: {held}" if held else
+            f"a trial needs {workers} workers of {asked} each, and no node of the cluster holds one")
+
+
+def local_node(num_cpus: float | None, num_gpus: float | None) -> dict[str, float]:
+    """What the embedded local Ray ``run`` starts will have: the flags, else this machine's CPUs
+    and the GPUs PyTorch sees (as Ray detects them)."""
+    if num_gpus is None:
+        import torch
+
+        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {"CPU": float(num_cpus if num_cpus is not None else os.cpu_count() or 1), "GPU": float(num_gpus)}
+
+
+def check_local_node(request: dict[str, float], workers: int, node: dict[str, float]) -> None:
+    """Before an embedded local Ray starts: a trial it could never hold is one line, not a wait."""
+    reason = group_unschedulable_reason(request, workers, [node])
+    if reason is not None:
+        raise UserError(f"resources: {reason}; ask for less (resources.workers, resources.cpu, resources.gpu) "
+                        "or give the local Ray more (--num-cpus, --num-gpus)")
+
+
 def alive_nodes() -> list[dict[str, float]]:
     """Every alive node's total resources (Ray's ``ray.nodes()``)."""
     import ray
@@ -55,10 +96,10 @@ def alive_nodes() -> list[dict[str, float]]:
     return [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")]
 
 
-def check_schedulable(request: dict[str, float], wait_minutes: float) -> "WaitForNodes | None":
+def check_schedulable(request: dict[str, float], wait_minutes: float, workers: int = 1) -> "WaitForNodes | None":
     """Fail now when no node can hold a trial and waiting is not asked for; else the stopper that
     waits (None when a node already fits)."""
-    reason = unschedulable_reason(request, alive_nodes())
+    reason = group_unschedulable_reason(request, workers, alive_nodes())
     if reason is None:
         return None
     if wait_minutes <= 0:
@@ -67,7 +108,7 @@ def check_schedulable(request: dict[str, float], wait_minutes: float) -> "WaitFo
             "(--num-cpus, --num-gpus), or on an autoscaling cluster set resources.wait_minutes"
         )
     print(f"Waiting up to {wait_minutes:g} min for a node that can run a trial: {reason}", flush=True)
-    return WaitForNodes(request, wait_minutes * 60)
+    return WaitForNodes(request, wait_minutes * 60, workers)
 
 
 class WaitForNodes(tune.Stopper):
@@ -77,8 +118,9 @@ class WaitForNodes(tune.Stopper):
     turn, as on any cluster.
     """
 
-    def __init__(self, request: dict[str, float], wait_s: float):
+    def __init__(self, request: dict[str, float], wait_s: float, workers: int = 1):
         self.request = request
+        self.workers = workers
         self.wait_s = wait_s
         self._deadline: float | None = None
         self._next_look = 0.0
@@ -97,7 +139,7 @@ class WaitForNodes(tune.Stopper):
         if now < self._next_look:
             return False
         self._next_look = now + POLL_S
-        reason = unschedulable_reason(self.request, alive_nodes())
+        reason = group_unschedulable_reason(self.request, self.workers, alive_nodes())
         if reason is None:
             self._satisfied = True
             logger.info("a node that can run a trial has joined the cluster")

@@ -87,8 +87,12 @@ class LrSchedule:
 
 @dataclass(frozen=True)
 class Resources:
+    """What one trial asks Ray for. With ``workers: N`` (Ray Train's ``num_workers``) a trial is a
+    data-parallel group of N ranks and ``cpu``/``gpu`` are what each worker asks for."""
+
     cpu: float = 1.0
     gpu: float | str = 0.0  # a count, a fraction, or "auto" (the fraction the plan needs)
+    workers: int = 1  # ranks of a data-parallel trial (trainables.distributed)
     #: How long a sweep waits for a node that can hold one trial (an autoscaling cluster adds it);
     #: 0: a request no node can hold fails before the sweep starts.
     wait_minutes: float = 0.0
@@ -99,7 +103,7 @@ class MemoryPolicy:
     """How trials' memory is estimated, budgeted and recovered when an estimate was wrong."""
 
     device: str = "auto"
-    capacity: int | None = None  # bytes of the emulated device
+    capacity: int | None = None  # bytes of the emulated device (the smallest rank's, when given per rank)
     budget: int | None = None  # bytes a plan may use per GPU; None = auto (NVML free - context)
     safety_margin: float = 0.98  # from the allocator model's measured error: docs/ARCHITECTURE.md
     estimator: str = "trace"
@@ -110,6 +114,12 @@ class MemoryPolicy:
     allow_activation_checkpointing: bool = True
     precision: str = "fp32"
     lower_precision: str | None = "bf16"
+    #: ``capacity: [64MiB, 8MiB]``: each rank of a data-parallel trial opens an emulated device of
+    #: its own size (a group whose cards differ); empty when one capacity serves every rank.
+    rank_capacities: tuple[int, ...] = ()
+
+    def capacity_of(self, rank: int) -> int | None:
+        return self.rank_capacities[rank] if self.rank_capacities else self.capacity
 
 
 @dataclass(frozen=True)
@@ -241,6 +251,7 @@ def parse_spec(raw: dict) -> SweepSpec:
         raw=raw,
     )
     _check_scheduler_time(spec)
+    _check_data_parallel(spec)
     _check_workload_parameters(spec)
     return spec
 
@@ -318,6 +329,29 @@ def _check_scheduler_time(spec: SweepSpec) -> None:
         raise ConfigError(f"scheduler.time_attr: {unit} needs stop.{unit}s (ASHA's last rung), which is not set")
 
 
+def _check_data_parallel(spec: SweepSpec) -> None:
+    """A group's ranks share every optimizer step exactly, and agree on every milestone without a clock."""
+    workers = spec.resources.workers
+    rank_capacities = spec.memory.rank_capacities
+    if rank_capacities and len(rank_capacities) != workers:
+        raise ConfigError(
+            f"memory.capacity: expected one capacity per worker (resources.workers: {workers}), got {len(rank_capacities)}"
+        )
+    if workers == 1:
+        return
+    batch = spec.effective_batch_size
+    if batch % workers:
+        below, above = batch - batch % workers, batch + workers - batch % workers
+        fits = [n for n in range(workers - 1, 0, -1) if batch % n == 0][:1]
+        raise ConfigError(
+            f"effective_batch_size: {batch} does not split evenly over resources.workers: {workers}; "
+            f"use {below or above} or {above}" + (f", or workers: {fits[0]}" if fits and fits[0] > 1 else "")
+        )
+    for path, every in (("eval_every", spec.eval_every), ("checkpoint.every", spec.checkpoint.every)):
+        if every is not None and every.unit == "minutes":
+            raise ConfigError(f"{path}: minutes are not supported with resources.workers > 1 (ranks' clocks differ); use steps or epochs")
+
+
 def _stop(value: Any) -> Stop:
     section = _mapping(value, "stop")
     _no_unknown(section, {"epochs", "steps"}, "stop")
@@ -387,18 +421,25 @@ def _schedule(value: Any) -> LrSchedule:
 
 def _resources(value: Any) -> Resources:
     section = _mapping(value, "resources")
-    _no_unknown(section, {"cpu", "gpu", "wait_minutes"}, "resources")
+    _no_unknown(section, {"cpu", "gpu", "workers", "wait_minutes"}, "resources")
     cpu = _positive_number(section.get("cpu", 1), "resources.cpu")
     gpu = section.get("gpu", 0)
+    workers = _positive_int(section.get("workers", 1), "resources.workers")
     if gpu != "auto":
         if not _is_number(gpu) or gpu < 0:
             raise ConfigError(f"resources.gpu: expected a GPU count, a fraction such as 0.25, or 'auto', got {gpu!r}")
         if gpu > 1 and gpu != int(gpu):
             raise ConfigError(f"resources.gpu: expected a whole number of GPUs above 1, got {gpu!r}")
-    return Resources(cpu=cpu, gpu=gpu, wait_minutes=_non_negative_number(section.get("wait_minutes", 0), "resources.wait_minutes"))
+    if workers > 1 and gpu not in (0, 1):
+        raise ConfigError(
+            f"resources.gpu: with resources.workers: {workers} each worker is one rank on one GPU; expected 0 or 1 "
+            f"(per worker), got {gpu!r}"
+        )
+    return Resources(cpu=cpu, gpu=gpu, workers=workers,
+                     wait_minutes=_non_negative_number(section.get("wait_minutes", 0), "resources.wait_minutes"))
 
 
-MEMORY_KEYS = {f.name for f in dataclasses.fields(MemoryPolicy)}
+MEMORY_KEYS = {f.name for f in dataclasses.fields(MemoryPolicy)} - {"rank_capacities"}
 
 
 def _memory(value: Any) -> MemoryPolicy:
@@ -410,9 +451,19 @@ def _memory(value: Any) -> MemoryPolicy:
         return section.get(key, getattr(defaults, key))
 
     budget = get("budget")
+    capacity = get("capacity")
+    rank_capacities: tuple[int, ...] = ()
+    if isinstance(capacity, list):
+        if not capacity:
+            raise ConfigError("memory.capacity: expected a size, or a list of one size per worker, got []")
+        rank_capacities = tuple(_size(c, f"memory.capacity[{i}]") for i, c in enumerate(capacity))
+        capacity = min(rank_capacities)
+    else:
+        capacity = _size(capacity, "memory.capacity")
     policy = MemoryPolicy(
         device=_one_of(get("device"), DEVICES, "memory.device"),
-        capacity=_size(get("capacity"), "memory.capacity"),
+        capacity=capacity,
+        rank_capacities=rank_capacities,
         budget=None if budget in (None, "auto") else _size(budget, "memory.budget"),
         safety_margin=_fraction(get("safety_margin"), "memory.safety_margin"),
         estimator=_one_of(get("estimator"), ESTIMATORS, "memory.estimator"),

@@ -5,7 +5,8 @@ metrics agent exports the values on the node's Prometheus endpoint (the metrics 
 no auth, all interfaces) about 15 s later, with Ray's ``ray_`` prefix:
 
     ray_orchestrator_planned_peak_bytes{experiment, trial_id, workload}
-    ray_orchestrator_measured_peak_bytes{..., kind="allocated"|"reserved"}
+    ray_orchestrator_measured_peak_bytes{..., kind="allocated"|"reserved"}   (a group's worst rank)
+    ray_orchestrator_rank_peak_bytes{..., rank, kind}    (each rank of a data-parallel trial)
     ray_orchestrator_micro_batch{...}
     ray_orchestrator_eval_batch{...}
     ray_orchestrator_oom_retries_total{..., phase}
@@ -38,6 +39,11 @@ class _RayMetrics:
             PREFIX + "measured_peak_bytes",
             "Peak memory (bytes) measured since the previous report; kind=allocated (tensors) or reserved (allocator)",
             tag_keys=TRIAL_TAGS + ("kind",),
+        )
+        self.rank_peak = Gauge(
+            PREFIX + "rank_peak_bytes",
+            "Peak memory (bytes) of one rank of a data-parallel trial since the previous report",
+            tag_keys=TRIAL_TAGS + ("rank", "kind"),
         )
         self.micro_batch = Gauge(
             PREFIX + "micro_batch", "Training micro-batch size in force", tag_keys=TRIAL_TAGS
@@ -81,6 +87,10 @@ class TrialMetrics:
         _set(metrics.planned_peak, result.get("predicted_peak_bytes"), self.tags)
         _set(metrics.measured_peak, result.get("peak_allocated_bytes"), {**self.tags, "kind": "allocated"})
         _set(metrics.measured_peak, result.get("peak_reserved_bytes"), {**self.tags, "kind": "reserved"})
+        ranks = int(result.get("ranks", 1))
+        for rank in range(ranks if ranks > 1 else 0):
+            for kind in ("allocated", "reserved"):
+                _set(metrics.rank_peak, result.get(f"rank{rank}_peak_{kind}_bytes"), {**self.tags, "rank": str(rank), "kind": kind})
         _set(metrics.micro_batch, result.get("micro_batch"), self.tags)
         _set(metrics.eval_batch, result.get("eval_batch"), self.tags)
 

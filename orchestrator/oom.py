@@ -51,6 +51,7 @@ class OomEvent:
     bytes_reserved: int | None
     message: str
     action: str = ""  # what was done about it: the reduction applied, or "gave up"
+    rank: int | None = None  # in a data-parallel trial, the rank that ran out (the lowest, when several did)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -82,7 +83,7 @@ class OomRetriesExhausted(RuntimeError):
     def from_events(cls, events: list[OomEvent], reason: str) -> "OomRetriesExhausted":
         lines = [f"{reason}; {len(events)} OOM event(s):"]
         lines += [
-            f"  epoch {e.epoch} {e.phase} step {e.step}: micro-batch {e.micro_batch}, eval batch "
+            f"  epoch {e.epoch} {e.phase} step {e.step}{'' if e.rank is None else f' on rank {e.rank}'}: micro-batch {e.micro_batch}, eval batch "
             f"{e.eval_batch}, asked {e.bytes_requested} B with {e.bytes_allocated} B allocated -> {e.action}"
             for e in events
         ]

@@ -8,6 +8,10 @@ batch, precision, checkpointing) with its peak against that limit, or why the tr
 refused. ``static`` and ``trace`` need no GPU: ``--device-memory 24GiB`` plans for a card of
 that size from any machine.
 
+A data-parallel trial (``resources.workers``) is planned per rank (``planner.plan_for_ranks``):
+the table is one rank's (every rank holds the whole model), and the plan lists each rank's
+budget, the gradient exchange's bucket and its peak against its limit.
+
 Trials with the same memory signature (``orchestrator.estimates``: they differ only in ``lr``,
 ``seed`` or what the workload declares memory-neutral) are estimated once, distinct ones in
 parallel processes.
@@ -31,7 +35,7 @@ def plan_command(args) -> int:
     from orchestrator.config import load_spec
     from orchestrator.estimates import ProfileCache, describe_signature, estimate_trials, memory_signature
     from orchestrator.memory.failure import summary
-    from orchestrator.planner import plan_with_profile
+    from orchestrator.planner import plan_for_ranks, plan_with_profile
     from orchestrator.preflight import check_workloads
     from orchestrator.space import trial_configs
     from trainables.workload import build_workload
@@ -53,7 +57,9 @@ def plan_command(args) -> int:
               f"{policy.estimator} {seconds:.1f}s",
               file=sys.stderr, flush=True)
 
-    estimates = estimate_trials(configs, policy, target, budget, spec.effective_batch_size, on_done=progress)
+    rank_budgets = _rank_budgets(spec, policy, target, budget)
+    rank_batch = spec.effective_batch_size // spec.resources.workers
+    estimates = estimate_trials(configs, policy, target, budget, rank_batch, on_done=progress)
     results, caches = [], {}
     for index, config in enumerate(configs):
         signature = memory_signature(config, policy, target)
@@ -64,8 +70,13 @@ def plan_command(args) -> int:
         if signature not in caches:  # the measured estimator probes here, once per signature too
             caches[signature] = ProfileCache(workload, policy, target, known=estimates.by_signature.get(signature))
         try:
-            plan, profile = plan_with_profile(workload, policy, spec.effective_batch_size, budget, target=target,
-                                              profiles=caches[signature])
+            if rank_budgets is None:
+                plan, profile = plan_with_profile(workload, policy, spec.effective_batch_size, budget, target=target,
+                                                  profiles=caches[signature])
+            else:
+                plan = plan_for_ranks(workload, policy, spec.effective_batch_size, rank_budgets, target=target,
+                                      profiles=caches[signature])
+                profile = caches[signature].get(plan.settings)
         except UserError:
             raise
         except Exception as exc:  # noqa: BLE001 - shown with the trial (op and line), the others still planned
@@ -106,6 +117,33 @@ def _target_and_budget(spec, policy, device_memory: str | None) -> tuple[str, in
             "(e.g. --device-memory 24GiB) or set memory.budget"
         )
     return "cuda", info.free
+
+
+def _rank_budgets(spec, policy, target: str, budget: int | None) -> list[int | None] | None:
+    """Each rank's budget in a data-parallel trial (None for a one-process trial): the emulated
+    device's capacity per rank where the config gives one, else the same card for every rank."""
+    workers = spec.resources.workers
+    if workers == 1:
+        return None
+    if target == "emulated" and policy.rank_capacities:
+        return [min(c, policy.budget) if policy.budget else c for c in policy.rank_capacities]
+    return [budget] * workers
+
+
+def _rank_lines(plan) -> list[str]:
+    """Each rank of a group: its budget, the exchange's bucket, its predicted peak against its limit."""
+    if plan.ranks == 1 or plan.refusal:
+        return []
+    lines = []
+    held = plan.predicted_peak_bytes  # a rank's, the exchange's bucket included
+    order = sorted(range(plan.ranks), key=lambda r: plan.rank_budgets[r] if plan.rank_budgets[r] is not None else 2**63)
+    for rank in order:  # the tightest rank first: it decides the group's plan
+        budget = plan.rank_budgets[rank]
+        limit = None if budget is None or plan.safety_margin is None else int(budget * plan.safety_margin)
+        against = "" if limit is None or held is None else f" of {_size(limit)} ({held / limit:.0%})"
+        lines.append(f"  rank {rank}: budget {_size(budget)}, exchange bucket {_size(plan.exchange_bytes)}, "
+                     f"peak {_size(held)}{against}")
+    return lines
 
 
 def _size(n: int | None) -> str:
@@ -157,6 +195,7 @@ def _as_text(policy, target: str, budget: int | None, results: list[dict]) -> st
         plans.append(f"trial {r['trial']} ({r['config']['workload']} {searched}): {plan.describe()}"
                      + (f" [{profile.settings.describe()} profile]" if plan.refusal else "")
                      + fill + (f"; {plan.note}" if plan.note else ""))
+        plans.extend(_rank_lines(plan))
         notes.extend(n for n in profile.notes if n not in notes)
     budget_text = "unbounded" if budget is None else _size(budget)
     margin = f" x safety margin {policy.safety_margin:g}" if budget is not None else ""

@@ -15,6 +15,10 @@ here touches a GPU, Ray or MLflow, so every rule is unit-tested on its own.
 * :func:`next_reduction` is what to try after an out-of-memory error: halve the micro-batch,
   then activation checkpointing, then the lower precision, then give up. The effective batch is
   never changed: a reduced trial makes the same updates, only in more, smaller pieces.
+* :func:`plan_for_ranks` plans a data-parallel group: each rank computes ``effective / ranks``
+  samples of every step on its own device, so each rank is planned for its own budget (less
+  what the gradient exchange holds, ``memory.parallel``) and the group runs the smallest rank's
+  micro-batch: micro-batch x accumulation x ranks is the effective batch on every rank.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Callable
 
 from orchestrator.estimates import ProfileCache
 from orchestrator.memory import EstimationError, MemoryProfile, Settings
+from orchestrator.memory.parallel import DataParallel
 from orchestrator.units import GiB, gib, human
 
 #: The eval batch is a throughput knob, not a hyper-parameter; beyond this many times the
@@ -53,6 +58,10 @@ class Plan:
     note: str = ""
     refusal: str | None = None  # set when nothing fits: the trial must not start
     safety_margin: float | None = None  # the share of the budget the plan was allowed to fill
+    #: Data-parallel ranks: each computes ``rank_batch`` samples of every step, ``micro_batch`` at a time.
+    ranks: int = 1
+    rank_budgets: tuple[int | None, ...] = ()  # each rank's budget, as the group was planned
+    exchange_bytes: int = 0  # what each rank holds for the gradient exchange (taken from its budget)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -62,7 +71,13 @@ class Plan:
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in d.items() if k in known}
         values["predicted_phases"] = dict(values.get("predicted_phases") or {})
+        values["rank_budgets"] = tuple(values.get("rank_budgets") or ())
         return cls(**values)
+
+    @property
+    def rank_batch(self) -> int:
+        """Samples of each optimizer step one rank computes."""
+        return self.effective_batch // self.ranks
 
     @property
     def settings(self) -> Settings:
@@ -73,7 +88,8 @@ class Plan:
         if self.refusal:
             return f"refused: {self.refusal}"
         extras = [f"eval {self.eval_batch}", self.precision] + (["ckpt"] if self.activation_checkpointing else [])
-        return f"{self.micro_batch} x {self.accum_steps} ({', '.join(extras)})"
+        ranks = f" x {self.ranks} ranks" if self.ranks > 1 else ""
+        return f"{self.micro_batch} x {self.accum_steps}{ranks} ({', '.join(extras)})"
 
 
 def make_plan(
@@ -149,7 +165,7 @@ def next_reduction(
         return reduced(f"out of memory in eval: eval batch {plan.eval_batch} -> {half}", eval_batch=half)
     if plan.micro_batch > 1:
         half = plan.micro_batch // 2
-        accum = math.ceil(plan.effective_batch / half)
+        accum = math.ceil(plan.rank_batch / half)
         return reduced(f"out of memory in train: micro-batch {plan.micro_batch} -> {half} (x {accum})",
                        micro_batch=half, accum_steps=accum)
     if not plan.activation_checkpointing and workload_supports_checkpointing and policy.allow_activation_checkpointing:
@@ -159,6 +175,45 @@ def next_reduction(
         return reduced(f"out of memory in train at micro-batch 1: precision {plan.precision} -> {policy.lower_precision}",
                        precision=policy.lower_precision)
     return None
+
+
+def plan_for_ranks(
+    workload, policy, effective_batch: int, rank_budgets: list[int | None], *, target: str, device=None,
+    profiles: ProfileCache | None = None,
+) -> Plan:
+    """The plan of a data-parallel group whose rank ``r`` may fill ``rank_budgets[r]``.
+
+    Each distinct budget is planned once, less the exchange's bucket (made at the first step and
+    kept, as DDP keeps its buckets, so it sits beside every phase's peak). The group takes the smallest
+    micro-batch and eval batch of its ranks, so the slowest-to-fit rank decides and every rank
+    cuts its share of a step the same way. A refusal names the rank that cannot fit.
+    """
+    strategy = DataParallel(len(rank_budgets))
+    rank_batch = strategy.rank_batch(effective_batch)
+    profiles = profiles if profiles is not None else ProfileCache(workload, policy, target, device)
+    exchange = 0
+    if policy.estimator != "none":
+        exchange = strategy.extra_bytes(profiles.get(Settings(policy.precision, False)))
+    by_budget: dict[int | None, Plan] = {}
+    for budget in dict.fromkeys(rank_budgets):
+        # The plan fills usable x margin; the bucket comes on top: budget x margin in all.
+        usable = None if budget is None else max(budget - math.ceil(exchange / policy.safety_margin), 0)
+        plan = make_plan(workload, policy, rank_batch, usable, target=target, device=device, profiles=profiles)
+        by_budget[budget] = replace(plan, budget_bytes=budget)
+    plans = [by_budget[b] for b in rank_budgets]
+    refused = next((r for r, p in enumerate(plans) if p.refusal), None)
+    worst = min(range(len(plans)), key=lambda r: (plans[r].refusal is None, plans[r].micro_batch, plans[r].eval_batch))
+    plan = plans[worst]
+    group = dict(effective_batch=effective_batch, ranks=strategy.ranks, rank_budgets=tuple(rank_budgets),
+                 exchange_bytes=exchange)
+    if refused is not None:
+        return replace(plan, **group, refusal=f"rank {refused}: {plans[refused].refusal}")
+    eval_batch = min(p.eval_batch for p in plans)
+    # A rank's predicted peak holds the exchange's bucket too: that is what its device will see.
+    if plan.predicted_peak_bytes is not None:
+        group.update(predicted_peak_bytes=plan.predicted_peak_bytes + exchange,
+                     predicted_phases={name: peak + exchange for name, peak in plan.predicted_phases.items()})
+    return replace(plan, **group, eval_batch=eval_batch)
 
 
 # -- helpers -------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from orchestrator.capacity import WaitForNodes, check_schedulable, trial_request
+from orchestrator.capacity import WaitForNodes, check_local_node, check_schedulable, local_node, trial_request
 from orchestrator.config import SweepSpec, folder_name, load_spec
 from orchestrator.device import MEMORY_LABELS
 from orchestrator.errors import UserError
@@ -158,11 +158,13 @@ def run_sweep(
 
     tracking_uri = resolve_tracking_uri(tracking_uri, spec)
     storage = os.path.abspath(storage_path or spec.storage_path)
+    if ray_address is None and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
+        check_local_node(trial_request(spec), spec.resources.workers, local_node(num_cpus, num_gpus))
     _check_before_ray(spec, storage, tracking_uri, offline_tracking)
     estimates, started_ray = _estimate_while_ray_starts(
         spec, lambda: _connect_ray(ray_address, num_cpus, num_gpus, dashboard, dashboard_host))
     try:
-        wait = check_schedulable(trial_request(spec), spec.resources.wait_minutes)
+        wait = check_schedulable(trial_request(spec), spec.resources.wait_minutes, spec.resources.workers)
         name, restore_from = _experiment_name(spec, storage, name, resume)
         trainable = _trainable(spec, estimates)
         if restore_from:
@@ -315,7 +317,8 @@ def estimate_before_start(spec: SweepSpec):
     if target == "emulated":
         budget = min(budget, policy.capacity) if budget else policy.capacity
     started = time.perf_counter()
-    estimates = estimate_trials(memory_configs(spec), policy, target, budget, spec.effective_batch_size)
+    rank_batch = spec.effective_batch_size // spec.resources.workers  # what one rank of a trial computes per step
+    estimates = estimate_trials(memory_configs(spec), policy, target, budget, rank_batch)
     if estimates.errors:
         signature, error = next(iter(estimates.errors.items()))
         raise UserError(f"workload {describe_signature(signature, spec.search_space)}: the {policy.estimator} estimate failed ({error}); "
@@ -335,6 +338,9 @@ def _trainable(spec: SweepSpec, estimates):
     trainable = tune.with_parameters(train_trial, spec=spec, estimates=estimates)
     if spec.resources.gpu == "auto":
         return tune.with_resources(trainable, auto_gpu_resources(spec, estimates))
+    if spec.resources.workers > 1:  # one bundle per rank; rank 0 is the trial's own actor (trainables.group)
+        bundle = {"CPU": spec.resources.cpu, "GPU": float(spec.resources.gpu)}
+        return tune.with_resources(trainable, tune.PlacementGroupFactory([bundle] * spec.resources.workers))
     return tune.with_resources(trainable, {"cpu": spec.resources.cpu, "gpu": spec.resources.gpu})
 
 
@@ -414,7 +420,8 @@ def _row(result, spec: SweepSpec, record: SweepRecord | None = None) -> TrialRow
         epochs=int(metrics.get("epoch", 0) or 0),
         steps=int(metrics.get("step", 0) or 0),
         final_metric=value if isinstance(value, (int, float)) and math.isfinite(value) else None,
-        plan=f"{metrics['micro_batch']} x {metrics['accum_steps']}" if "micro_batch" in metrics else "-",
+        plan=(f"{metrics['micro_batch']} x {metrics['accum_steps']}"
+              + (f" x {metrics['ranks']} ranks" if metrics.get("ranks", 1) > 1 else "")) if "micro_batch" in metrics else "-",
         peak_bytes=metrics.get("peak_reserved_bytes", metrics.get("peak_allocated_bytes")),
         memory_source=metrics.get("memory_source", ""),
         oom_retries=int(metrics.get("oom_retries", 0) or 0),

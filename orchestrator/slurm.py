@@ -167,6 +167,18 @@ def _cpus_per_node(args, spec: SweepSpec) -> int:
             f"--gpus-per-node: {args.gpus_per_node} is fewer than one trial needs (resources.gpu: {gpu:g}); "
             "a trial runs on one node"
         )
+    workers = spec.resources.workers
+    if workers > 1:  # a data-parallel trial's workers may spread over the allocation's nodes
+        by_gpus = args.gpus_per_node // int(gpu) if gpu else workers
+        by_cpus = args.cpus_per_node // math.ceil(spec.resources.cpu) if args.cpus_per_node else workers
+        per_node = min(by_gpus, by_cpus)
+        if per_node * args.nodes < workers:
+            fits = per_node * args.nodes
+            raise UserError(
+                f"--nodes/--gpus-per-node: a trial needs {workers} workers (resources.workers) of GPU {gpu:g}, "
+                f"CPU {spec.resources.cpu:g}, and {args.nodes} node(s) hold {fits}; "
+                f"ask for --nodes {math.ceil(workers / max(per_node, 1))} or set resources.workers: {fits}"
+            )
     if args.cpus_per_node is None:
         if args.gpus_per_node == 0:
             raise UserError(

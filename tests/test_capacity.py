@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from orchestrator.capacity import trial_request, unschedulable_reason
+from orchestrator.capacity import check_local_node, group_unschedulable_reason, trial_request, unschedulable_reason
 from orchestrator.config import parse_spec
 from orchestrator.errors import UserError
 
@@ -32,6 +32,27 @@ def test_what_no_node_has_is_said():
     # Resources of two nodes do not add up for one trial.
     assert unschedulable_reason({"CPU": 12.0, "GPU": 0.0}, [LAPTOP, LAPTOP]) is not None
     assert "no alive node" in unschedulable_reason({"CPU": 1.0, "GPU": 0.0}, [])
+
+
+def test_a_data_parallel_trial_spreads_its_workers_over_nodes():
+    worker = {"CPU": 1.0, "GPU": 1.0}
+    assert group_unschedulable_reason(worker, 4, [GPU_BOX, GPU_BOX]) is None  # 2 + 2 GPUs on two nodes
+    assert group_unschedulable_reason(worker, 4, [GPU_BOX, LAPTOP]) == (
+        "a trial needs 4 workers of CPU 1, GPU 1 each, and the cluster's 2 node(s) hold 2 such worker(s) at most; "
+        "use resources.workers: 2"
+    )
+    assert "no node of the cluster holds one" in group_unschedulable_reason(worker, 2, [LAPTOP])
+
+
+def test_a_local_ray_too_small_for_a_group_is_one_line_before_it_starts():
+    with pytest.raises(UserError) as err:
+        check_local_node({"CPU": 1.0, "GPU": 1.0}, 4, {"CPU": 16.0, "GPU": 2.0})
+    assert str(err.value) == (
+        "resources: a trial needs 4 workers of CPU 1, GPU 1 each, and the cluster's 1 node(s) hold 2 such worker(s) "
+        "at most; use resources.workers: 2; ask for less (resources.workers, resources.cpu, resources.gpu) or give "
+        "the local Ray more (--num-cpus, --num-gpus)"
+    )
+    check_local_node({"CPU": 1.0, "GPU": 0.0}, 2, {"CPU": 2.0, "GPU": 0.0})  # fits: nothing raised
 
 
 def test_the_request_is_the_trials():

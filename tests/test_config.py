@@ -50,6 +50,13 @@ def test_sizes_are_read_with_units(tmp_path):
     assert spec.memory.capacity == 8 * 2**20 and spec.memory.budget == 24 * 2**30
 
 
+def test_a_data_parallel_trial_with_a_capacity_per_rank(tmp_path):
+    spec = load_spec(write(tmp_path, VALID), ["resources={workers: 2, cpu: 1}", "memory={device: emulated, capacity: [64MiB, 8MiB]}"])
+    assert spec.resources.workers == 2
+    assert spec.memory.rank_capacities == (64 * 2**20, 8 * 2**20) and spec.memory.capacity == 8 * 2**20
+    assert spec.memory.capacity_of(0) == 64 * 2**20 and spec.memory.capacity_of(1) == 8 * 2**20
+
+
 def test_set_overrides_a_key_as_yaml(tmp_path):
     spec = load_spec(write(tmp_path, VALID), ["stop.epochs=5", "search_space.width={grid: [8, 16]}", "resources.gpu=0.25"])
     assert spec.stop.epochs == 5
@@ -126,6 +133,14 @@ BAD = [
      "(its workloads: MLPWorkload)"),
     ("ASHA in steps without a step budget", ["scheduler={type: asha, time_attr: step}"],
      "scheduler.time_attr: step needs stop.steps (ASHA's last rung), which is not set"),
+    ("effective batch not divisible by the ranks", ["resources.workers=3"],
+     "effective_batch_size: 32 does not split evenly over resources.workers: 3; use 30 or 33, or workers: 2"),
+    ("several GPUs per worker", ["resources={workers: 2, gpu: 2}"],
+     "resources.gpu: with resources.workers: 2 each worker is one rank on one GPU; expected 0 or 1 (per worker), got 2"),
+    ("a capacity list of the wrong length", ["resources.workers=2", "memory={device: emulated, capacity: [8MiB]}"],
+     "memory.capacity: expected one capacity per worker (resources.workers: 2), got 1"),
+    ("a clock cadence in a group", ["resources.workers=2", "eval_every={minutes: 5}"],
+     "eval_every: minutes are not supported with resources.workers > 1"),
 ]
 
 

@@ -47,6 +47,8 @@ def test_actor_metrics_reach_the_prometheus_endpoint(isolated_environment, tmp_p
                 metrics = TrialMetrics("exp_m", "trial_a", "mlp")
                 metrics.record_result({**EPOCH, "peak_allocated_bytes": 1})
                 metrics.record_result({**EPOCH, "peak_reserved_bytes": None})  # a gauge keeps the last value
+                # A data-parallel trial: its worst rank above, each rank here.
+                metrics.record_result({"ranks": 2, "rank0_peak_allocated_bytes": 700_000, "rank1_peak_allocated_bytes": 800_000})
                 metrics.record_oom("train")
                 metrics.record_oom("train")
                 metrics.record_oom("eval")
@@ -68,7 +70,7 @@ def test_actor_metrics_reach_the_prometheus_endpoint(isolated_environment, tmp_p
 
         def values(name: str) -> dict:
             return {
-                tuple(sorted((k, v) for k, v in s.labels.items() if k in ("kind", "phase"))): s.value
+                tuple(sorted((k, v) for k, v in s.labels.items() if k in ("kind", "phase", "rank"))): s.value
                 for s in samples(text, name)
                 if s.labels.get("experiment") == "exp_m" and s.labels.get("trial_id") == "trial_a"
                 and s.labels.get("workload") == "mlp"
@@ -77,6 +79,9 @@ def test_actor_metrics_reach_the_prometheus_endpoint(isolated_environment, tmp_p
         assert values("ray_orchestrator_planned_peak_bytes") == {(): 1_000_000}
         assert values("ray_orchestrator_measured_peak_bytes") == {
             (("kind", "allocated"),): 800_000, (("kind", "reserved"),): 900_000,
+        }
+        assert values("ray_orchestrator_rank_peak_bytes") == {
+            (("kind", "allocated"), ("rank", "0")): 700_000, (("kind", "allocated"), ("rank", "1")): 800_000,
         }
         assert values("ray_orchestrator_micro_batch") == {(): 16}
         assert values("ray_orchestrator_eval_batch") == {(): 32}

@@ -12,7 +12,7 @@ from orchestrator.estimates import ProfileCache
 from orchestrator.memory import MemoryProfile, PhaseProfile, Settings
 from orchestrator.memory.allocator import parse_alloc_conf
 from orchestrator.memory.sequence import TrialSequence, fit_log
-from orchestrator.planner import Plan, make_plan, next_reduction
+from orchestrator.planner import Plan, make_plan, next_reduction, plan_for_ranks
 from trainables.cnn import CNNWorkload
 from trainables.loop import LoopPlan, LoopSettings, Trainer
 from trainables.mlp import MLPWorkload
@@ -215,6 +215,45 @@ def test_plan_round_trips_through_json(profiles):
     profiles[FP32] = profile(FP32, phase("train", "train", 100, 10), phase("eval", "eval", 100, 1))
     plan = make_plan(MLPWorkload(), policy(), 256, 1000, target="emulated", profiles=profiles)
     assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+
+
+def ranked_phase(name, kind, fixed, grads, per_sample):
+    return PhaseProfile(name, kind, params=fixed, grads=grads, optimizer=0, buffers=0,
+                        activations_per_sample=per_sample, fixed_other=0)
+
+
+def test_a_group_is_planned_per_rank_and_runs_the_smallest_ranks_plan(profiles):
+    # 100 B of weights, 40 B of gradients (the exchange's bucket), 10 B per training sample.
+    profiles[FP32] = profile(FP32, ranked_phase("train", "train", 100, 40, 10), ranked_phase("eval", "eval", 100, 0, 1))
+    plan = plan_for_ranks(MLPWorkload(), policy(), 64, [2000, 400], target="emulated", profiles=profiles)
+    # Rank 1: 400 - 40 (the exchange's bucket) - 140 (states) = 220 B -> micro-batch 22 (16, the
+    # divisor of 32, would cost 27 %).
+    assert (plan.ranks, plan.rank_batch, plan.effective_batch, plan.exchange_bytes) == (2, 32, 64, 40)
+    assert plan.rank_budgets == (2000, 400) and plan.budget_bytes == 400
+    assert (plan.micro_batch, plan.accum_steps) == (22, 2)
+    alone = make_plan(MLPWorkload(), policy(), 32, 400 - 40, target="emulated", profiles=profiles)
+    assert (plan.micro_batch, plan.accum_steps) == (alone.micro_batch, alone.accum_steps)
+    assert plan.predicted_peak_bytes == alone.predicted_peak_bytes + 40  # what rank 1's device holds
+    roomy = make_plan(MLPWorkload(), policy(), 32, 2000 - 40, target="emulated", profiles=profiles)
+    assert roomy.micro_batch == 32 > plan.micro_batch  # rank 0 alone would take its whole share at once
+    assert plan.describe().startswith(f"{plan.micro_batch} x {plan.accum_steps} x 2 ranks")
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+
+
+def test_a_group_that_one_rank_cannot_hold_is_refused_naming_the_rank(profiles):
+    profiles[FP32] = profile(FP32, ranked_phase("train", "train", 100, 40, 10), ranked_phase("eval", "eval", 100, 0, 1))
+    profiles[BF16] = profile(BF16, ranked_phase("train", "train", 100, 40, 10), ranked_phase("eval", "eval", 100, 0, 1))
+    plan = plan_for_ranks(MLPWorkload(), policy(), 60, [2000, 2000, 150], target="emulated", profiles=profiles)
+    assert plan.refusal.startswith("rank 2: needs ")
+    # Micro-batch 1 alone would fit 175 B (140 + 10), not beside the exchange's bucket (40 B).
+    assert plan_for_ranks(MLPWorkload(), policy(), 60, [2000, 175], target="emulated", profiles=profiles).refusal.startswith("rank 1: ")
+
+
+def test_a_groups_reductions_keep_micro_batch_x_accumulation_x_ranks_exact():
+    plan = Plan(16, 2, 128, 64, False, "fp32", "trace", 1000, None, None, ranks=4)
+    while plan is not None and plan.micro_batch > 1:
+        plan = next_reduction(plan, policy(), "train")
+        assert plan.micro_batch * plan.accum_steps * plan.ranks == plan.effective_batch == 128
 
 
 def test_reductions_keep_the_effective_batch():

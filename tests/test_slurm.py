@@ -150,11 +150,19 @@ def test_time_limits(text, seconds):
     (["--gpus-per-node", "0", "--cpus-per-node", "2", "--set", "resources.gpu=1"], "--gpus-per-node: the sweep's trials need GPUs"),
     (["--cpus-per-node", "1", "--set", "resources.cpu=2"], "fewer than one trial needs"),
     (["--gpus-per-node", "1", "--set", "resources.gpu=2"], "--gpus-per-node: 1 is fewer than one trial needs"),
+    (["--gpus-per-node", "2", "--nodes", "2", "--set", "resources={workers: 8, gpu: 1}"],
+     "--nodes/--gpus-per-node: a trial needs 8 workers (resources.workers) of GPU 1, CPU 1, and 2 node(s) hold 4; "
+     "ask for --nodes 4 or set resources.workers: 4"),
 ])
 def test_bad_flags_are_one_line_errors(flags, message):
     args = submit_args(*flags)
     with pytest.raises(UserError, match=re.escape(message)):
         plan_job(args, load_spec(args.config, args.overrides))
+
+
+def test_a_data_parallel_trial_may_spread_its_workers_over_the_nodes():
+    args = submit_args("--gpus-per-node", "2", "--nodes", "2", "--set", "resources={workers: 4, gpu: 1}")
+    assert plan_job(args, load_spec(args.config, args.overrides)).nodes == 2
 
 
 def test_dry_run_prints_the_script_and_writes_nothing(tmp_path, capsys, monkeypatch):

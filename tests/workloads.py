@@ -112,9 +112,71 @@ class GroupedMLPWorkload(MLPWorkload):
 
 
 @dataclasses.dataclass
+class RankDiesOnceWorkload(MLPWorkload):
+    """In a data-parallel trial, rank ``die_on_rank``'s process dies once, at its ``die_at_call``-th
+    training micro-batch (a node lost, a process killed); each rank's training micro-batches leave
+    lines in ``calls_file`` + ``.rank<r>``."""
+
+    calls_file: str = ""
+    die_at_call: int = 0
+    die_on_rank: int = 1
+
+    def loss(self, model, batch):
+        if model.training:
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            calls = f"{self.calls_file}.rank{rank}"
+            with open(calls, "a") as f:
+                f.write("call\n")
+            marker = self.calls_file + ".died"
+            if rank == self.die_on_rank and not os.path.exists(marker) and open(calls).read().count("call") == self.die_at_call:
+                open(marker, "w").close()
+                os._exit(1)
+        return super().loss(model, batch)
+
+
+@dataclasses.dataclass
+class RankBuggyWorkload(MLPWorkload):
+    """A model whose construction fails on one rank only (a bug behind ``if rank == 1``, a
+    library missing on one node): the others must not wait for it."""
+
+    buggy_rank: int = 1
+
+    def build_model(self):
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_rank() == self.buggy_rank:
+            raise ValueError(f"no such layer on rank {self.buggy_rank}")
+        return super().build_model()
+
+
+@dataclasses.dataclass
 class BrokenCollateWorkload(MLPWorkload):
     """A ``collate`` with a bug: it fails on every batch, wherever it runs."""
 
     def collate(self, samples):
         features = torch.stack([x for x, _ in samples])
         return features, torch.tensor([y for _, y in samples]).view(len(samples), -1, 2)
+
+
+#: Models built by this process (a rank's actor serves one attempt of one trial).
+_BUILDS_IN_THIS_PROCESS = 0
+
+
+@dataclasses.dataclass
+class RankDiesOnOomWorkload(MLPWorkload):
+    """In a data-parallel trial, rank ``die_on_rank``'s process dies while the group recovers from an
+    out-of-memory error, as one does when a CUDA OOM left its context unusable: it dies building
+    the next attempt's model (its second build in one process is always a recovery's)."""
+
+    die_on_rank: int = 1
+
+    def build_model(self):
+        import torch.distributed as dist
+
+        global _BUILDS_IN_THIS_PROCESS
+        _BUILDS_IN_THIS_PROCESS += 1
+        if _BUILDS_IN_THIS_PROCESS > 1 and dist.is_initialized() and dist.get_rank() == self.die_on_rank:
+            os._exit(1)
+        return super().build_model()

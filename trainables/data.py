@@ -45,16 +45,34 @@ class StepCut:
         return [self.micro_batch] * full + ([rest] if rest else [])
 
 
-class StepSampler(Sampler[list[int]]):
-    """Index lists of the micro-batches of one epoch, from optimizer step ``start_step`` on."""
+@dataclass(frozen=True)
+class Shard:
+    """Rank ``rank`` of ``ranks`` in a data-parallel group: it computes the ``rank``-th contiguous
+    slice of every optimizer step's samples (and of the eval set's batches)."""
 
-    def __init__(self, samples: int, cut: StepCut, seed: int):
-        self.samples, self.cut, self.seed = samples, cut, seed
+    rank: int = 0
+    ranks: int = 1
+
+
+class StepSampler(Sampler[list[int]]):
+    """Index lists of the micro-batches of one epoch, from optimizer step ``start_step`` on.
+
+    ``cut`` is this rank's share of a step; in a group of ``shard.ranks`` a step takes
+    ``cut.effective_batch x ranks`` samples of the epoch's order, and this rank the
+    ``shard.rank``-th slice of them, so together the ranks see what one process would.
+    """
+
+    def __init__(self, samples: int, cut: StepCut, seed: int, shard: Shard = Shard()):
+        self.samples, self.cut, self.seed, self.shard = samples, cut, seed, shard
         self.epoch, self.start_step = 0, 0
 
     @property
+    def step_samples(self) -> int:
+        return self.cut.effective_batch * self.shard.ranks
+
+    @property
     def steps_per_epoch(self) -> int:
-        return self.samples // self.cut.effective_batch
+        return self.samples // self.step_samples
 
     def set_position(self, epoch: int, start_step: int) -> None:
         """Where the next iteration starts (read when the DataLoader's iterator is made)."""
@@ -66,9 +84,10 @@ class StepSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         order = self.order(self.epoch)
-        effective = self.cut.effective_batch
+        share = self.cut.effective_batch
         for step in range(self.start_step, self.steps_per_epoch):
-            indices = order[step * effective : (step + 1) * effective]
+            first = step * self.step_samples + self.shard.rank * share
+            indices = order[first : first + share]
             start = 0
             for size in self.cut.sizes:
                 yield indices[start : start + size]
@@ -79,25 +98,36 @@ class StepSampler(Sampler[list[int]]):
 
 
 def train_loader(
-    workload: Workload, dataset: Dataset, cut: StepCut, seed: int, settings: DataLoading, on_gpu: bool
+    workload: Workload, dataset: Dataset, cut: StepCut, seed: int, settings: DataLoading, on_gpu: bool,
+    shard: Shard = Shard(),
 ) -> tuple[DataLoader, StepSampler]:
     """The training DataLoader and its sampler (move the sampler with ``set_position``)."""
-    if len(dataset) < cut.effective_batch:  # sampling drops the last partial step: no step at all
+    step = cut.effective_batch * shard.ranks
+    if len(dataset) < step:  # sampling drops the last partial step: no step at all
         raise DatasetTooSmall(
             f"workload {type(workload).__name__}: train_data has {len(dataset)} samples, fewer than one "
-            f"optimizer step (effective_batch_size {cut.effective_batch})"
+            f"optimizer step (effective_batch_size {step})"
         )
-    sampler = StepSampler(len(dataset), cut, seed)
+    sampler = StepSampler(len(dataset), cut, seed, shard)
     return _loader(workload, dataset, sampler, settings, on_gpu), sampler
 
 
-def eval_loader(workload: Workload, dataset: Dataset, batch: int, settings: DataLoading, on_gpu: bool) -> DataLoader:
-    """Every eval sample once, in order, ``batch`` at a time (the last batch may be smaller)."""
+def eval_loader(
+    workload: Workload, dataset: Dataset, batch: int, settings: DataLoading, on_gpu: bool, shard: Shard = Shard()
+) -> DataLoader:
+    """Every eval sample once, in order, ``batch`` at a time (the last batch may be smaller); in a
+    group, this rank's contiguous slice of the eval set."""
     if len(dataset) == 0:
         raise DatasetTooSmall(f"workload {type(workload).__name__}: eval_data has no samples")
-    indices = list(range(len(dataset)))
+    first, last = eval_slice(len(dataset), shard)
+    indices = list(range(first, last))
     batches = [indices[i : i + batch] for i in range(0, len(indices), batch)]
     return _loader(workload, dataset, batches, settings, on_gpu)
+
+
+def eval_slice(samples: int, shard: Shard) -> tuple[int, int]:
+    """The eval samples ``[first, last)`` rank ``shard.rank`` evaluates: near-equal contiguous slices."""
+    return samples * shard.rank // shard.ranks, samples * (shard.rank + 1) // shard.ranks
 
 
 def eval_batch_sizes(samples: int, batch: int) -> list[int]:

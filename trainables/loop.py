@@ -25,7 +25,7 @@ import torch
 
 from orchestrator.config import DataLoading, Every, LrSchedule, Stop, SweepSpec
 from orchestrator.device import Device, MemoryReading
-from trainables.data import StepCut, eval_batch_sizes, eval_loader, train_loader
+from trainables.data import DatasetTooSmall, Shard, StepCut, eval_batch_sizes, eval_loader, eval_slice, train_loader
 from trainables.schedule import build_lr_scheduler
 from trainables.step import eval_step, make_grad_scaler, train_step
 from trainables.workload import Workload
@@ -76,7 +76,8 @@ class Milestone:
     eval: dict[str, float]  # eval_loss, eval_<metric>, ...; empty where no evaluation was due
     checkpoint: bool  # whether the trial should checkpoint here
     final: bool  # the budget is spent
-    memory: MemoryReading  # peak since the previous milestone
+    memory: MemoryReading  # peak since the previous milestone (the worst rank's, in a group)
+    rank_memory: tuple[MemoryReading, ...] = ()  # in a data-parallel group: each rank's, by rank
 
 
 class MetricsMismatch(ValueError):
@@ -84,22 +85,35 @@ class MetricsMismatch(ValueError):
 
 
 class Trainer:
-    """Trains ``workload`` on ``device`` under ``plan``; ``phase`` and ``position`` say where it is."""
+    """Trains ``workload`` on ``device`` under ``plan``; ``phase`` and ``position`` say where it is.
 
-    def __init__(self, workload: Workload, device: Device, plan: LoopPlan, settings: LoopSettings, seed: int = 0):
+    ``shard`` is this process's rank in a data-parallel group (``trainables.distributed``): it
+    then computes its slice of every step and of the eval set; one process is the group of one.
+    """
+
+    def __init__(self, workload: Workload, device: Device, plan: LoopPlan, settings: LoopSettings, seed: int = 0,
+                 shard: Shard = Shard()):
         self.workload, self.device, self.plan, self.settings, self.seed = workload, device, plan, settings, seed
+        self.shard = shard
         torch.manual_seed(seed)
         self.model = workload.build_model().to(device.torch_device)
         workload.set_activation_checkpointing(self.model, plan.activation_checkpointing)
         self.optimizer = workload.build_optimizer(self.model)
         self.scaler = make_grad_scaler(plan.precision, device.torch_device)
         on_gpu = device.torch_device.type == "cuda"
-        self.cut = StepCut(plan.effective_batch, plan.micro_batch)
+        self.cut = StepCut(plan.effective_batch // shard.ranks, plan.micro_batch)
         with device.host():
             train_data, eval_data = workload.train_data(), workload.eval_data()
-            self.train_loader, self.sampler = train_loader(workload, train_data, self.cut, seed, settings.data, on_gpu)
-            self.eval_loader = eval_loader(workload, eval_data, plan.eval_batch, settings.data, on_gpu)
+            self.train_loader, self.sampler = train_loader(workload, train_data, self.cut, seed, settings.data, on_gpu, shard)
+            self.eval_loader = eval_loader(workload, eval_data, plan.eval_batch, settings.data, on_gpu, shard)
         self.eval_samples = len(eval_data)
+        first, last = eval_slice(self.eval_samples, shard)
+        self.shard_eval_samples = last - first
+        if self.shard_eval_samples == 0:
+            raise DatasetTooSmall(
+                f"workload {type(workload).__name__}: eval_data has {self.eval_samples} samples, fewer than the "
+                f"{shard.ranks} ranks that share it"
+            )
         self.steps_per_epoch = self.sampler.steps_per_epoch
         self.total_steps = self._budget_in_steps()
         self.scheduler = build_lr_scheduler(workload, self.optimizer, self.total_steps, settings.schedule)
@@ -149,8 +163,12 @@ class Trainer:
                 self.workload, self.model, self.optimizer, self._take(batches, len(sizes)), sizes,
                 self.device.torch_device, self.plan.precision, self.scaler, self.settings.max_grad_norm,
             )
-            if self.scheduler is not None:
-                self.scheduler.step()
+            self._advance(loss)
+
+    def _advance(self, loss: torch.Tensor) -> None:
+        """After an optimizer step: the learning rate, the running loss, the position."""
+        if self.scheduler is not None:
+            self.scheduler.step()
         self._loss_sum += loss
         self._loss_steps += 1
         p = self.progress
@@ -182,32 +200,25 @@ class Trainer:
             self._last_eval = time.monotonic()
         if checkpoint:
             self._last_checkpoint = time.monotonic()
-        train_loss = self._loss_sum.item() / self._loss_steps if self._loss_steps else None
+        train_loss = self._train_loss_sum() / self._loss_steps if self._loss_steps else None
         self._loss_sum.zero_()
         self._loss_steps = 0
         memory = self.device.reading()
         self.device.reset_peak()
         return Milestone(self.progress, train_loss, metrics, checkpoint, self.done, memory)
 
+    def _train_loss_sum(self) -> float:
+        """The summed mean losses of the steps since the last milestone."""
+        return self._loss_sum.item()
+
     def evaluate(self) -> dict[str, float]:
         """The workload's eval metrics over the whole eval set, as ``eval_<name>``."""
         self.model.eval()
         self.phase = "eval"
         seed_generators(step_seed(self.seed, self.progress.step) + 2**40, self.device.torch_device)
-        totals: dict[str, torch.Tensor] = {}
-        with self.device.host():
-            batches = iter(self.eval_loader)
-        for self.position, samples in enumerate(eval_batch_sizes(self.eval_samples, self.plan.eval_batch)):
-            with self.device.step("eval", self.state_tensors):
-                sums = eval_step(
-                    self.workload, self.model, self.device.admit(self._fetch(batches)), samples,
-                    self.device.torch_device, self.plan.precision,
-                )
-            for name, value in sums.items():
-                totals[name] = totals[name] + value if name in totals else value
-        del batches
+        totals = self._eval_totals()
         self.model.train()
-        reported = self.workload.summarize_metrics({k: v.item() for k, v in totals.items()}, self.eval_samples)
+        reported = self.workload.summarize_metrics(totals, self.eval_samples)
         declared = type(self.workload).metrics
         if set(reported) != set(declared):
             name = type(self.workload).__name__
@@ -216,6 +227,22 @@ class Trainer:
                 f"{name}.metrics declares {', '.join(declared)}: make them the same"
             )
         return {f"eval_{name}": float(value) for name, value in reported.items()}
+
+    def _eval_totals(self) -> dict[str, float]:
+        """The workload's eval sums over this process's eval samples."""
+        totals: dict[str, torch.Tensor] = {}
+        with self.device.host():
+            batches = iter(self.eval_loader)
+        for self.position, samples in enumerate(eval_batch_sizes(self.shard_eval_samples, self.plan.eval_batch)):
+            with self.device.step("eval", self.state_tensors):
+                sums = eval_step(
+                    self.workload, self.model, self.device.admit(self._fetch(batches)), samples,
+                    self.device.torch_device, self.plan.precision,
+                )
+            for name, value in sums.items():
+                totals[name] = totals[name] + value if name in totals else value
+        del batches
+        return {k: v.item() for k, v in totals.items()}
 
     def state_tensors(self):
         """Tensors that exist between steps: what a device holds for this trainer at rest."""

@@ -44,15 +44,34 @@ def train_step(
 ) -> torch.Tensor:
     """Accumulate gradients over ``micro_batches`` (of ``sizes`` samples) and take one optimizer step.
 
-    Each micro-batch's mean loss is weighted by its share of the samples, so the summed gradient
-    is the gradient of the mean loss over the whole effective batch: micro-batch 8 x 4 updates
-    the weights as micro-batch 32 x 1 does. ``micro_batches`` is consumed one at a time, and each
-    is dropped before the next is taken, as memory allows only one micro-batch's activations.
-    Gradients are clipped once, on the accumulated gradient (unscaled first under fp16).
     Returns the mean loss as a detached tensor (no ``.item()`` here: the estimators run this
     step on fake tensors, which have no values, and a GPU should not wait for the host).
     """
-    total = sum(sizes)
+    mean_loss = accumulate_gradients(workload, model, micro_batches, sizes, device, precision, scaler)
+    apply_gradients(model, optimizer, scaler, max_grad_norm)
+    return mean_loss
+
+
+def accumulate_gradients(
+    workload: Workload,
+    model: nn.Module,
+    micro_batches: Iterable[Batch],
+    sizes: Sequence[int],
+    device: torch.device,
+    precision: str = "fp32",
+    scaler: torch.amp.GradScaler | None = None,
+    total: int | None = None,
+) -> torch.Tensor:
+    """The backward passes of one step: the parameters' ``.grad`` sum each micro-batch's gradient.
+
+    Each micro-batch's mean loss is weighted by its share of the step's ``total`` samples (these
+    ``sizes``, or the whole group's step when ranks share it), so the summed gradient is the
+    gradient of the mean loss over the whole effective batch: micro-batch 8 x 4 updates the
+    weights as micro-batch 32 x 1 does. ``micro_batches`` is consumed one at a time, and each
+    is dropped before the next is taken, as memory allows only one micro-batch's activations.
+    Returns this rank's share of the mean loss.
+    """
+    total = total or sum(sizes)
     mean_loss = torch.zeros((), device=device)
     for size, batch in zip(sizes, micro_batches):  # sizes first: no micro-batch is fetched past the last
         batch = to_device(batch, device)
@@ -61,6 +80,14 @@ def train_step(
         (scaler.scale(loss) if scaler else loss).backward()
         mean_loss += loss.detach().float()
         del loss, batch  # the next micro-batch must not find this one's graph still alive
+    return mean_loss
+
+
+def apply_gradients(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None,
+    max_grad_norm: float | None = None,
+) -> None:
+    """The optimizer step on the accumulated gradient, clipped once (unscaled first under fp16)."""
     if max_grad_norm is not None:
         if scaler:
             scaler.unscale_(optimizer)
@@ -71,7 +98,6 @@ def train_step(
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return mean_loss
 
 
 @torch.no_grad()

@@ -56,6 +56,11 @@ def train_trial(config: dict[str, Any], spec: SweepSpec, estimates: Estimates | 
             f"{config[NOT_RETRIED_KEY]} (failed {config.get(OTHER_FAILURES_KEY, 1)} time(s); errors other "
             f"than out-of-memory are retried at most max_failures={spec.max_failures} time(s))"
         )
+    if spec.resources.workers > 1:
+        from trainables.group import GroupTrialRun
+
+        GroupTrialRun(config, spec, estimates).run()
+        return
     TrialRun(config, spec, estimates).run()
 
 
@@ -136,10 +141,7 @@ class TrialRun:
             known = self.estimates.known(self.config, target) if self.estimates else None
             profiles = ProfileCache(self.workload, self.policy, target, self.device, known=known)
             self.estimated_by = "none" if self.policy.estimator == "none" else "driver" if known else "worker"
-            plan = make_plan(
-                self.workload, self.policy, self.spec.effective_batch_size, self._budget(),
-                target=target, device=self.device, profiles=profiles,
-            )
+            plan = self._plan_from_estimates(profiles)
         else:
             self.local_checkpoint = tempfile.mkdtemp(prefix="checkpoint-", dir=self.scratch)
             with checkpoint.as_directory() as folder:
@@ -156,6 +158,12 @@ class TrialRun:
                 raise OomRetriesExhausted.from_events(self.events, "the worker died of OOM and no smaller plan is left")
             plan, self.applied_shrinks = smaller, self.applied_shrinks + 1
         return plan
+
+    def _plan_from_estimates(self, profiles: ProfileCache) -> Plan:
+        return make_plan(
+            self.workload, self.policy, self.spec.effective_batch_size, self._budget(),
+            target=self.device.target, device=self.device, profiles=profiles,
+        )
 
     def _new_trainer(self) -> Trainer:
         seed = self.config.get("seed", self.spec.seed)
@@ -178,7 +186,8 @@ class TrialRun:
 
     def _shrink(self, event: OomEvent) -> None:
         """Move the plan to its next reduction, or give up with every event in the error."""
-        self.metrics.record_oom(event.phase)
+        if self.metrics is not None:  # rank 0 counts a group's OOMs
+            self.metrics.record_oom(event.phase)
         smaller = next_reduction(self.plan, self.policy, event.phase, workload_supports_checkpointing=self.checkpointable)
         if smaller is None or len(self.events) >= self.policy.max_oom_retries:
             reason = "no smaller plan is left" if smaller is None else f"memory.max_oom_retries={self.policy.max_oom_retries} reached"
@@ -203,6 +212,14 @@ class TrialRun:
         if not milestone.checkpoint:
             tune.report(metrics)
             return
+        folder = self._save_checkpoint(trainer)
+        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(folder))
+        if self.local_checkpoint is not None:
+            shutil.rmtree(self.local_checkpoint, ignore_errors=True)
+        self.local_checkpoint = folder
+
+    def _save_checkpoint(self, trainer: Trainer) -> str:
+        """A new folder in the scratch holding everything needed to continue exactly here."""
         folder = tempfile.mkdtemp(prefix="checkpoint-", dir=self.scratch)
         torch.save(
             {
@@ -211,10 +228,7 @@ class TrialRun:
             },
             os.path.join(folder, STATE_FILE),
         )
-        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(folder))
-        if self.local_checkpoint is not None:
-            shutil.rmtree(self.local_checkpoint, ignore_errors=True)
-        self.local_checkpoint = folder
+        return folder
 
     def _report_refusal(self) -> None:
         """A refused trial reports once, with its reason, and ends without training."""
