@@ -112,7 +112,8 @@ def test_a_sweep_spreads_over_nodes_and_survives_losing_one(cluster, tmp_path):
         for trial, lines in _results(storage).items():
             last = lines[-1]
             has_checkpoint = glob.glob(f"{storage}/multinode_cpu_*/{trial}/checkpoint_*")
-            if last.get("node_name") == "node-b" and has_checkpoint and not last.get("training_done"):
+            # Epochs left (6 in all): the trial cannot finish between this look and the kill.
+            if last.get("node_name") == "node-b" and has_checkpoint and last.get("epoch", 6) <= 3:
                 workers["node-b"].kill()
                 killed_trial = trial
                 break
@@ -173,3 +174,12 @@ def test_a_sweep_spreads_over_nodes_and_survives_losing_one(cluster, tmp_path):
     moved_runs = [r for r in runs if "moves" in r.data.tags]
     assert len(moved_runs) == 1 and "node node-b lost" in moved_runs[0].data.tags["moves"]
     assert moved_runs[0].data.tags["node_name"] == move["to_node"]
+
+    # The report read from MLflow: the node of each trial, and the move.
+    report = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "report", "multinode_cpu", "--tracking-uri", tracking,
+         "--out", str(tmp_path / "report")], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stderr
+    header = next(line for line in report.stdout.splitlines() if line.startswith("trial "))
+    assert header.split()[:2] == ["trial", "node"]
+    assert "moved node-b->" in report.stdout and "node node-b lost" in report.stdout

@@ -22,8 +22,8 @@ from orchestrator import nvml
 from orchestrator.config import SweepSpec
 from orchestrator.device import CudaDevice, Device, configure_allocator, open_device
 from orchestrator.estimates import Estimates, ProfileCache
-from orchestrator.node import Move, current_node, restart_reason
 from orchestrator.failures import NotRetriedError
+from orchestrator.node import Move, current_node, restart_reason
 from orchestrator.oom import (
     OomEvent, OomRetriesExhausted, bytes_requested, clear_oom_evidence, is_oom, release_memory, storage_trial_folder,
     write_oom_evidence,
