@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.errors import UserError
 from orchestrator.node import CAPACITY_LABEL
 from orchestrator.preflight import check_shared_storage
-from orchestrator.errors import UserError
 from ray_cluster import alive_node_names, descendants, start_head, start_worker
 
 ROOT = Path(__file__).resolve().parent.parent
