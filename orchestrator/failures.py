@@ -23,6 +23,11 @@ from orchestrator.oom import OOM_MESSAGES
 
 _GAVE_UP = ("OomRetriesExhausted",)
 _WORKER_DIED = ("RayActorError", "actor died unexpectedly", "ActorDiedError")
+#: What Ray says of an actor whose node was lost (its raylet gone: a machine down, preempted, drained).
+_NODE_DIED = re.compile(r"its node has died|node (?:was|has been) (?:terminated|marked dead)|NodeDiedError|raylet (?:has )?died")
+#: What the driver sees first when a node vanishes: the connection to the trial's actor is gone
+#: (Ray's ``ActorUnavailableError``) before Ray has declared the node dead (a few health checks later).
+_UNREACHABLE = re.compile(r"ActorUnavailableError|actor is temporarily unavailable")
 #: What Ray's memory monitor says when it kills workers (its error text has no exception name).
 _MEMORY_MONITOR = re.compile(r"killed due to the node running low on memory|ray\.exceptions\.OutOfMemoryError")
 
@@ -72,12 +77,19 @@ def pickled_failure(pickled_error_file: str | None, failure: str) -> BaseExcepti
 
 
 def classify(failure: str, error: BaseException | None = None, oom_evidence: bool = False) -> str:
-    """``gave_up`` | ``oom`` | ``worker_died`` | ``other``, from the exception where Tune pickled
-    it, else from the text; a dead worker is ``oom`` only with evidence (see the module)."""
-    from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError
+    """``gave_up`` | ``oom`` | ``node_died`` | ``node_unreachable`` | ``worker_died`` | ``other``,
+    from the exception where Tune pickled it, else from the text; a dead worker is ``oom`` only
+    with evidence (see the module), a worker whose whole node was lost is ``node_died``, and one
+    whose node stopped answering ``node_unreachable`` (both keep their plan)."""
+    from ray.exceptions import ActorUnavailableError, NodeDiedError, OutOfMemoryError, RayActorError, RayTaskError
 
     if isinstance(error, OutOfMemoryError) or _MEMORY_MONITOR.search(failure):
         return "oom"
+    if isinstance(error, ActorUnavailableError) or _UNREACHABLE.search(failure):
+        return "node_unreachable"
+    if isinstance(error, NodeDiedError) or (
+            isinstance(error, RayActorError) and not isinstance(error, RayTaskError) and _NODE_DIED.search(failure)):
+        return "node_died"
     if isinstance(error, RayActorError) and not isinstance(error, RayTaskError):
         return "oom" if oom_evidence else "worker_died"
     if any(s in failure for s in _GAVE_UP):
@@ -85,6 +97,8 @@ def classify(failure: str, error: BaseException | None = None, oom_evidence: boo
     if "OutOfMemoryError" in failure or OOM_MESSAGES.search(failure):  # the worker's own test, on text
         return "oom"
     if any(s in failure for s in _WORKER_DIED):
+        if _NODE_DIED.search(failure):
+            return "node_died"
         return "oom" if oom_evidence else "worker_died"
     return "other"
 

@@ -37,6 +37,26 @@ def check_storage(path: str) -> None:
         ) from None
 
 
+def check_shared_storage(given: str, resolved: str, nodes: int) -> None:
+    """On a cluster of several nodes, checkpoints must be where every node reads them: a trial
+    restarted on another node (its node lost) resumes from the storage path, not from the disk
+    of the node it left.
+
+    From one machine we cannot see which mounts other machines share, so the rule refuses what
+    is node-local for certain and trusts an absolute path to be a shared mount (NFS, Lustre, ...)
+    at the same path on every node, as the README asks. A relative path is node-local for
+    certain: it resolves in the driver's working directory on the head, which in a Ray Job
+    (``run --address``) is a temporary copy of the project there. The default
+    (``./orchestrator_results``) is relative, so a cluster of several nodes needs the flag.
+    """
+    if nodes > 1 and not os.path.isabs(given):
+        raise UserError(
+            f"storage_path: {given!r} is relative (here {resolved}, on the head node only), and this cluster has "
+            f"{nodes} nodes whose trials resume from checkpoints on any node; pass --storage-path with an absolute "
+            "path on storage every node mounts (NFS)"
+        )
+
+
 def check_workloads(spec: SweepSpec) -> None:
     """:func:`check_workload` for every distinct trial config of the sweep (grids expanded, random
     parameters sampled, ``lr`` and ``seed`` left out)."""

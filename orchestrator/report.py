@@ -39,7 +39,7 @@ METRIC_ORDER = (
     "plan_reductions", "time_total_s",
 )
 #: Per-trial strings (params or tags) repeated on each of its rows.
-TRIAL_COLUMNS = ("estimator", "memory_source", "precision", "gpu_name", "refusal", "error")
+TRIAL_COLUMNS = ("estimator", "memory_source", "precision", "gpu_name", "refusal", "error", "node_name", "moves")
 
 
 @dataclass(frozen=True)
@@ -243,6 +243,10 @@ def trial_table(sweep: SweepRecord) -> str:
             f"{final:.4f}" if final is not None and math.isfinite(final) else "-",
         ))
     headers = ["trial", "status", "plan", "predicted peak", "measured peak", "error", "OOM retries", sweep.metric]
+    nodes = [t.tags.get("node_name", "-") for t in sweep.trials]
+    if len(set(nodes) - {"-"}) > 1:  # a cluster of several nodes: where each trial ran (last)
+        headers.insert(1, "node")
+        rows = [(row[0], node, *row[1:]) for row, node in zip(rows, nodes)]
     return format_table(headers, rows)
 
 
@@ -267,6 +271,9 @@ def summary(sweep: SweepRecord) -> str:
         )
     else:
         lines.append("Worst estimation error: - (no trial has both a prediction and a measurement)")
+    for trial in sweep.trials:
+        if trial.tags.get("moves"):
+            lines.append(f"{trial.name}: {trial.tags['moves']}")
     gpu_hours = sum(t.gpus() * (t.last("time_total_s") or t.duration_s or 0) for t in sweep.trials) / 3600
     note = "" if any(t.gpus() for t in sweep.trials) else " (no trial had a GPU)"
     lines.append(f"GPU hours: {gpu_hours:.3f}{note}")

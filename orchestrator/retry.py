@@ -4,7 +4,9 @@ Most OOMs never reach Tune: the trainable catches them, shrinks its plan and res
 last checkpoint in the same process. This wrapper covers what the trainable cannot: a worker
 that *died* of memory (killed by Ray's memory monitor, or dead while recovering from an OOM it
 had recorded; see :mod:`orchestrator.failures` for the evidence). A worker that died without
-such evidence (``kill -9``, a lost node) restarts with the plan it had. Tune calls a scheduler's
+such evidence (``kill -9``, a lost node) restarts with the plan it had, told why (so that,
+resumed on another node, it can say why it moved; it re-plans there only if that node's
+budget is smaller, ``trainables.trainable``). Tune calls a scheduler's
 ``on_trial_error`` before it requeues a failed trial, and the requeued trial is built from
 ``trial.config`` and restored from the last checkpoint, so setting a config key there is how
 the restarted trial learns to apply one more reduction (the same mechanism PBT uses to mutate
@@ -22,7 +24,9 @@ from ray.tune.schedulers import TrialScheduler
 
 from orchestrator.failures import classify, exception_line, gave_up_message, last_failure, pickled_failure
 from orchestrator.oom import take_oom_evidence
-from trainables.trainable import NOT_RETRIED_KEY, OOM_GAVE_UP_KEY, OOM_SHRINKS_KEY, OTHER_FAILURES_KEY
+from trainables.trainable import (
+    NOT_RETRIED_KEY, OOM_GAVE_UP_KEY, OOM_SHRINKS_KEY, OTHER_FAILURES_KEY, RESTART_REASON_KEY,
+)
 
 
 class OomAwareScheduler(TrialScheduler):
@@ -47,6 +51,9 @@ class OomAwareScheduler(TrialScheduler):
         if kind == "oom":
             # A worker killed by memory cannot shrink its own plan: the restart does it.
             config[OOM_SHRINKS_KEY] = config.get(OOM_SHRINKS_KEY, 0) + 1
+        elif kind in ("node_died", "node_unreachable", "worker_died"):
+            # Not memory: the same plan, from the last checkpoint, wherever Ray places it next.
+            config[RESTART_REASON_KEY] = kind
         elif kind == "gave_up" and not config.get(OOM_GAVE_UP_KEY):
             config[OOM_GAVE_UP_KEY] = gave_up_message(failure)
             self._make_final(trial)
@@ -100,3 +107,4 @@ class OomAwareScheduler(TrialScheduler):
 
     def restore(self, checkpoint_path: str):
         return self.inner.restore(checkpoint_path)
+

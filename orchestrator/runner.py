@@ -19,13 +19,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from orchestrator.capacity import WaitForNodes, check_local_node, check_schedulable, local_node, trial_request
+from orchestrator.capacity import WaitForNodes, alive_nodes, check_local_node, check_schedulable, local_node, trial_request
 from orchestrator.config import SweepSpec, folder_name, load_spec
 from orchestrator.device import MEMORY_LABELS
 from orchestrator.errors import UserError
 from orchestrator.failures import exception_line
+from orchestrator.node import describe_moves
 from orchestrator.outcome import INTERRUPTED, TERMINATED, SweepRecord, TrackingDelivery, recording, trial_status
-from orchestrator.preflight import check_storage, check_workloads
+from orchestrator.preflight import check_shared_storage, check_storage, check_workloads
 from orchestrator.ray_token import secure_token_files
 from orchestrator.table import format_table
 from orchestrator.units import human
@@ -48,6 +49,8 @@ class TrialRow:
     memory_source: str
     oom_retries: int
     note: str = ""
+    node: str = ""  # the node of its last attempt (``ray start --node-name``, else its IP)
+    moves: str = ""  # "moved node-b->node-c at epoch 2: node node-b lost" (orchestrator.node)
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,7 @@ def run_sweep(
     estimates, started_ray = _estimate_while_ray_starts(
         spec, lambda: _connect_ray(ray_address, num_cpus, num_gpus, dashboard, dashboard_host))
     try:
+        check_shared_storage(storage_path or spec.storage_path, storage, len(alive_nodes()))
         wait = check_schedulable(trial_request(spec), spec.resources.wait_minutes, spec.resources.workers)
         name, restore_from = _experiment_name(spec, storage, name, resume)
         trainable = _trainable(spec, estimates)
@@ -426,6 +430,8 @@ def _row(result, spec: SweepSpec, record: SweepRecord | None = None) -> TrialRow
         memory_source=metrics.get("memory_source", ""),
         oom_retries=int(metrics.get("oom_retries", 0) or 0),
         note=note,
+        node=str(metrics.get("node_name") or ""),
+        moves=describe_moves(metrics.get("moves") or []),
     )
 
 
@@ -434,7 +440,9 @@ def _short(value: Any) -> str:
 
 
 def summary_table(rows: list[TrialRow], spec: SweepSpec) -> str:
-    """trial, config, progress against the budget, the metric, micro-batch x accumulation, peak memory, status."""
+    """trial, config, progress against the budget, the metric, micro-batch x accumulation, peak memory, status;
+    on a cluster of several nodes also the node of each trial, and the moves of those that moved."""
+    nodes = {r.node for r in rows if r.node}
     body = [
         (
             r.name,
@@ -444,11 +452,21 @@ def summary_table(rows: list[TrialRow], spec: SweepSpec) -> str:
             r.plan,
             f"{human(r.peak_bytes)} ({MEMORY_LABELS.get(r.memory_source, r.memory_source)})" if r.peak_bytes else "-",
             r.oom_retries,
-            r.status + (f": {r.note}" if r.note and r.status != "TERMINATED" else ""),
+            _status(r),
         )
         for r in rows
     ]
-    return format_table(["trial", "config", "trained", spec.metric, "micro x accum", "peak memory", "OOMs", "status"], body)
+    header = ["trial", "config", "trained", spec.metric, "micro x accum", "peak memory", "OOMs", "status"]
+    if len(nodes) > 1 or any(r.moves for r in rows):
+        header.insert(1, "node")
+        body = [(row[0], r.node or "-", *row[1:]) for row, r in zip(body, rows)]
+    return format_table(header, body)
+
+
+def _status(row: TrialRow) -> str:
+    """The status, with why it did not finish, or the moves of a trial that finished on another node."""
+    notes = [n for n in (row.note if row.status != TERMINATED else "", row.moves) if n]
+    return row.status + (f": {'; '.join(notes)}" if notes else "")
 
 
 def _progress(row: TrialRow, spec: SweepSpec) -> str:

@@ -44,6 +44,7 @@ from ray import tune
 from orchestrator.config import Domain, SweepSpec
 from orchestrator.errors import UserError
 from orchestrator.failures import exception_line, last_failure
+from orchestrator.node import describe_moves
 from orchestrator.outcome import TrackingDelivery, current_record, sweep_run_status, trial_status
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ TUNE_BOOKKEEPING = frozenset({
 #: Per-trial facts that do not change while it runs: params, logged once.
 TRIAL_PARAM_KEYS = ("estimator", "estimated_by", "memory_source", "budget_bytes", "gpu_name", "gpu_total_bytes")
 #: Strings that can change with the plan: tags, which MLflow lets us overwrite.
-TRIAL_TAG_KEYS = ("precision", "predicted_phase", "memory_source")
+TRIAL_TAG_KEYS = ("precision", "predicted_phase", "memory_source", "node_name")
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 MAX_TAG_CHARS = 8000
@@ -541,6 +542,8 @@ class MlflowTracking(tune.Callback):
             self._put(LogArtifact(log.ref, "plan_history.json", list(log.plans)))
         if refusal := _refusal(result):
             tags["refusal"] = refusal[:MAX_TAG_CHARS]
+        if moves := result.get("moves"):
+            tags["moves"] = describe_moves(moves)[:MAX_TAG_CHARS]
         changed = {k: v for k, v in tags.items() if log.tags.get(k) != v}
         if changed:
             self._put(SetTags(log.ref, changed))

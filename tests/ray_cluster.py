@@ -107,7 +107,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_head(temp_dir: Path, num_cpus: int = 2) -> RayHead:
+def start_head(temp_dir: Path, num_cpus: int = 2, node_name: str | None = None,
+               labels: dict[str, str] | None = None) -> RayHead:
     """Start a head node under ``temp_dir`` (keep the path short: Ray's sockets live under it)."""
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0",
            "MLFLOW_DISABLE_TELEMETRY": "true"}
@@ -123,7 +124,7 @@ def start_head(temp_dir: Path, num_cpus: int = 2) -> RayHead:
         f"--port={ports['gcs']}", "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dashboard']}",
         f"--metrics-export-port={ports['metrics']}", f"--dashboard-agent-listen-port={ports['agent']}",
         f"--ray-client-server-port={ports['client']}",
-    ]
+    ] + _node_options(node_name, labels)
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     head = RayHead(
@@ -137,6 +138,14 @@ def start_head(temp_dir: Path, num_cpus: int = 2) -> RayHead:
         head.stop()
         raise
     return head
+
+
+def _node_options(name: str | None, labels: dict[str, str] | None) -> list[str]:
+    """``--node-name`` (how results name the node) and ``--labels`` (what the node declares)."""
+    options = [f"--node-name={name}"] if name else []
+    if labels:
+        options.append("--labels=" + ",".join(f"{k}={v}" for k, v in labels.items()))
+    return options
 
 
 def _wait_ready(head: RayHead) -> None:
@@ -186,3 +195,73 @@ def _address(hex_host: str, width: int) -> str:
     words = struct.pack("<4I", *(int(hex_host[i:i + 8], 16) for i in range(0, 32, 8)))
     text = socket.inet_ntop(socket.AF_INET6, words)
     return text.removeprefix("::ffff:")
+
+
+@dataclass
+class RayWorker:
+    """A worker node that joined a head: ``ray start --address HEAD --block`` with its own name,
+    CPUs, labels and temp folder, as a user starts one on each further machine."""
+
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def raylet_pid(self) -> int:
+        """The node's raylet: killing it is what losing the machine looks like to the cluster."""
+        for pid in descendants(self.process.pid):
+            try:
+                if Path(f"/proc/{pid}/comm").read_text().strip() == "raylet":
+                    return pid
+            except OSError:
+                continue
+        raise RuntimeError(f"node {self.name} has no raylet: {self.log_path.read_text()[-2000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL the raylet, as a node that disappears; ``ray start --block`` then ends the rest."""
+        os.kill(self.raylet_pid(), signal.SIGKILL)
+
+    def stop(self) -> None:
+        RayHead.stop(self)  # same process-tree rule: SIGTERM, then SIGKILL what is left
+
+
+def start_worker(head: RayHead, temp_dir: Path, name: str, num_cpus: int = 1,
+                 labels: dict[str, str] | None = None) -> RayWorker:
+    """Join ``head`` with a worker node named ``name`` and wait until the cluster lists it alive."""
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    temp_dir.mkdir(parents=True, exist_ok=True)
+    log_path = temp_dir.parent / f"{temp_dir.name}-ray-start.log"
+    command = [
+        "ray", "start", f"--address={head.gcs_address}", "--block", "--disable-usage-stats",
+        f"--temp-dir={temp_dir}", f"--num-cpus={num_cpus}", "--num-gpus=0",
+        f"--metrics-export-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+    ] + _node_options(name, labels)
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    worker = RayWorker(name, process, log_path)
+    try:
+        _wait_joined(head, worker)
+    except BaseException:
+        worker.stop()
+        raise
+    return worker
+
+
+def alive_node_names(head: RayHead) -> set[str]:
+    """The names of the nodes the head's state API lists alive."""
+    reply = requests.get(f"{head.dashboard_url}/api/v0/nodes", headers=head.headers, timeout=10)
+    reply.raise_for_status()
+    return {n["node_name"] for n in reply.json()["data"]["result"]["result"] if n["state"] == "ALIVE"}
+
+
+def _wait_joined(head: RayHead, worker: RayWorker) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if worker.process.poll() is not None:
+            raise RuntimeError(f"ray start exited {worker.process.returncode}: {worker.log_path.read_text()[-3000:]}")
+        try:
+            if worker.name in alive_node_names(head):
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"node {worker.name} did not join after {START_TIMEOUT_S} s: {worker.log_path.read_text()[-3000:]}")

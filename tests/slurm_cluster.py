@@ -56,6 +56,7 @@ class LocalSlurm:
     cpus: int = 2
     memory_mb: int = 8000
     gpus: int = 2
+    nodes: int = 1  # more than one: slurmd instances node1..nodeN on this host, each on its own port
     pids: dict[str, int] = field(default_factory=dict)
     has_gpus: bool = False
     gpu_note: str = ""
@@ -83,19 +84,30 @@ class LocalSlurm:
         self.root = Path(self.root)
         for sub in ("state", "spool", "log", "run"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+        if self.nodes > 1:
+            for name in self.node_names:
+                (self.root / "spool" / name).mkdir(exist_ok=True)
         self._start_munged()
         self._make_fake_gpus()
         self._write_config()
         env = self.env()
         self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(self.conf)], env)
-        self._spawn("slurmd", [_which("slurmd"), "-D", "-N", "localhost", "-f", str(self.conf)], env)
+        for name in self.node_names:
+            self._spawn(self._daemon(name), [_which("slurmd"), "-D", "-N", name, "-f", str(self.conf)], env)
         self._wait_until_idle(timeout)
+
+    @property
+    def node_names(self) -> list[str]:
+        return ["localhost"] if self.nodes == 1 else [f"node{i}" for i in range(1, self.nodes + 1)]
+
+    def _daemon(self, node: str) -> str:
+        return "slurmd" if self.nodes == 1 else f"slurmd-{node}"
 
     def stop(self) -> None:
         """Cancel the jobs still in the queue, then SIGTERM the daemons we started (slurmd first)
         and SIGKILL what is left."""
         self._cancel_jobs()
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in [self._daemon(n) for n in self.node_names] + ["slurmctld", "munged"]:
             pid = self.pids.get(name)
             if pid is None:
                 continue
@@ -188,7 +200,14 @@ class LocalSlurm:
 
     def _write_config(self) -> None:
         r = self.root
-        gres = f" Gres=gpu:{self.gpus}" if self.has_gpus else ""
+        gres = f" Gres=gpu:{self.gpus}" if self.has_gpus and self.nodes == 1 else ""
+        if self.nodes == 1:
+            nodes = [f"NodeName=localhost Sockets=1 CoresPerSocket={self.cpus} ThreadsPerCore=1 "
+                     f"RealMemory={self.memory_mb}{gres} State=UNKNOWN"]
+        else:  # several slurmd on this host (a build with --enable-multiple-slurmd): own name and port each
+            nodes = [f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={_free_port()} Sockets=1 "
+                     f"CoresPerSocket={self.cpus} ThreadsPerCore=1 RealMemory={self.memory_mb} State=UNKNOWN"
+                     for name in self.node_names]
         self.conf.write_text(
             "\n".join(
                 [
@@ -196,17 +215,19 @@ class LocalSlurm:
                     "SlurmctldHost=localhost",
                     f"SlurmctldPort={_free_port()}",
                     f"SlurmdPort={_free_port()}",
+                    # Each node's config may claim this host's CPUs and memory: several slurmd share it.
+                    *(["SlurmdParameters=config_overrides"] if self.nodes > 1 else []),
                     "SlurmUser=root",
                     "SlurmdUser=root",
                     "AuthType=auth/munge",
                     f"AuthInfo=socket={self.munge_socket}",
                     "CredType=cred/munge",
                     f"StateSaveLocation={r / 'state'}",
-                    f"SlurmdSpoolDir={r / 'spool'}",
+                    f"SlurmdSpoolDir={r / 'spool'}" + ("/%n" if self.nodes > 1 else ""),
                     f"SlurmctldPidFile={r / 'run' / 'slurmctld.pid'}",
-                    f"SlurmdPidFile={r / 'run' / 'slurmd.pid'}",
+                    f"SlurmdPidFile={r / 'run' / 'slurmd'}" + ("-%n" if self.nodes > 1 else "") + ".pid",
                     f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
-                    f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
+                    f"SlurmdLogFile={r / 'log' / 'slurmd'}" + ("-%n" if self.nodes > 1 else "") + ".log",
                     "SlurmctldDebug=info",
                     "SlurmdDebug=info",
                     "ProctrackType=proctrack/linuxproc",  # no systemd/cgroup delegation here
@@ -221,14 +242,13 @@ class LocalSlurm:
                     "KillWait=30",
                     "MinJobAge=600",  # keep finished jobs visible to scontrol for the test
                     "GresTypes=gpu",
-                    f"NodeName=localhost Sockets=1 CoresPerSocket={self.cpus} ThreadsPerCore=1 "
-                    f"RealMemory={self.memory_mb}{gres} State=UNKNOWN",
-                    "PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP",
+                    *nodes,
+                    f"PartitionName=debug Nodes={','.join(self.node_names)} Default=YES MaxTime=INFINITE State=UP",
                     "",
                 ]
             )
         )
-        lines = [f"NodeName=localhost Name=gpu File={r / 'dev'}/nvidia[0-{self.gpus - 1}]"] if self.has_gpus else []
+        lines = [f"NodeName=localhost Name=gpu File={r / 'dev'}/nvidia[0-{self.gpus - 1}]"] if gres else []
         (r / "gres.conf").write_text("\n".join(lines) + "\n")
         (r / "cgroup.conf").write_text("")
 
@@ -247,14 +267,15 @@ class LocalSlurm:
         deadline = time.monotonic() + timeout
         state = ""
         while time.monotonic() < deadline:
-            for name in ("slurmctld", "slurmd"):
+            for name in ["slurmctld"] + [self._daemon(n) for n in self.node_names]:
                 if self._exited(name):
                     raise SlurmStartError(f"{name} exited:\n{self.logs()}")
             result = subprocess.run(
                 ["sinfo", "-h", "-N", "-o", "%T"], env=self.env(), capture_output=True, text=True
             )
             state = result.stdout.strip()
-            if state in ("idle", "mixed"):
+            states = state.split()
+            if len(states) == self.nodes and all(s in ("idle", "mixed") for s in states):
                 return
             time.sleep(0.5)
         raise SlurmStartError(f"node not idle after {timeout:.0f} s (state {state!r}):\n{self.logs()}")

@@ -9,7 +9,9 @@ from ray.tune.schedulers import FIFOScheduler
 from orchestrator.failures import classify, exception_line, last_failure, pickled_failure
 from orchestrator.oom import OOM_EVIDENCE_FILE, OomEvent, write_oom_evidence
 from orchestrator.retry import OomAwareScheduler
-from trainables.trainable import NOT_RETRIED_KEY, OOM_GAVE_UP_KEY, OOM_SHRINKS_KEY, OTHER_FAILURES_KEY
+from trainables.trainable import (
+    NOT_RETRIED_KEY, OOM_GAVE_UP_KEY, OOM_SHRINKS_KEY, OTHER_FAILURES_KEY, RESTART_REASON_KEY,
+)
 
 
 def _trial(tmp_path, text, config=None, failures=1, max_failures=3, error=None):
@@ -58,13 +60,31 @@ def test_failures_are_classified():
     assert classify(KILLED_TEXT, ActorDiedError(), oom_evidence=True) == "oom"
     assert classify("orchestrator.oom.OomRetriesExhausted: out of memory in train and no smaller plan") == "gave_up"
     assert classify("ValueError: a bug in the model") == "other"
+    assert classify(UNREACHABLE_TEXT) == "node_unreachable"
+    assert classify(KILLED_TEXT + "\nThe actor died because its node has died. Node Id: 6872") == "node_died"
+
+
+#: What the driver read, in error.txt, when the raylet of the trial's node was SIGKILLed (Ray 2.60,
+#: tests/test_multinode.py): the connection is gone before Ray declares the node dead.
+UNREACHABLE_TEXT = (
+    "The actor 69f3e4bc2ac82b6740a9fead03000000 is unavailable: The actor is temporarily unavailable: RpcError: "
+    "RPC error: Socket closed rpc_code: 14. The task may or may not have been executed on the actor."
+)
 
 
 def test_a_worker_killed_without_evidence_of_memory_restarts_with_the_same_plan(tmp_path):
     scheduler = OomAwareScheduler(FIFOScheduler())
     trial = _trial(tmp_path, f"Failure # 1\n{KILLED_TEXT}\n", error=ActorDiedError())
     scheduler.on_trial_error(None, trial)
-    assert trial.config == {"lr": 0.1} and trial.run_metadata.num_failures == 1  # restarted as it was
+    # Restarted with its plan (no shrink), told why, should it resume on another node.
+    assert trial.config == {"lr": 0.1, RESTART_REASON_KEY: "worker_died"} and trial.run_metadata.num_failures == 1
+
+
+def test_a_trial_whose_node_stopped_answering_restarts_with_the_same_plan(tmp_path):
+    scheduler = OomAwareScheduler(FIFOScheduler())
+    trial = _trial(tmp_path, f"Failure # 1 (occurred at x)\n{UNREACHABLE_TEXT}\n")
+    scheduler.on_trial_error(None, trial)
+    assert trial.config == {"lr": 0.1, RESTART_REASON_KEY: "node_unreachable"}
 
 
 def test_a_worker_that_died_of_memory_restarts_with_one_more_reduction(tmp_path):

@@ -50,6 +50,18 @@ def test_a_step_budget_shows_steps_run():
     assert "1/3 ep, 500/500 steps" in table and "eval_loss" in table.splitlines()[0]
 
 
+def test_on_several_nodes_the_table_shows_each_trials_node_and_its_moves():
+    move = {"from_node": "node-b", "to_node": "node-c", "epoch": 2, "reason": "node node-b lost", "replanned": ""}
+    rows = [_row(result({**METRICS, "done": True, "node_name": "head"}), SPEC),
+            _row(result({**METRICS, "done": True, "node_name": "node-c", "moves": [move]}), SPEC)]
+    table = summary_table(rows, SPEC)
+    assert table.splitlines()[0].split()[:2] == ["trial", "node"]
+    assert "node-c" in table.splitlines()[3]
+    assert "TERMINATED: moved node-b->node-c at epoch 2: node node-b lost" in table
+    # One node, nothing moved: no node column.
+    assert "node" not in summary_table(rows[:1], SPEC).splitlines()[0]
+
+
 def test_each_run_gets_its_own_folder_unless_named(tmp_path):
     name, restore = _experiment_name(SPEC, str(tmp_path), None, resume=False)
     assert name.startswith("exp_") and restore is None

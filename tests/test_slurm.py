@@ -99,12 +99,13 @@ def test_n_node_gpu_script(tmp_path):
     assert head.startswith("srun --nodes=1 --ntasks=1 --overlap -w \"$HEAD_NODE\"")
     for part in ('--block', '--node-ip-address="$HEAD_IP"', '--port="$GCS_PORT"', '--dashboard-host="$HEAD_IP"',
                  '--dashboard-port="$DASHBOARD_PORT"', '--temp-dir="$RAY_TMP"', '--num-gpus="$GPUS_PER_NODE"',
-                 '"${SRUN_GRES[@]}"', '"${NODE_PORTS[@]}"', '--ray-client-server-port='):
+                 '"${SRUN_GRES[@]}"', '$(node_ports 0)', '--ray-client-server-port=', '--node-name="$HEAD_NODE"'):
         assert part in head, part
     [worker] = command_lines(script, 'start --block --address=')
     assert worker.startswith('srun --nodes=1 --ntasks=1 -w "$node"')
     assert '--address="$RAY_ADDRESS_HEAD"' in worker and '"${SRUN_GRES[@]}"' in worker
-    assert 'for node in "${NODES[@]:1}"; do' in script  # every node but the head gets a worker
+    assert '$(node_ports "$i")' in worker and '--node-name="$node"' in worker
+    assert 'for (( i = 1; i < NUM_NODES; i++ )); do' in script  # every node but the head gets a worker
     assert 'SRUN_GRES=(--gres="gpu:$GPUS_PER_NODE")' in script
     for port in ("node-manager-port", "object-manager-port", "min-worker-port", "max-worker-port",
                  "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
@@ -231,7 +232,9 @@ record("scontrol")
 if sys.argv[1:3] == ["show", "hostnames"]:
     print("\\n".join(os.environ["FAKE_NODES"].split()))
 elif sys.argv[1:3] == ["show", "node"]:
-    print(f"NodeName={sys.argv[3]} Arch=x86_64\\n   NodeAddr=127.0.0.1 NodeHostName={sys.argv[3]}")
+    # Each node its own address (the first is the head's, 127.0.0.1), as on separate machines.
+    index = os.environ["FAKE_NODES"].split().index(sys.argv[3]) if sys.argv[3] in os.environ["FAKE_NODES"].split() else 0
+    print(f"NodeName={sys.argv[3]} Arch=x86_64\\n   NodeAddr=127.0.0.{index + 1} NodeHostName={sys.argv[3]}")
 """
 LISTEN = """
 def listen(port):
@@ -374,6 +377,7 @@ def test_three_node_run_issues_head_and_worker_commands(tmp_path, fakes):
         assert "--block" in worker and opt(worker, "address") == f"127.0.0.1:{gcs}"
         assert opt(worker, "node-manager-port") == opt(head, "node-manager-port")  # the job's block on every node
         assert opt(worker, "temp-dir") == opt(head, "temp-dir")
+        assert opt(worker, "node-name") in ("n2", "n3")  # the table names nodes as SLURM does
         assert opt(worker, "min-worker-port") == str(gcs + 100) and opt(worker, "max-worker-port") == str(gcs + 499)
     starts = [argv for argv in sruns if "start" in argv]
     assert sorted(argv[argv.index("-w") + 1] for argv in starts) == ["n1", "n2", "n3"]
@@ -468,6 +472,23 @@ def slurm(tmp_path_factory):
     except (SlurmStartError, OSError, subprocess.CalledProcessError) as exc:
         cluster.stop()
         pytest.skip(f"a local SLURM could not start here: {exc}")
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def slurm_two_nodes(tmp_path_factory):
+    """Two SLURM nodes on this host: two slurmd (node1, node2), each with its own port, spool and
+    2 CPUs (Debian's slurm-wlm is built with MULTIPLE_SLURMD)."""
+    reason = LocalSlurm.unavailable()
+    if reason:
+        pytest.skip(reason)
+    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm2"), cpus=2, nodes=2)
+    try:
+        cluster.start()
+    except (SlurmStartError, OSError, subprocess.CalledProcessError) as exc:
+        cluster.stop()
+        pytest.skip(f"a local two-node SLURM could not start here: {exc}")
     yield cluster
     cluster.stop()
 
@@ -607,4 +628,33 @@ def test_time_limit_requeues_and_resumes_only_unfinished_trials(slurm, tmp_path)
     assert "completed after" in text[text.index("attempt 2"):]
     runs = trial_runs(f"sqlite:///{job_dir}/mlflow.db", config.stem)
     assert len(runs) == 3 and {r.info.status for r in runs} == {"FINISHED"}, [(r.info.run_name, r.info.status) for r in runs]
+    assert processes_left(job_id, job_dir) == []
+
+
+@pytest.mark.integration
+def test_submit_runs_on_two_slurm_nodes(slurm_two_nodes, tmp_path):
+    """A sweep of four one-CPU trials submitted to two SLURM nodes of two CPUs: the Ray head on
+    node1 and a worker on node2 (each its own slurmd, on its own ports), trials on both, the
+    table naming the node of each."""
+    slurm = slurm_two_nodes
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    # Long enough (a few seconds an epoch) that all four run at once: two must be on node2.
+    config = small_sweep(workdir, epochs=3, train_samples=[40000, 40001, 40002, 40003])
+    job_id, job_dir = orchestrator_submit(
+        slurm, workdir, str(config), "--nodes", "2", "--cpus-per-node", "2", "--time", "00:15:00",
+        "--storage-path", str(tmp_path / "store"), "--log-dir", str(tmp_path / "logs"),
+    )
+    log = tmp_path / "logs" / f"orch-{config.stem}-{job_id}.out"
+    state = wait_for(lambda: (s := job_state(slurm, job_id)).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED",
+                     "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY") and s, 600, "the job to end", slurm, log)
+    text = log.read_text()
+    assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", text[-6000:]
+    assert state["NodeList"] == "node[1-2]"
+    assert "Ray cluster: 2/2 nodes, CPU 4" in text
+    assert "4/4 trials finished" in text
+    finals = [json.loads(p.read_text().splitlines()[-1]) for p in (tmp_path / "store").glob(f"{config.stem}*/*/result.json")]
+    assert len(finals) == 4 and {r["node_name"] for r in finals} == {"node1", "node2"}
+    table = text[text.index("trial  "):]
+    assert table.splitlines()[0].split()[:2] == ["trial", "node"] and "node2" in table
     assert processes_left(job_id, job_dir) == []

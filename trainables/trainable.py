@@ -23,11 +23,13 @@ from orchestrator.config import SweepSpec
 from orchestrator.device import CudaDevice, Device, configure_allocator, open_device
 from orchestrator.estimates import Estimates, ProfileCache
 from orchestrator.failures import NotRetriedError
+from orchestrator.node import Move, current_node, restart_reason
 from orchestrator.oom import (
     OomEvent, OomRetriesExhausted, bytes_requested, clear_oom_evidence, is_oom, release_memory, storage_trial_folder,
     write_oom_evidence,
 )
 from orchestrator.planner import Plan, make_plan, next_reduction
+from orchestrator.units import human
 from trainables.loop import LoopSettings, Milestone, Trainer
 from trainables.reuse import HISTORY
 from trainables.workload import build_workload
@@ -43,6 +45,9 @@ OTHER_FAILURES_KEY = "_other_failures"
 #: Set by the scheduler, with the error's line, when such failures exceed the sweep's
 #: ``max_failures``: the restart fails at once instead of running into the same bug again.
 NOT_RETRIED_KEY = "_not_retried"
+#: Set by the scheduler when Tune restarts a trial whose worker or node died (not of memory): the
+#: kind of failure, for the trial to say why it moved should it resume on another node.
+RESTART_REASON_KEY = "_restart_reason"
 STATE_FILE = "state.pt"
 
 
@@ -84,6 +89,8 @@ class TrialRun:
         # NVML's free memory before this process creates its CUDA context: plans count the
         # context themselves, so the budget must not have it taken out already.
         self.gpu_free_before_context = None
+        self.node = current_node()
+        self.moves: list[Move] = []  # every time this trial resumed on another node, oldest first
         if torch.cuda.is_available():
             release_memory()  # a reused worker: the previous trial's cached blocks go back first
             self.gpu_free_before_context = HISTORY.gpu_free_before_context(self._gpu_free())
@@ -137,11 +144,7 @@ class TrialRun:
 
         checkpoint = tune.get_checkpoint()
         if checkpoint is None:
-            target = self.device.target
-            known = self.estimates.known(self.config, target) if self.estimates else None
-            profiles = ProfileCache(self.workload, self.policy, target, self.device, known=known)
-            self.estimated_by = "none" if self.policy.estimator == "none" else "driver" if known else "worker"
-            plan = self._plan_from_estimates(profiles)
+            plan = self._plan_from_estimates(self._profiles())
         else:
             self.local_checkpoint = tempfile.mkdtemp(prefix="checkpoint-", dir=self.scratch)
             with checkpoint.as_directory() as folder:
@@ -150,6 +153,9 @@ class TrialRun:
             plan = Plan.from_dict(saved["plan"])
             self.events = [OomEvent.from_dict(e) for e in saved["oom_events"]]
             self.applied_shrinks = saved["applied_shrinks"]
+            self.moves = [Move.from_dict(m) for m in saved.get("moves", [])]
+            if saved.get("node_id", self.node.node_id) != self.node.node_id:
+                plan = self._resumed_elsewhere(plan, saved)
         # A worker that died of an OOM cannot shrink its own plan; the scheduler asked for it.
         requested = self.config.get(OOM_SHRINKS_KEY, 0)
         while self.applied_shrinks < requested:
@@ -159,11 +165,37 @@ class TrialRun:
             plan, self.applied_shrinks = smaller, self.applied_shrinks + 1
         return plan
 
+    def _profiles(self) -> ProfileCache:
+        """The trial's memory profiles: the driver's estimate where it made one for this device."""
+        target = self.device.target
+        known = self.estimates.known(self.config, target) if self.estimates else None
+        self.estimated_by = "none" if self.policy.estimator == "none" else "driver" if known else "worker"
+        return ProfileCache(self.workload, self.policy, target, self.device, known=known)
+
     def _plan_from_estimates(self, profiles: ProfileCache) -> Plan:
         return make_plan(
             self.workload, self.policy, self.spec.effective_batch_size, self._budget(),
             target=self.device.target, device=self.device, profiles=profiles,
         )
+
+    def _resumed_elsewhere(self, plan: Plan, saved: dict) -> Plan:
+        """The checkpoint was made on another node: record the move, and re-plan when this
+        node's budget is smaller than the one the plan was made for (the effective batch stays)."""
+        budget = self._budget()
+        replanned = ""
+        if plan.budget_bytes is not None and budget is not None and budget < plan.budget_bytes:
+            smaller = self._plan_from_estimates(self._profiles())
+            if smaller.refusal:
+                raise OomRetriesExhausted.from_events(
+                    self.events, f"resumed on node {self.node.name}, where nothing fits: {smaller.refusal}")
+            replanned = f"{plan.describe()} -> {smaller.describe()} (budget {human(plan.budget_bytes)} -> {human(budget)})"
+            plan = smaller  # shrinks the scheduler asked for still apply on top (OOM_SHRINKS_KEY)
+        self.moves.append(Move(
+            from_node=saved.get("node_name", "?"), to_node=self.node.name, epoch=saved["trainer"]["progress"]["epoch"],
+            reason=restart_reason(self.config.get(RESTART_REASON_KEY), saved["node_id"], saved.get("node_name", "?")),
+            replanned=replanned,
+        ))
+        return plan
 
     def _new_trainer(self) -> Trainer:
         seed = self.config.get("seed", self.spec.seed)
@@ -225,6 +257,7 @@ class TrialRun:
             {
                 "trainer": trainer.state_dict(), "plan": self.plan.to_dict(),
                 "oom_events": [e.to_dict() for e in self.events], "applied_shrinks": self.applied_shrinks,
+                "node_id": self.node.node_id, "node_name": self.node.name, "moves": [m.to_dict() for m in self.moves],
             },
             os.path.join(folder, STATE_FILE),
         )
@@ -249,6 +282,8 @@ class TrialRun:
             "plan_reductions": plan.reductions, "estimator": plan.estimator, "estimated_by": self.estimated_by,
             # Events recovered in this process, plus workers that died of memory (restarted by Tune).
             "oom_retries": len(self.events) + self.applied_shrinks, "oom_events": [e.to_dict() for e in self.events],
+            "node_id": self.node.node_id, "node_name": self.node.name,
+            "moves": [m.to_dict() for m in self.moves], "moved": len(self.moves),
         }
         if plan.budget_bytes is not None:
             metrics["budget_bytes"] = plan.budget_bytes
@@ -293,7 +328,8 @@ class TrialRun:
         if kind == "auto":
             kind = "cuda" if torch.cuda.is_available() else "cpu"
         # A shared GPU's allocator is capped to the trial's share: its growth can't OOM a neighbour.
-        return open_device(kind, capacity=self.policy.capacity, memory_fraction=self._gpu_share() if kind == "cuda" else None)
+        capacity = self.node.capacity(self.policy.capacity) if kind == "emulated" else None
+        return open_device(kind, capacity=capacity, memory_fraction=self._gpu_share() if kind == "cuda" else None)
 
     def _gpu_free(self) -> int | None:
         info = nvml.gpu_info(0)

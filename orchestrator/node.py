@@ -1,0 +1,113 @@
+"""Which node of the cluster a trial runs on, what that node declares about its device, and a
+trial's moves from a lost node to another.
+
+On a cluster of several machines every trial attempt runs on one node, and after a node is lost
+(preemption, hardware, a SLURM node failure) Tune restarts its trials from their last
+checkpoints on nodes that survive. A person reading the results needs to know where each trial
+ran and which ones moved, and why; Tune's ``node_ip``/``hostname`` cannot tell nodes apart when
+several share a machine (or an IP behind NAT), so nodes are told apart by Ray's node id and
+named by the name given to ``ray start --node-name`` (Ray's default: the node's IP).
+
+A node can declare the memory of its emulated device with the Ray node label
+:data:`CAPACITY_LABEL` (``ray start --labels orchestrator/emulated-capacity=48MiB``), the way a
+real node's GPU size comes with the node rather than with the sweep: ``memory.capacity`` is the
+size where a node declares none. Labels are Ray's own place for what a node is (its
+accelerator, its zone), visible in ``ray.nodes()`` and the dashboard, and they do not take part
+in resource accounting as a custom resource would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from orchestrator.units import parse_bytes
+
+#: The Ray node label with which a node declares the capacity of its emulated device.
+CAPACITY_LABEL = "orchestrator/emulated-capacity"
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """The node a trial attempt runs on."""
+
+    node_id: str
+    name: str
+    labels: dict[str, str]
+
+    def capacity(self, default: int | None) -> int | None:
+        """The emulated device's bytes on this node: its label, else ``default`` (``memory.capacity``)."""
+        declared = self.labels.get(CAPACITY_LABEL)
+        if declared is None:
+            return default
+        try:
+            return parse_bytes(declared)
+        except ValueError as exc:
+            raise ValueError(f"node {self.name}: label {CAPACITY_LABEL}={declared!r}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Move:
+    """A trial that resumed on another node than the one its checkpoint was made on."""
+
+    from_node: str
+    to_node: str
+    epoch: int  # the checkpoint's epoch it resumed from
+    reason: str  # why it stopped where it was ("node node-b lost", "worker died")
+    replanned: str = ""  # "64 x 2 -> 32 x 4 (budget 96.0 MiB -> 48.0 MiB)" when the new node is smaller
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Move":
+        return cls(**d)
+
+    def describe(self) -> str:
+        text = f"moved {self.from_node}->{self.to_node} at epoch {self.epoch}: {self.reason}"
+        return text + (f"; re-planned {self.replanned}" if self.replanned else "")
+
+
+def current_node() -> NodeInfo:
+    """This process's node (inside a Ray worker or driver)."""
+    import ray
+
+    context = ray.get_runtime_context()
+    node_id = context.get_node_id()
+    labels = dict(context.get_node_labels() or {})
+    name = next((n.get("NodeName") for n in ray.nodes() if n.get("NodeID") == node_id), None)
+    return NodeInfo(node_id, name or node_id[:8], labels)
+
+
+def describe_moves(moves: list[dict[str, Any]]) -> str:
+    """The moves a trial's last result lists, for the final table and MLflow."""
+    return "; ".join(Move.from_dict(m).describe() for m in moves)
+
+
+#: How long a trial that resumed elsewhere after its node stopped answering waits for Ray's
+#: verdict on that node (Ray declares a node dead after missed health checks, ~15 s by default).
+VERDICT_WAIT_S = 45.0
+
+
+def node_alive(node_id: str) -> bool:
+    import ray
+
+    return any(n.get("NodeID") == node_id and n.get("Alive") for n in ray.nodes())
+
+
+def restart_reason(kind: str | None, node_id: str, node_name: str, wait_s: float = VERDICT_WAIT_S) -> str:
+    """Why a trial left ``node_name``, in words, from the kind of failure the scheduler saw
+    (``orchestrator.failures.classify``) and, when the node only stopped answering, from Ray's
+    verdict on it: a node that Ray declares dead was lost; one still alive had its worker die."""
+    import time
+
+    if kind == "node_unreachable":
+        deadline = time.monotonic() + wait_s
+        while node_alive(node_id) and time.monotonic() < deadline:
+            time.sleep(1)
+        kind = "worker_died" if node_alive(node_id) else "node_died"
+    if kind == "node_died":
+        return f"node {node_name} lost"
+    if kind == "worker_died":
+        return f"its worker died on node {node_name}"
+    return "restarted on another node"

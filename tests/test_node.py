@@ -1,0 +1,29 @@
+"""A node's declared device size, and how a trial's move to another node is told."""
+
+import pytest
+
+from orchestrator.node import CAPACITY_LABEL, Move, NodeInfo, describe_moves, restart_reason
+
+MiB = 2**20
+
+
+def test_a_node_declares_its_emulated_capacity_with_a_label():
+    assert NodeInfo("id", "node-c", {CAPACITY_LABEL: "2MiB"}).capacity(4 * MiB) == 2 * MiB
+    assert NodeInfo("id", "head", {"ray.io/node-id": "id"}).capacity(4 * MiB) == 4 * MiB  # memory.capacity
+    with pytest.raises(ValueError, match=f"node node-c: label {CAPACITY_LABEL}='lots'"):
+        NodeInfo("id", "node-c", {CAPACITY_LABEL: "lots"}).capacity(None)
+
+
+def test_a_move_says_where_from_where_to_and_why():
+    move = Move("node-b", "node-c", 2, "node node-b lost", "256 x 1 -> 178 x 2 (budget 4.0 MiB -> 2.0 MiB)")
+    assert Move.from_dict(move.to_dict()) == move
+    assert describe_moves([move.to_dict(), Move("node-c", "head", 4, "its worker died on node node-c").to_dict()]) == (
+        "moved node-b->node-c at epoch 2: node node-b lost; re-planned 256 x 1 -> 178 x 2 (budget 4.0 MiB -> 2.0 MiB); "
+        "moved node-c->head at epoch 4: its worker died on node node-c"
+    )
+
+
+def test_why_a_trial_left_its_node():
+    assert restart_reason("node_died", "id", "node-b") == "node node-b lost"
+    assert restart_reason("worker_died", "id", "node-b") == "its worker died on node node-b"
+    assert restart_reason(None, "id", "node-b") == "restarted on another node"  # e.g. a resumed sweep
