@@ -41,6 +41,7 @@ import torch
 from orchestrator.config import SweepSpec
 from orchestrator.device import Device, configure_allocator, open_device
 from orchestrator.estimates import Estimates, ProfileCache
+from orchestrator.node import NodeInfo, current_node
 from orchestrator.oom import OomEvent, OomRetriesExhausted, is_oom
 from orchestrator.planner import Plan, plan_for_ranks
 from trainables.distributed import DistributedTrainer, GroupFailure, GroupOutOfMemory, RankGroup, failed_rank
@@ -64,12 +65,15 @@ class _GroupRank:
     group: RankGroup
     policy: Any
     device: Device
+    node: NodeInfo
 
     def _open_device(self) -> Device:
         kind = self.policy.device
         if kind == "auto":
             kind = "cuda" if torch.cuda.is_available() else "cpu"
-        return open_device(kind, capacity=self.policy.capacity_of(self.rank))
+        # A node's declared emulated capacity wins, as for a single-process trial; else the rank's own.
+        capacity = self.node.capacity(self.policy.capacity_of(self.rank)) if kind == "emulated" else None
+        return open_device(kind, capacity=capacity)
 
     def _gpu_share(self) -> float | None:
         return None  # a rank has a whole GPU (the config refuses fractions in a group)
@@ -195,6 +199,8 @@ class RankRun(_GroupRank, TrialRun):
         self.rank, self.ranks = rank, ranks
         self.policy = spec.memory
         self.loop_settings = LoopSettings.of(spec)
+        self.node = current_node()  # checkpoints record it; an emulated device reads its capacity
+        self.moves = []  # rank 0 records the group's moves
         try:
             configure_allocator(self.policy.allocator_conf)
             self.workload = build_workload(config)
