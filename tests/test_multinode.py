@@ -183,3 +183,34 @@ def test_a_sweep_spreads_over_nodes_and_survives_losing_one(cluster, tmp_path):
     header = next(line for line in report.stdout.splitlines() if line.startswith("trial "))
     assert header.split()[:2] == ["trial", "node"]
     assert "moved node-b->" in report.stdout and "node node-b lost" in report.stdout
+
+
+@pytest.mark.integration
+def test_a_data_parallel_trial_spans_two_nodes_and_plans_for_the_smaller_device(cluster, tmp_path):
+    """Two ranks of one CPU each on a cluster of one-CPU nodes: Ray places them on two nodes,
+    gloo connects them over the nodes' addresses, and the group runs the tightest rank's plan."""
+    head, workers = cluster
+    if "node-b" in alive_node_names(head):  # run alone: leave head (4 MiB) and node-c (2 MiB)
+        workers["node-b"].kill()
+        deadline = time.monotonic() + 120
+        while "node-b" in alive_node_names(head) and time.monotonic() < deadline:
+            time.sleep(1)
+    storage = tmp_path / "shared"
+    run = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "run", CONFIG, "--address", head.dashboard_url,
+         "--storage-path", str(storage), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db",
+         "--set", "resources.workers=2", "--set", "search_space.lr={grid: [0.01]}", "--set", "stop.epochs=2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = run.stdout + run.stderr
+    print(out[-6000:])
+    assert run.returncode == 0, out[-6000:]
+    assert "1/1 trials finished" in out
+    assert alive_node_names(head) == {"head", "node-c"}  # one CPU each: a rank on each
+    [lines] = _results(storage).values()
+    final = lines[-1]
+    assert final["ranks"] == 2 and final["training_done"] == 1 and final["effective_batch"] == 256
+    # 128 samples per rank per step: 4 MiB holds them at once (256 x 1 for one process), 2 MiB does
+    # not, so the group's plan is the 2 MiB rank's, whichever rank that was, and both ranks stay under it.
+    assert final["micro_batch"] < 128 and final["micro_batch"] * final["accum_steps"] >= 128
+    assert max(final["rank0_peak_allocated_bytes"], final["rank1_peak_allocated_bytes"]) <= 2 * MiB
+    assert f"{final['micro_batch']} x {final['accum_steps']} x 2 ranks" in out
