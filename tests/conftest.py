@@ -39,6 +39,21 @@ def isolated_environment(tmp_path_factory):
             os.environ[key] = value
 
 
+@pytest.fixture(autouse=True)
+def no_loopback_flag_left_behind():
+    """``orchestrator.cli.main(["run", ...])`` called in-process sets Ray's one-machine flag in this
+    process's environment, as the command does in its own; a later test's subprocesses (a Ray
+    worker node, a SLURM job) must not inherit it."""
+    from orchestrator.cli import RAY_CLUSTER_ENV
+
+    before = os.environ.get(RAY_CLUSTER_ENV)
+    yield
+    if before is None:
+        os.environ.pop(RAY_CLUSTER_ENV, None)
+    else:
+        os.environ[RAY_CLUSTER_ENV] = before
+
+
 @pytest.fixture(scope="module")
 def local_ray(isolated_environment, tmp_path_factory):
     """An embedded Ray for the module's tests; its workers import ``tests/`` modules (fake trainables)."""

@@ -463,32 +463,28 @@ def test_usr1_stops_the_driver_requeues_and_the_next_attempt_resumes(tmp_path, f
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    reason = LocalSlurm.unavailable()
-    if reason:
-        pytest.skip(reason)
-    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"), cpus=2)
-    try:
-        cluster.start()
-    except (SlurmStartError, OSError, subprocess.CalledProcessError) as exc:
-        cluster.stop()
-        pytest.skip(f"a local SLURM could not start here: {exc}")
-    yield cluster
-    cluster.stop()
+    yield from _local_slurm(tmp_path_factory, nodes=1, what="a local SLURM")
 
 
 @pytest.fixture(scope="module")
 def slurm_two_nodes(tmp_path_factory):
     """Two SLURM nodes on this host: two slurmd (node1, node2), each with its own port, spool and
     2 CPUs (Debian's slurm-wlm is built with MULTIPLE_SLURMD)."""
+    yield from _local_slurm(tmp_path_factory, nodes=2, what="a local two-node SLURM")
+
+
+def _local_slurm(tmp_path_factory, nodes: int, what: str):
+    """A started LocalSlurm of ``nodes`` nodes with 2 CPUs each, stopped after the module; skips
+    with the reason where SLURM is not installed or does not start here."""
     reason = LocalSlurm.unavailable()
     if reason:
         pytest.skip(reason)
-    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm2"), cpus=2, nodes=2)
+    cluster = LocalSlurm(tmp_path_factory.mktemp(f"slurm{nodes}"), cpus=2, nodes=nodes)
     try:
         cluster.start()
     except (SlurmStartError, OSError, subprocess.CalledProcessError) as exc:
         cluster.stop()
-        pytest.skip(f"a local two-node SLURM could not start here: {exc}")
+        pytest.skip(f"{what} could not start here: {exc}")
     yield cluster
     cluster.stop()
 
@@ -632,10 +628,12 @@ def test_time_limit_requeues_and_resumes_only_unfinished_trials(slurm, tmp_path)
 
 
 @pytest.mark.integration
-def test_submit_runs_on_two_slurm_nodes(slurm_two_nodes, tmp_path):
+def test_submit_runs_on_two_slurm_nodes(slurm_two_nodes, tmp_path, monkeypatch):
     """A sweep of four one-CPU trials submitted to two SLURM nodes of two CPUs: the Ray head on
     node1 and a worker on node2 (each its own slurmd, on its own ports), trials on both, the
-    table naming the node of each."""
+    table naming the node of each. Submitted from a shell that keeps a one-machine Ray on the
+    loopback (as `orchestrator run` does in its own process), which the job must not inherit."""
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     slurm = slurm_two_nodes
     workdir = tmp_path / "work"
     workdir.mkdir()
