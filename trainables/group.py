@@ -39,7 +39,7 @@ import ray
 import torch
 
 from orchestrator.config import SweepSpec
-from orchestrator.device import Device, configure_allocator, open_device
+from orchestrator.device import Device, configure_allocator
 from orchestrator.estimates import Estimates, ProfileCache
 from orchestrator.node import NodeInfo, current_node
 from orchestrator.oom import OomEvent, OomRetriesExhausted, is_oom
@@ -67,13 +67,8 @@ class _GroupRank:
     device: Device
     node: NodeInfo
 
-    def _open_device(self) -> Device:
-        kind = self.policy.device
-        if kind == "auto":
-            kind = "cuda" if torch.cuda.is_available() else "cpu"
-        # A node's declared emulated capacity wins, as for a single-process trial; else the rank's own.
-        capacity = self.node.capacity(self.policy.capacity_of(self.rank)) if kind == "emulated" else None
-        return open_device(kind, capacity=capacity)
+    def _configured_capacity(self) -> int | None:
+        return self.policy.capacity_of(self.rank)  # memory.capacity may give each rank its own
 
     def _gpu_share(self) -> float | None:
         return None  # a rank has a whole GPU (the config refuses fractions in a group)

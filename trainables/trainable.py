@@ -328,8 +328,12 @@ class TrialRun:
         if kind == "auto":
             kind = "cuda" if torch.cuda.is_available() else "cpu"
         # A shared GPU's allocator is capped to the trial's share: its growth can't OOM a neighbour.
-        capacity = self.node.capacity(self.policy.capacity) if kind == "emulated" else None
+        # An emulated device is as large as its node declares, else as memory.capacity says.
+        capacity = self.node.capacity(self._configured_capacity()) if kind == "emulated" else None
         return open_device(kind, capacity=capacity, memory_fraction=self._gpu_share() if kind == "cuda" else None)
+
+    def _configured_capacity(self) -> int | None:
+        return self.policy.capacity
 
     def _gpu_free(self) -> int | None:
         info = nvml.gpu_info(0)
