@@ -84,7 +84,7 @@ class Device:
     allocator sees everything anyway). Host-side work, loading and collating data, runs
     inside ``with device.host():``, and a batch becomes device memory through ``admit``
     when a step takes it (on a GPU, the step's copy to the device does that). Each train step
-    and eval batch runs inside ``with device.step(state):``, where a device that measures only
+    and eval batch runs inside ``with device.step(phase, state):``, where a device that measures only
     some steps (the CPU) decides which.
     """
 

@@ -6,7 +6,7 @@ import torch
 from torch.utils.data import Dataset
 
 from orchestrator.config import DataLoading
-from trainables.data import DatasetTooSmall, StepCut, StepSampler, eval_batch_sizes, eval_loader, train_loader
+from trainables.data import DatasetTooSmall, Shard, StepCut, StepSampler, eval_batch_sizes, eval_loader, train_loader
 from trainables.mlp import MLPWorkload
 
 
@@ -90,3 +90,10 @@ def test_the_eval_loader_visits_every_sample_once_in_order():
 def test_a_dataset_shorter_than_one_step_is_refused_by_name():
     with pytest.raises(DatasetTooSmall, match="PaddedWorkload: train_data has 40 samples, fewer than one optimizer step"):
         train_loader(PaddedWorkload(), Ragged(), StepCut(64, 8), seed=0, settings=DataLoading(), on_gpu=False)
+
+
+def test_an_eval_set_smaller_than_the_ranks_is_refused_by_name():
+    """Rank r evaluates the r-th contiguous slice; with fewer samples than ranks some slice is empty."""
+    few = torch.utils.data.TensorDataset(torch.zeros(1, 4))
+    with pytest.raises(DatasetTooSmall, match="MLPWorkload: eval_data has 1 samples, fewer than the 2 ranks that share it"):
+        eval_loader(MLPWorkload(), few, 16, DataLoading(), on_gpu=False, shard=Shard(0, 2))

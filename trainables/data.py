@@ -120,6 +120,11 @@ def eval_loader(
     if len(dataset) == 0:
         raise DatasetTooSmall(f"workload {type(workload).__name__}: eval_data has no samples")
     first, last = eval_slice(len(dataset), shard)
+    if first == last:
+        raise DatasetTooSmall(
+            f"workload {type(workload).__name__}: eval_data has {len(dataset)} samples, fewer than the "
+            f"{shard.ranks} ranks that share it"
+        )
     indices = list(range(first, last))
     batches = [indices[i : i + batch] for i in range(0, len(indices), batch)]
     return _loader(workload, dataset, batches, settings, on_gpu)

@@ -25,7 +25,7 @@ import torch
 
 from orchestrator.config import DataLoading, Every, LrSchedule, Stop, SweepSpec
 from orchestrator.device import Device, MemoryReading
-from trainables.data import DatasetTooSmall, Shard, StepCut, eval_batch_sizes, eval_loader, eval_slice, train_loader
+from trainables.data import Shard, StepCut, eval_batch_sizes, eval_loader, eval_slice, train_loader
 from trainables.schedule import build_lr_scheduler
 from trainables.step import eval_step, make_grad_scaler, train_step
 from trainables.workload import Workload
@@ -109,11 +109,6 @@ class Trainer:
         self.eval_samples = len(eval_data)
         first, last = eval_slice(self.eval_samples, shard)
         self.shard_eval_samples = last - first
-        if self.shard_eval_samples == 0:
-            raise DatasetTooSmall(
-                f"workload {type(workload).__name__}: eval_data has {self.eval_samples} samples, fewer than the "
-                f"{shard.ranks} ranks that share it"
-            )
         self.steps_per_epoch = self.sampler.steps_per_epoch
         self.total_steps = self._budget_in_steps()
         self.scheduler = build_lr_scheduler(workload, self.optimizer, self.total_steps, settings.schedule)
