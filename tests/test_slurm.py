@@ -535,9 +535,10 @@ def processes_left(job_id: str, job_dir: Path) -> list[str]:
     return [line for line in out.splitlines() if f"/ray-{job_id}-" in line or str(job_dir) in line]
 
 
-def small_sweep(workdir: Path, epochs: int, train_samples: list[int]) -> Path:
+def small_sweep(workdir: Path, epochs: int, train_samples: list[int], reuse: bool = True) -> Path:
     """The demo's MLP, one trial per training-set size (the sizes set how long each trial runs)."""
     config = yaml.safe_load(DEMO.read_text())
+    config["reuse"] = reuse
     config["experiment"] = f"slurm_e{epochs}_t{len(train_samples)}"
     config["search_space"] = {"workload": "mlp", "lr": 0.01, "width": 16, "train_samples": {"grid": train_samples}}
     config["stop"]["epochs"] = epochs
@@ -637,8 +638,11 @@ def test_submit_runs_on_two_slurm_nodes(slurm_two_nodes, tmp_path, monkeypatch):
     slurm = slurm_two_nodes
     workdir = tmp_path / "work"
     workdir.mkdir()
-    # Long enough (a few seconds an epoch) that all four run at once: two must be on node2.
-    config = small_sweep(workdir, epochs=3, train_samples=[40000, 40001, 40002, 40003])
+    # Each trial in a worker of its own (`reuse: false`): Tune asks for the four placements at once
+    # and two must go to node2. With reuse, a trial that ends on node1 before node2's workers have
+    # imported torch takes the next trial, and Tune cancels the worker starting on node2 for it
+    # (TuneController._maybe_reuse_cached_actor): on a busy two-core machine all four ran on node1.
+    config = small_sweep(workdir, epochs=1, train_samples=[4000, 4001, 4002, 4003], reuse=False)
     job_id, job_dir = orchestrator_submit(
         slurm, workdir, str(config), "--nodes", "2", "--cpus-per-node", "2", "--time", "00:15:00",
         "--storage-path", str(tmp_path / "store"), "--log-dir", str(tmp_path / "logs"),

@@ -24,6 +24,10 @@ change under a reused worker. A workload's module is imported once per worker: m
 state (caches, counters, a global RNG seeded at import) is shared by the trials a worker runs.
 Everything a trial needs belongs in the workload instance, or ``reuse: false`` in the sweep file
 gives every trial a fresh process.
+
+Reuse also moves trials: Tune hands a pending trial to a worker that has just finished rather
+than wait for the worker it was starting for it, on whatever node (it cancels that start). Short
+trials on a cluster can therefore all run on the nodes whose workers started first.
 """
 
 from __future__ import annotations
