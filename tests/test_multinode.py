@@ -100,9 +100,12 @@ def test_a_sweep_spreads_over_nodes_and_survives_losing_one(cluster, tmp_path):
     assert "storage_path: './orchestrator_results' is relative" in refused.stdout + refused.stderr
 
     started = time.monotonic()
+    # A worker per trial (`reuse: false`): Tune places the first three trials on the three nodes at
+    # once. With reuse, the head's worker, started first, may take the trial node-b's worker is
+    # still starting for on a busy machine (Tune cancels that start), and node-b runs nothing.
     run = subprocess.Popen(
         [sys.executable, "-m", "orchestrator", "run", CONFIG, "--address", head.dashboard_url,
-         "--storage-path", str(storage), "--tracking-uri", tracking],
+         "--storage-path", str(storage), "--tracking-uri", tracking, "--set", "reuse=false"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     # Lose node-b once one of its trials has a checkpoint and has epochs left.
