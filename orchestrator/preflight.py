@@ -13,10 +13,13 @@ user's file and line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import tempfile
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterator
 
 from orchestrator.config import SweepSpec
 from orchestrator.errors import UserError
@@ -35,6 +38,28 @@ def check_storage(path: str) -> None:
         raise UserError(
             f"storage_path: cannot write to {path} ({exc.strerror or exc}); pass --storage-path with a folder you can write"
         ) from None
+
+
+@contextlib.contextmanager
+def taken_back_if_refused(folder: str) -> Iterator[None]:
+    """A sweep refused before its first trial leaves no folder behind: the storage check makes
+    the folder (does it take a file?), and a refusal after it (a model that cannot be estimated,
+    a relative storage path on a cluster, no sweep to resume) would leave it, empty, in the
+    user's working directory. Only what did not exist before goes, and only while nothing was
+    written under it. (The MLflow database is not made before the first trial either:
+    ``tracking.check_tracking``.)"""
+    made = Path(os.path.abspath(folder))
+    if made.exists():
+        yield
+        return
+    while not made.parent.exists():
+        made = made.parent
+    try:
+        yield
+    except UserError:
+        if made.is_dir() and not any(p.is_file() for p in made.rglob("*")):
+            shutil.rmtree(made, ignore_errors=True)
+        raise
 
 
 def check_shared_storage(given: str, resolved: str, nodes: int) -> None:

@@ -26,7 +26,7 @@ from orchestrator.errors import UserError
 from orchestrator.failures import exception_line
 from orchestrator.node import describe_moves
 from orchestrator.outcome import INTERRUPTED, TERMINATED, SweepRecord, TrackingDelivery, recording, trial_status
-from orchestrator.preflight import check_shared_storage, check_storage, check_workloads
+from orchestrator.preflight import check_shared_storage, check_storage, check_workloads, taken_back_if_refused
 from orchestrator.ray_token import secure_token_files
 from orchestrator.table import format_table
 from orchestrator.units import human
@@ -163,13 +163,15 @@ def run_sweep(
     storage = os.path.abspath(storage_path or spec.storage_path)
     if ray_address is None and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
         check_local_node(trial_request(spec), spec.resources.workers, local_node(num_cpus, num_gpus))
-    _check_before_ray(spec, storage, tracking_uri, offline_tracking)
-    estimates, started_ray = _estimate_while_ray_starts(
-        spec, lambda: _connect_ray(ray_address, num_cpus, num_gpus, dashboard, dashboard_host))
+    started_ray = False
     try:
-        check_shared_storage(storage_path or spec.storage_path, storage, len(alive_nodes()))
-        wait = check_schedulable(trial_request(spec), spec.resources.wait_minutes, spec.resources.workers)
-        name, restore_from = _experiment_name(spec, storage, name, resume)
+        with taken_back_if_refused(storage):
+            _check_before_ray(spec, storage, tracking_uri, offline_tracking)
+            estimates, started_ray = _estimate_while_ray_starts(
+                spec, lambda: _connect_ray(ray_address, num_cpus, num_gpus, dashboard, dashboard_host))
+            check_shared_storage(storage_path or spec.storage_path, storage, len(alive_nodes()))
+            wait = check_schedulable(trial_request(spec), spec.resources.wait_minutes, spec.resources.workers)
+            name, restore_from = _experiment_name(spec, storage, name, resume)
         trainable = _trainable(spec, estimates)
         if restore_from:
             print(f"Resuming {restore_from}: finishing the trials that did not finish")
@@ -213,7 +215,8 @@ def _estimate_while_ray_starts(spec: SweepSpec, connect: Callable[[], bool]):
 
 def _check_before_ray(spec: SweepSpec, storage: str, tracking_uri: str, offline_tracking: bool) -> None:
     """The mistakes that are cheap to find before Ray starts, each one line and exit 2; the checks
-    that write nothing first (the storage check makes the folder, the tracking check the database)."""
+    that write nothing first (the storage check makes the folder, which ``taken_back_if_refused``
+    removes again if a later check refuses the sweep)."""
     check_workloads(spec)
     check_storage(storage)
     if not offline_tracking:

@@ -67,3 +67,23 @@ def test_a_syntax_error_in_the_users_module_is_one_line_naming_it(own_model_proj
         "error: workload.name: workload 'my_models.wide:WideNet': cannot import module 'my_models.wide' "
         f"(my_models/wide.py:{number}: SyntaxError: expected ':')"
     )
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("verb", ["plan", "run"])
+def test_a_shape_mismatch_in_the_users_model_is_one_line_and_writes_nothing(own_model_project, verb):
+    """The first layer expects 21 features of the 20 the data has. The estimate runs the model on
+    fake tensors, where torch logs each failing kernel with its traceback before raising; the user
+    sees one line naming their file, and a refused ``run`` leaves no MLflow database and no
+    results folder behind (it made both while checking them)."""
+    module = own_model_project.folder / "my_models" / "wide.py"
+    module.write_text(module.read_text().replace("torch.nn.Linear(20,", "torch.nn.Linear(21,"))
+    proc = run(own_model_project.command(verb), own_model_project.folder)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == (1 if verb == "plan" else 2), said[-3000:]
+    assert "mat1 and mat2 shapes cannot be multiplied (2x20 and 21x" in said and "my_models/wide.py:" in said
+    assert "Traceback" not in said and "failed while attempting to run meta" not in said, said[-3000:]
+    if verb == "run":
+        [error] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert error.startswith("error: workload my_models.wide:WideNet hidden=")
+        assert sorted(p.name for p in own_model_project.folder.iterdir()) == ["my_models", own_model_project.config]

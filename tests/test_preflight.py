@@ -8,7 +8,7 @@ import pytest
 from orchestrator.cli import main
 from orchestrator.config import load_spec
 from orchestrator.errors import UserError
-from orchestrator.preflight import check_storage, check_workloads
+from orchestrator.preflight import check_storage, check_workloads, taken_back_if_refused
 
 SWEEP = """
 experiment: preflight
@@ -120,3 +120,25 @@ def closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_a_refusal_takes_back_the_folders_its_checks_made(tmp_path):
+    storage = tmp_path / "results" / "nested"
+    with pytest.raises(UserError), taken_back_if_refused(str(storage)):
+        check_storage(str(storage))
+        raise UserError("refused after the checks")
+    assert list(tmp_path.iterdir()) == []
+
+    # A folder something was written to stays; one that was there before stays; no refusal, no change.
+    with pytest.raises(UserError), taken_back_if_refused(str(storage)):
+        storage.mkdir(parents=True)
+        (storage / "checkpoint").write_text("progress")
+        raise UserError("refused later")
+    assert (storage / "checkpoint").exists()
+    (storage / "checkpoint").unlink()
+    with pytest.raises(UserError), taken_back_if_refused(str(storage)):
+        raise UserError("refused, the folder the user had")
+    assert storage.is_dir()
+    with taken_back_if_refused(str(tmp_path / "kept")):
+        check_storage(str(tmp_path / "kept"))
+    assert (tmp_path / "kept").is_dir()

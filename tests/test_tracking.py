@@ -246,7 +246,12 @@ def test_outages_and_rejections_are_told_apart():
 def test_the_tracking_store_is_checked_before_a_sweep_starts(tmp_path):
     from mlflow import MlflowClient
 
+    # A database that does not exist yet is not made by the check (the sweep may still be refused).
     check_tracking(f"sqlite:///{tmp_path / 'ok' / 'mlflow.db'}", "tracking_test")
+    assert not (tmp_path / "ok").exists()
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(UserError, match=r"tracking_uri: cannot create the MLflow database .*file/mlflow.db"):
+        check_tracking(f"sqlite:///{tmp_path / 'file' / 'mlflow.db'}", "tracking_test")
     with pytest.raises(UserError) as err:
         check_tracking(f"http://127.0.0.1:{_closed_port()}", "tracking_test")
     assert "is not usable" in str(err.value) and "--offline-tracking" in str(err.value) and "\n" not in str(err.value)

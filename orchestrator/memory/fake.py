@@ -8,6 +8,7 @@ size in the time of a tiny one and use no memory.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -151,7 +152,15 @@ def running(setup: FakeSetup):
 
 @contextlib.contextmanager
 def translate_errors():
-    """Fake-tensor failures -> :class:`Untraceable` with a message a user can act on."""
+    """Fake-tensor failures -> :class:`Untraceable` with a message a user can act on.
+
+    FakeTensorMode logs each failing meta kernel with its whole traceback before it raises (a
+    shape mismatch in the user's model prints four of them); the estimate reports that error in
+    one line naming the user's file and line, so the log is held back while we trace.
+    """
+    added = _META_FAILURE_QUIET not in _FAKE_TENSOR_LOG.filters
+    if added:
+        _FAKE_TENSOR_LOG.addFilter(_META_FAILURE_QUIET)
     try:
         yield
     except (DynamicOutputShapeException, DataDependentOutputException) as exc:
@@ -161,6 +170,18 @@ def translate_errors():
     except UnsupportedFakeTensorException as exc:
         place = where(exc)
         raise Untraceable(f"an op does not support fake tensors{' (' + place + ')' if place else ''}: {exc}") from exc
+    finally:
+        if added:
+            _FAKE_TENSOR_LOG.removeFilter(_META_FAILURE_QUIET)
+
+
+class _MetaFailureQuiet(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("failed while attempting to run meta")
+
+
+_FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+_META_FAILURE_QUIET = _MetaFailureQuiet()
 
 
 def describe(setup: FakeSetup) -> str:
