@@ -32,12 +32,38 @@ def check_storage(path: str) -> None:
     """The storage folder exists (or can be made) and takes a file."""
     try:
         os.makedirs(path, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".orchestrator-write-check-"):
-            pass
+        _take_a_file(path)
     except OSError as exc:
         raise UserError(
             f"storage_path: cannot write to {path} ({exc.strerror or exc}); pass --storage-path with a folder you can write"
         ) from None
+
+
+def check_new_database(database: Path) -> None:
+    """A SQLite tracking store that does not exist yet is made by the sweep's first write, after
+    every check that can refuse the sweep (asking MLflow now would create its tables in the user's
+    folder for a sweep that may still be refused). What can go wrong with it is found here: MLflow
+    makes the missing folders, so the nearest existing one must take a file."""
+    folder = outermost_missing(database).parent
+    try:
+        _take_a_file(folder)
+    except OSError as exc:
+        raise UserError(
+            f"tracking_uri: cannot create the MLflow database {database} ({folder}: {exc.strerror or exc}); "
+            "point tracking_uri (or --tracking-uri) at a folder you can write"
+        ) from None
+
+
+def _take_a_file(folder: str | os.PathLike) -> None:
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".orchestrator-write-check-"):
+        pass
+
+
+def outermost_missing(path: Path) -> Path:
+    """The first of ``path``'s folders (or ``path`` itself) that does not exist: what making it makes."""
+    while not path.parent.exists():
+        path = path.parent
+    return path
 
 
 @contextlib.contextmanager
@@ -47,13 +73,12 @@ def taken_back_if_refused(folder: str) -> Iterator[None]:
     a relative storage path on a cluster, no sweep to resume) would leave it, empty, in the
     user's working directory. Only what did not exist before goes, and only while nothing was
     written under it. (The MLflow database is not made before the first trial either:
-    ``tracking.check_tracking``.)"""
+    ``check_new_database``.)"""
     made = Path(os.path.abspath(folder))
     if made.exists():
         yield
         return
-    while not made.parent.exists():
-        made = made.parent
+    made = outermost_missing(made)
     try:
         yield
     except UserError:

@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import pickle
-import tempfile
 import threading
 import time
 import uuid
@@ -47,6 +46,7 @@ from orchestrator.errors import UserError
 from orchestrator.failures import exception_line, last_failure
 from orchestrator.node import describe_moves
 from orchestrator.outcome import TrackingDelivery, current_record, sweep_run_status, trial_status
+from orchestrator.preflight import check_new_database
 
 logger = logging.getLogger(__name__)
 
@@ -315,7 +315,7 @@ def check_tracking(tracking_uri: str, experiment: str) -> None:
     exit 2, not a sweep that trains for hours and then says its records are still unsent."""
     database = sqlite_path(tracking_uri)
     if database is not None and not database.exists():
-        _check_new_database(database)
+        check_new_database(database)
         return
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
@@ -339,24 +339,6 @@ def check_tracking(tracking_uri: str, experiment: str) -> None:
             f"experiment: the MLflow experiment {experiment!r} at {tracking_uri} is deleted; restore it "
             f"(`mlflow experiments restore --experiment-id {found.experiment_id}`) or use another experiment name"
         )
-
-
-def _check_new_database(database: Path) -> None:
-    """A SQLite store that does not exist yet is made by the sweep's first write, after every
-    check that can refuse the sweep: asking MLflow now would create its tables in the user's
-    folder for a sweep that may still be refused. What can go wrong with it is found here: MLflow
-    makes the missing folders, so the nearest existing one must take a file."""
-    folder = database.parent
-    while not folder.exists():
-        folder = folder.parent
-    try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".orchestrator-write-check-"):
-            pass
-    except OSError as exc:
-        raise UserError(
-            f"tracking_uri: cannot create the MLflow database {database} ({folder}: {exc.strerror or exc}); "
-            "point tracking_uri (or --tracking-uri) at a folder you can write"
-        ) from None
 
 
 def sqlite_path(tracking_uri: str) -> Path | None:
