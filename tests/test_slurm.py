@@ -21,6 +21,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -367,7 +368,7 @@ def test_three_node_run_issues_head_and_worker_commands(tmp_path, fakes):
     opt = lambda argv, name: next(a.split("=", 1)[1] for a in argv if a.startswith(f"--{name}="))
 
     gcs = int(opt(head, "port"))
-    assert 10000 <= gcs < 32768 and gcs % 500 == 0  # a per-job block below the ephemeral range
+    assert 20000 <= gcs < 32768 and gcs % 500 == 0  # a per-job block above Ray's default worker ports, below the ephemeral range
     assert opt(head, "node-ip-address") == "127.0.0.1" and opt(head, "dashboard-host") == "127.0.0.1"
     assert int(opt(head, "dashboard-port")) == gcs + 4 and opt(head, "num-gpus") == "2" and opt(head, "num-cpus") == "2"
     assert "--block" in head and re.fullmatch(rf"{tmp_path}/rt/ray-4242-\w{{6}}", opt(head, "temp-dir"))
@@ -425,6 +426,21 @@ def test_one_node_run_has_no_workers_and_returns_the_driver_status(tmp_path, fak
     assert [c["argv"][0] for c in calls if c["tool"] == "ray"] == ["get-auth-token", "start"]
     assert "driver exited with status 3" in out
     assert not [c for c in calls if c["tool"] == "scontrol" and c["argv"][0] == "requeue"]
+
+
+def test_a_busy_port_block_moves_the_job_to_the_next(tmp_path, fakes):
+    """Something else on the head node listens in the job's first block (another job, another
+    Ray): the job takes the next block, and its log says which, since `submit` predicted the first."""
+    first = expected_dashboard_port("4242") - 4
+    script = rendered(tmp_path, "--cpus-per-node", "2", "--storage-path", str(tmp_path / "store"))
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", first + 100))  # a Ray worker port of the block
+        other.listen()
+        rc, calls, out = run_fake_job(tmp_path, fakes, ["n1"], script)
+    assert rc == 0, out
+    [head] = [c["argv"] for c in calls if c["tool"] == "ray" and c["argv"][0] == "start"]
+    assert f"--port={first + 500}" in head
+    assert f"ports {first + 500}-{first + 999}" in out
 
 
 def test_a_head_that_dies_fails_the_job_at_once(tmp_path, fakes):
