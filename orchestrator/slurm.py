@@ -307,8 +307,8 @@ def expected_dashboard_port(job_id: str) -> int:
     The job moves to the next block when that one is busy on the head node, so the job log
     has the final word.
     """
-    port_min = int(os.environ.get("ORCHESTRATOR_PORT_MIN", 20000))
-    blocks = int(os.environ.get("ORCHESTRATOR_PORT_BLOCKS", 25))
+    port_min = int(os.environ.get("ORCHESTRATOR_PORT_MIN", 10000))
+    blocks = int(os.environ.get("ORCHESTRATOR_PORT_BLOCKS", 45))
     return port_min + (int(job_id) % blocks) * 500 + 4
 
 

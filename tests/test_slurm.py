@@ -305,8 +305,11 @@ def record(tool):
 
 
 @pytest.fixture
-def fakes(tmp_path):
-    """A bin/ of fake SLURM, Ray, MLflow and Python executables that record how they were called."""
+def fakes(tmp_path, monkeypatch):
+    """A bin/ of fake SLURM, Ray, MLflow and Python executables that record how they were called;
+    and port blocks for the job where nothing listens now (``quiet_port_blocks``)."""
+    monkeypatch.setenv("ORCHESTRATOR_PORT_MIN", str(quiet_port_blocks(2)))
+    monkeypatch.setenv("ORCHESTRATOR_PORT_BLOCKS", "2")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("ray", FAKE_RAY),
@@ -315,6 +318,25 @@ def fakes(tmp_path):
         path.write_text(f"#!{sys.executable}\n{RECORD}\n{textwrap.dedent(body)}")
         path.chmod(0o755)
     return bin_dir
+
+
+def quiet_port_blocks(count: int) -> int:
+    """The first of ``count`` neighbouring 500-port blocks in which nothing listens on any port the
+    job script checks. With the default blocks a job's first choice depends on what else runs on
+    the machine (a block the script finds busy moves the job to the next, as it should), and a
+    test that checks `submit`'s prediction of the port must not depend on that."""
+
+    def listens(port: int) -> bool:
+        with socket.socket() as probe:
+            probe.settimeout(0.2)
+            return probe.connect_ex(("127.0.0.1", port)) == 0
+
+    for base in range(10000, 32768 - 500 * count, 500):
+        checked = [p for b in range(base, base + 500 * count, 500)
+                   for p in [*range(b, b + 10), *range(b + 100, b + 500, 25)]]
+        if not any(listens(port) for port in checked):
+            return base
+    raise RuntimeError("no quiet block of ports below 32768 on this machine")
 
 
 def run_fake_job(tmp_path, fakes, nodes: list[str], script: str, *, driver_rc=0, driver=None, job_id="4242",
@@ -368,7 +390,7 @@ def test_three_node_run_issues_head_and_worker_commands(tmp_path, fakes):
     opt = lambda argv, name: next(a.split("=", 1)[1] for a in argv if a.startswith(f"--{name}="))
 
     gcs = int(opt(head, "port"))
-    assert 20000 <= gcs < 32768 and gcs % 500 == 0  # a per-job block above Ray's default worker ports, below the ephemeral range
+    assert 10000 <= gcs < 32768 and gcs % 500 == 0  # a per-job block below the ephemeral range
     assert opt(head, "node-ip-address") == "127.0.0.1" and opt(head, "dashboard-host") == "127.0.0.1"
     assert int(opt(head, "dashboard-port")) == gcs + 4 and opt(head, "num-gpus") == "2" and opt(head, "num-cpus") == "2"
     assert "--block" in head and re.fullmatch(rf"{tmp_path}/rt/ray-4242-\w{{6}}", opt(head, "temp-dir"))
