@@ -59,7 +59,7 @@ def build_job_request(args: argparse.Namespace, spec: SweepSpec, cwd: Path) -> J
     command = ["python", "-m", "orchestrator", "run", config.relative_to(cwd).as_posix()]
     for override in args.overrides:
         command += ["--set", override]
-    for flag, value in (("--tracking-uri", args.tracking_uri), ("--storage-path", args.storage_path)):
+    for flag, value in (("--tracking-uri", args.tracking_uri), ("--storage-path", args.storage_path), ("--name", args.name)):
         if value:
             command += [flag, value]
     if args.resume:

@@ -45,11 +45,12 @@ def request_for(argv: list[str], cwd: Path = ROOT):
 def test_job_runs_the_same_command_without_address(monkeypatch):
     monkeypatch.chdir(ROOT)
     request, _ = request_for([DEMO, "--address", "http://127.0.0.1:8265", *SMALL_CUT,
-                              "--tracking-uri", "sqlite:////data/mlflow.db", "--resume"])
+                              "--tracking-uri", "sqlite:////data/mlflow.db", "--name", "demo_cpu_20261124-101010",
+                              "--resume"])
     assert request.entrypoint == (
         "python -m orchestrator run configs/demo_cpu.yaml --set search_space.workload=mlp "
         "--set search_space.lr=0.01 --set 'search_space.width={grid: [16, 32]}' --set stop.epochs=2 "
-        "--tracking-uri sqlite:////data/mlflow.db --resume"
+        "--tracking-uri sqlite:////data/mlflow.db --name demo_cpu_20261124-101010 --resume"
     )
     assert request.runtime_env["working_dir"] == str(ROOT)
     assert "/orchestrator_results" in request.runtime_env["excludes"]  # earlier results stay home
