@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import requests
+from ports import free_ports
 
 START_TIMEOUT_S = 90
 
@@ -101,12 +102,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_head(temp_dir: Path, num_cpus: int = 2, node_name: str | None = None,
                labels: dict[str, str] | None = None) -> RayHead:
     """Start a head node under ``temp_dir`` (keep the path short: Ray's sockets live under it)."""
@@ -115,7 +110,7 @@ def start_head(temp_dir: Path, num_cpus: int = 2, node_name: str | None = None,
     token = subprocess.run(
         ["ray", "get-auth-token", "--generate"], env=env, check=True, capture_output=True, text=True, timeout=60
     ).stdout.strip()
-    ports = {name: free_port() for name in ("gcs", "dashboard", "metrics", "agent", "client")}
+    ports = dict(zip(("gcs", "dashboard", "metrics", "agent", "client"), free_ports(5)))
     temp_dir.mkdir(parents=True, exist_ok=True)
     log_path = temp_dir.parent / f"{temp_dir.name}-ray-start.log"
     command = [
@@ -230,10 +225,11 @@ def start_worker(head: RayHead, temp_dir: Path, name: str, num_cpus: int = 1,
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true"}
     temp_dir.mkdir(parents=True, exist_ok=True)
     log_path = temp_dir.parent / f"{temp_dir.name}-ray-start.log"
+    metrics_port, agent_port = free_ports(2)
     command = [
         "ray", "start", f"--address={head.gcs_address}", "--block", "--disable-usage-stats",
         f"--temp-dir={temp_dir}", f"--num-cpus={num_cpus}", "--num-gpus=0",
-        f"--metrics-export-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+        f"--metrics-export-port={metrics_port}", f"--dashboard-agent-listen-port={agent_port}",
     ] + _node_options(name, labels)
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ports import free_ports
+
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "scontrol", "srun", "scancel")
 
@@ -40,12 +42,6 @@ class SlurmStartError(RuntimeError):
 
 def _which(tool: str) -> str | None:
     return shutil.which(tool) or (f"/usr/sbin/{tool}" if os.access(f"/usr/sbin/{tool}", os.X_OK) else None)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -201,20 +197,21 @@ class LocalSlurm:
     def _write_config(self) -> None:
         r = self.root
         gres = f" Gres=gpu:{self.gpus}" if self.has_gpus and self.nodes == 1 else ""
+        ctld_port, slurmd_port, *node_ports = free_ports(2 + len(self.node_names))
         if self.nodes == 1:
             nodes = [f"NodeName=localhost Sockets=1 CoresPerSocket={self.cpus} ThreadsPerCore=1 "
                      f"RealMemory={self.memory_mb}{gres} State=UNKNOWN"]
         else:  # several slurmd on this host (a build with --enable-multiple-slurmd): own name and port each
-            nodes = [f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={_free_port()} Sockets=1 "
+            nodes = [f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} Sockets=1 "
                      f"CoresPerSocket={self.cpus} ThreadsPerCore=1 RealMemory={self.memory_mb} State=UNKNOWN"
-                     for name in self.node_names]
+                     for name, port in zip(self.node_names, node_ports)]
         self.conf.write_text(
             "\n".join(
                 [
                     "ClusterName=orchtest",
                     "SlurmctldHost=localhost",
-                    f"SlurmctldPort={_free_port()}",
-                    f"SlurmdPort={_free_port()}",
+                    f"SlurmctldPort={ctld_port}",
+                    f"SlurmdPort={slurmd_port}",
                     # Each node's config may claim this host's CPUs and memory: several slurmd share it.
                     *(["SlurmdParameters=config_overrides"] if self.nodes > 1 else []),
                     "SlurmUser=root",

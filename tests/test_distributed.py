@@ -8,10 +8,10 @@ import glob
 import multiprocessing
 import os
 import signal
-import socket
 
 import pytest
 import torch
+from ports import free_port
 
 from orchestrator.config import parse_spec
 from orchestrator.runner import run_sweep
@@ -92,9 +92,7 @@ def _rank(rank: int, address: str, results) -> None:
 
 
 def test_every_rank_learns_of_one_ranks_oom_and_gradients_sum_through_a_small_bucket():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     ranks = [context.Process(target=_rank, args=(r, address, results)) for r in range(2)]

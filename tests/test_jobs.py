@@ -24,7 +24,7 @@ from orchestrator.cli import build_parser, main
 from orchestrator.config import load_spec
 from orchestrator.errors import UserError
 from orchestrator.jobs import build_job_request, connect, results_notes
-from ray_cluster import free_port
+from ports import free_port
 from tests.conftest import command_env
 
 ROOT = Path(__file__).resolve().parent.parent

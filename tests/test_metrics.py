@@ -12,7 +12,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.metrics import TrialMetrics
-from ray_cluster import free_port
+from ports import free_ports
 
 EPOCH = {
     "predicted_peak_bytes": 1_000_000, "peak_allocated_bytes": 800_000, "peak_reserved_bytes": 900_000,
@@ -36,9 +36,10 @@ def samples(text: str, name: str) -> list:
 def test_actor_metrics_reach_the_prometheus_endpoint(isolated_environment, tmp_path_factory):
     ray = pytest.importorskip("ray")
     temp_dir = tmp_path_factory.mktemp("raym")  # short: Ray's sockets live under it
+    dashboard_port, metrics_port = free_ports(2)
     ray.init(
         address="local", include_dashboard=True, num_cpus=1, dashboard_host="127.0.0.1",
-        dashboard_port=free_port(), _temp_dir=str(temp_dir), _metrics_export_port=free_port(),
+        dashboard_port=dashboard_port, _temp_dir=str(temp_dir), _metrics_export_port=metrics_port,
     )
     try:
         @ray.remote(num_cpus=1)

@@ -4,6 +4,7 @@ and nothing started or written (no Ray, no MLflow run, no sweep folder)."""
 from __future__ import annotations
 
 import pytest
+from ports import free_port
 
 from orchestrator.cli import main
 from orchestrator.config import load_spec
@@ -106,20 +107,12 @@ def test_run_stops_before_ray_starts(sweep_file, tmp_path, capsys, monkeypatch, 
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "blocker").write_text("")
-    flags = [f.format(blocker=tmp_path / "blocker", closed_port=closed_port()) for f in flags]
+    flags = [f.format(blocker=tmp_path / "blocker", closed_port=free_port()) for f in flags]
     assert main(["run", sweep_file, *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err
     assert not ray.is_initialized()
     assert not (tmp_path / "orchestrator_results").exists() or not any((tmp_path / "orchestrator_results").iterdir())
-
-
-def closed_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_a_refusal_takes_back_the_folders_its_checks_made(tmp_path):

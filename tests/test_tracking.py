@@ -23,6 +23,7 @@ from fake_sweep import (
     run_fake_sweep, runs_of, steps,
 )
 from mlflow_server import MlflowServer
+from ports import free_port
 
 from orchestrator.errors import UserError
 from orchestrator.outcome import recording
@@ -253,21 +254,13 @@ def test_the_tracking_store_is_checked_before_a_sweep_starts(tmp_path):
     with pytest.raises(UserError, match=r"tracking_uri: cannot create the MLflow database .*file/mlflow.db"):
         check_tracking(f"sqlite:///{tmp_path / 'file' / 'mlflow.db'}", "tracking_test")
     with pytest.raises(UserError) as err:
-        check_tracking(f"http://127.0.0.1:{_closed_port()}", "tracking_test")
+        check_tracking(f"http://127.0.0.1:{free_port()}", "tracking_test")
     assert "is not usable" in str(err.value) and "--offline-tracking" in str(err.value) and "\n" not in str(err.value)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
     client.delete_experiment(client.create_experiment("gone"))
     with pytest.raises(UserError, match="experiment: the MLflow experiment 'gone' .* is deleted; restore it"):
         check_tracking(uri, "gone")
-
-
-def _closed_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 HOLD_LOCK = """
