@@ -5,8 +5,9 @@ On a cluster of several machines every trial attempt runs on one node, and after
 (preemption, hardware, a SLURM node failure) Tune restarts its trials from their last
 checkpoints on nodes that survive. A person reading the results needs to know where each trial
 ran and which ones moved, and why; Tune's ``node_ip``/``hostname`` cannot tell nodes apart when
-several share a machine (or an IP behind NAT), so nodes are told apart by Ray's node id and
-named by the name given to ``ray start --node-name`` (Ray's default: the node's IP).
+several share a machine (or an IP behind NAT), so nodes are named by the name given to
+``ray start --node-name`` (Ray's default: the node's IP) and a trial attempt's node is found by
+Ray's node id. Ids do not survive a restart of Ray; names do, so a move is a change of name.
 
 A node can declare the memory of its emulated device with the Ray node label
 :data:`CAPACITY_LABEL` (``ray start --labels orchestrator/emulated-capacity=48MiB``), the way a
@@ -77,6 +78,20 @@ def current_node() -> NodeInfo:
     labels = dict(context.get_node_labels() or {})
     name = next((n.get("NodeName") for n in ray.nodes() if n.get("NodeID") == node_id), None)
     return NodeInfo(node_id, name or node_id[:8], labels)
+
+
+def left_its_node(saved: dict[str, Any], node: NodeInfo) -> bool:
+    """Whether a trial resuming on ``node`` from a checkpoint ``saved`` (with the ``node_id`` and
+    ``node_name`` it was made on) left that node.
+
+    Ray gives a node a new id each time it starts, so after a sweep is resumed on a restarted Ray
+    (``--resume`` on one machine, a requeued SLURM job on the same nodes) every id differs while
+    the trials are where they were: a node is the same node when its name is. Checkpoints that
+    carry no name compare ids.
+    """
+    if "node_name" in saved:
+        return saved["node_name"] != node.name
+    return saved.get("node_id", node.node_id) != node.node_id
 
 
 def describe_moves(moves: list[dict[str, Any]]) -> str:

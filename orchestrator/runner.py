@@ -122,14 +122,17 @@ def summary_lines(outcome: SweepOutcome, spec: SweepSpec, args) -> list[str]:
 
 
 def resume_command(args, name: str | None = None) -> str:
-    """The command that continues this sweep (``--resume`` without a name takes the newest of the experiment)."""
+    """The command that continues this sweep (``--resume`` without a name takes the newest of the
+    experiment), on the same resources: the embedded Ray's CPUs and GPUs decide how many trials
+    run at once."""
     words = ["orchestrator", "run", args.config]
     for override in args.overrides:
         words += ["--set", override]
     for flag, value in (("--storage-path", args.storage_path), ("--tracking-uri", args.tracking_uri),
-                        ("--ray-address", args.ray_address)):
-        if value:
-            words += [flag, value]
+                        ("--ray-address", args.ray_address), ("--num-cpus", args.num_cpus),
+                        ("--num-gpus", args.num_gpus)):
+        if value is not None:
+            words += [flag, str(value)]
     if args.offline_tracking:
         words.append("--offline-tracking")
     name = name or args.name
@@ -185,7 +188,8 @@ def run_sweep(
             )
         with recording() as record, _ray_resume_hint_silenced():
             results = tuner.fit()
-        rows = [_row(result, spec, record) for result in results]
+        # A restored sweep lists its trials in the order they were restored: the table keeps the sweep's.
+        rows = sorted((_row(result, spec, record) for result in results), key=lambda row: row.name)
         return SweepOutcome(rows, os.path.join(storage, name), tracking_uri, record.tracking, record.stop_reason)
     finally:
         if started_ray:

@@ -8,12 +8,35 @@ a temporary folder outside the repository, with no PYTHONPATH.
 
 from __future__ import annotations
 
+import glob
+import json
+import os
 import re
+import shlex
+import signal
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import command_env, installed_command
+
+# The README's WideNet at a pace a test can interrupt (about half a second an epoch on one core),
+# in a module of the user's package beside it.
+PACED = """\
+import dataclasses
+import time
+
+from my_models.wide import WideNet
+
+
+@dataclasses.dataclass
+class PacedWideNet(WideNet):
+    def loss(self, model, batch):
+        time.sleep(0.015)
+        return super().loss(model, batch)
+"""
 
 NO_PACKAGE = ("error: workload.name: workload 'my_models.wide:WideNet': cannot import module 'my_models.wide' "
               "(No module named 'my_models')")
@@ -87,3 +110,67 @@ def test_a_shape_mismatch_in_the_users_model_is_one_line_and_writes_nothing(own_
         [error] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert error.startswith("error: workload my_models.wide:WideNet hidden=")
         assert sorted(p.name for p in own_model_project.folder.iterdir()) == ["my_models", own_model_project.config]
+
+
+def _checkpointed_epochs(folder: Path) -> dict[str, int]:
+    """The last reported epoch of each trial that has a checkpoint, by trial folder."""
+    found = {}
+    for path in glob.glob(f"{folder}/orchestrator_results/wide_*/*/result.json"):
+        lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.endswith("}")]
+        if lines and glob.glob(os.path.join(os.path.dirname(path), "checkpoint_*")):
+            found[os.path.dirname(path)] = lines[-1]["epoch"]
+    return found
+
+
+@pytest.mark.integration
+def test_ctrl_c_then_the_printed_command_resumes_where_the_trials_were(own_model_project):
+    """Ctrl-C (SIGINT to the command's process group, as a terminal sends it) once both trials
+    have checkpoints, then the resume command the sweep printed: each trial continues from its
+    checkpoint on the same machine, so MLflow has every epoch once, the trials' results go on
+    from where they stopped, and nothing says a trial moved (a restarted Ray's node has a new
+    id but the same name)."""
+    folder = own_model_project.folder
+    (folder / "my_models" / "paced.py").write_text(PACED)
+    command = own_model_project.command("run") + [
+        "--set", "workload.name=my_models.paced:PacedWideNet", "--set", "stop.epochs=20", "--num-cpus", "2"]
+    sweep = subprocess.Popen(command, cwd=folder, env=command_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while sweep.poll() is None and time.monotonic() < deadline:
+            epochs = _checkpointed_epochs(folder)
+            if len(epochs) == 2 and min(epochs.values()) >= 2:
+                break
+            time.sleep(0.2)
+        assert sweep.poll() is None, "the sweep ended before both trials had a checkpoint"
+        os.killpg(sweep.pid, signal.SIGINT)
+        out, _ = sweep.communicate(timeout=300)
+    finally:
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)
+    assert sweep.returncode == 1 and "0/2 trials finished" in out, out[-3000:]
+    assert out.count("INTERRUPTED") >= 2
+    [printed] = re.findall(r"^Interrupted trials continue from their last checkpoints with: (.*)$", out, re.M)
+    resume = shlex.split(printed)
+    assert resume[0] == "orchestrator" and resume[-1] == "--resume" and "--num-cpus" in resume
+    stopped_at = {os.path.basename(trial): epoch for trial, epoch in _checkpointed_epochs(folder).items()}
+    assert max(stopped_at.values()) < 20, stopped_at
+
+    proc = run([installed_command(), *resume[1:]], folder, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = proc.stdout[proc.stdout.index("trial  "):]
+    assert "2/2 trials finished" in table and table.count("TERMINATED") == 2
+    assert table.splitlines()[0].split()[:2] == ["trial", "config"] and " moved " not in table  # one node, no moves
+    for path in glob.glob(f"{folder}/orchestrator_results/wide_*/*/result.json"):
+        reported = [json.loads(line)["epoch"] for line in Path(path).read_text().splitlines() if line.strip()]
+        assert reported == list(range(1, 21)), (path, stopped_at)  # continued, not started over
+
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{folder}/mlflow.db")
+    [experiment] = [e for e in client.search_experiments() if e.name == "wide"]
+    runs = [r for r in client.search_runs([experiment.experiment_id]) if r.data.tags.get("orchestrator.role") == "trial"]
+    assert len(runs) == 2 and {r.info.status for r in runs} == {"FINISHED"}
+    for r in runs:
+        assert sorted(m.value for m in client.get_metric_history(r.info.run_id, "epoch")) == list(range(1, 21))
+        assert "moves" not in r.data.tags

@@ -2,7 +2,7 @@
 
 import pytest
 
-from orchestrator.node import CAPACITY_LABEL, Move, NodeInfo, describe_moves, restart_reason
+from orchestrator.node import CAPACITY_LABEL, Move, NodeInfo, describe_moves, left_its_node, restart_reason
 
 MiB = 2**20
 
@@ -27,3 +27,11 @@ def test_why_a_trial_left_its_node():
     assert restart_reason("node_died", "id", "node-b") == "node node-b lost"
     assert restart_reason("worker_died", "id", "node-b") == "its worker died on node node-b"
     assert restart_reason(None, "id", "node-b") == "restarted on another node"  # e.g. a resumed sweep
+
+
+def test_a_trial_resumed_on_a_restarted_node_of_the_same_name_did_not_move():
+    here = NodeInfo("new-id", "node-b", {})
+    assert not left_its_node({"node_id": "old-id", "node_name": "node-b"}, here)  # --resume, a requeued job
+    assert left_its_node({"node_id": "old-id", "node_name": "node-a"}, here)
+    assert left_its_node({"node_id": "old-id"}, here)  # a checkpoint with no name: ids decide
+    assert not left_its_node({"node_id": "new-id"}, here)

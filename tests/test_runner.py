@@ -86,7 +86,7 @@ def test_an_error_tune_could_not_store_is_shown_with_its_reason():
 def run_args(**changes):
     return SimpleNamespace(**{"config": "sweep.yaml", "overrides": ["stop.epochs=2"], "storage_path": None,
                               "tracking_uri": "http://127.0.0.1:5000", "ray_address": None, "offline_tracking": False,
-                              "name": None, **changes})
+                              "name": None, "num_cpus": None, "num_gpus": None, **changes})
 
 
 def test_what_mlflow_lacks_fails_the_run_and_says_how_to_send_it():
@@ -115,6 +115,9 @@ def test_an_interrupted_sweep_says_our_resume_command():
     lines = summary_lines(SweepOutcome(rows, "/r/exp_1", "sqlite:///m.db"), SPEC, run_args(storage_path="/r"))
     assert ("Interrupted trials continue from their last checkpoints with: orchestrator run sweep.yaml --set "
             "stop.epochs=2 --storage-path /r --tracking-uri http://127.0.0.1:5000 --name exp_1 --resume") in lines
+    # On the same resources as the interrupted run: they decide how many trials run at once.
+    lines = summary_lines(SweepOutcome(rows, "/r/exp_1", "sqlite:///m.db"), SPEC, run_args(num_cpus=2, num_gpus=0.5))
+    assert lines[-2].endswith("--tracking-uri http://127.0.0.1:5000 --num-cpus 2 --num-gpus 0.5 --name exp_1 --resume")
 
 
 @pytest.mark.integration

@@ -661,6 +661,8 @@ def test_time_limit_requeues_and_resumes_only_unfinished_trials(slurm, tmp_path)
     # Each trial completed exactly once across both attempts: the resumed one ran only the rest.
     assert text.count("completed after 4 iterations") == 3
     assert "completed after" in text[text.index("attempt 2"):]
+    # The requeued attempt's Ray gave the node a new id; the node is the same, so no trial moved.
+    assert not re.search(r"moved \S+->", text[text.index("attempt 2"):]), text[-3000:]
     runs = trial_runs(f"sqlite:///{job_dir}/mlflow.db", config.stem)
     assert len(runs) == 3 and {r.info.status for r in runs} == {"FINISHED"}, [(r.info.run_name, r.info.status) for r in runs]
     assert processes_left(job_id, job_dir) == []

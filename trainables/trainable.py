@@ -23,7 +23,7 @@ from orchestrator.config import SweepSpec
 from orchestrator.device import CudaDevice, Device, configure_allocator, open_device
 from orchestrator.estimates import Estimates, ProfileCache
 from orchestrator.failures import NotRetriedError
-from orchestrator.node import Move, current_node, restart_reason
+from orchestrator.node import Move, current_node, left_its_node, restart_reason
 from orchestrator.oom import (
     OomEvent, OomRetriesExhausted, bytes_requested, clear_oom_evidence, is_oom, release_memory, storage_trial_folder,
     write_oom_evidence,
@@ -154,7 +154,7 @@ class TrialRun:
             self.events = [OomEvent.from_dict(e) for e in saved["oom_events"]]
             self.applied_shrinks = saved["applied_shrinks"]
             self.moves = [Move.from_dict(m) for m in saved.get("moves", [])]
-            if saved.get("node_id", self.node.node_id) != self.node.node_id:
+            if saved.get("node_id", self.node.node_id) != self.node.node_id:  # Ray restarted, or another node
                 plan = self._resumed_elsewhere(plan, saved)
         # A worker that died of an OOM cannot shrink its own plan; the scheduler asked for it.
         requested = self.config.get(OOM_SHRINKS_KEY, 0)
@@ -179,8 +179,9 @@ class TrialRun:
         )
 
     def _resumed_elsewhere(self, plan: Plan, saved: dict) -> Plan:
-        """The checkpoint was made on another node: record the move, and re-plan when this
-        node's budget is smaller than the one the plan was made for (the effective batch stays)."""
+        """The checkpoint was made by another Ray node: re-plan when this node's budget is smaller
+        than the one the plan was made for (the effective batch stays), and record a move when the
+        trial left its node (``left_its_node``: a restarted node keeps its name, not its id)."""
         budget = self._budget()
         replanned = ""
         if plan.budget_bytes is not None and budget is not None and budget < plan.budget_bytes:
@@ -190,6 +191,8 @@ class TrialRun:
                     self.events, f"resumed on node {self.node.name}, where nothing fits: {smaller.refusal}")
             replanned = f"{plan.describe()} -> {smaller.describe()} (budget {human(plan.budget_bytes)} -> {human(budget)})"
             plan = smaller  # shrinks the scheduler asked for still apply on top (OOM_SHRINKS_KEY)
+        if not (replanned or left_its_node(saved, self.node)):
+            return plan
         self.moves.append(Move(
             from_node=saved.get("node_name", "?"), to_node=self.node.name, epoch=saved["trainer"]["progress"]["epoch"],
             reason=restart_reason(self.config.get(RESTART_REASON_KEY), saved["node_id"], saved.get("node_name", "?")),
