@@ -11,6 +11,8 @@ that run it with the installed ``orchestrator`` command.
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import re
 import sys
@@ -90,6 +92,22 @@ class OwnModelProject:
         """The README's ``orchestrator VERB ...`` line, with the installed script's full path."""
         [words] = [c for c in self.commands if c[1] == verb]
         return [installed_command(), *words[1:]]
+
+
+def trial_results(pattern: str) -> dict[str, list[dict]]:
+    """What each trial reported to Tune so far, by trial folder, for a glob of Tune's
+    ``result.json`` files (one JSON object a line); a line still being written ends its list."""
+    found = {}
+    for path in glob.glob(pattern):
+        lines = []
+        for line in Path(path).read_text().splitlines():
+            try:
+                lines.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+        if lines:
+            found[os.path.dirname(path)] = lines
+    return found
 
 
 def installed_command() -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import glob
 import os
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass

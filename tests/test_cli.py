@@ -9,7 +9,6 @@ a temporary folder outside the repository, with no PYTHONPATH.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 import shlex
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import command_env, installed_command
+from tests.conftest import command_env, installed_command, trial_results
 
 # The README's WideNet at a pace a test can interrupt (about half a second an epoch on one core),
 # in a module of the user's package beside it.
@@ -114,12 +113,8 @@ def test_a_shape_mismatch_in_the_users_model_is_one_line_and_writes_nothing(own_
 
 def _checkpointed_epochs(folder: Path) -> dict[str, int]:
     """The last reported epoch of each trial that has a checkpoint, by trial folder."""
-    found = {}
-    for path in glob.glob(f"{folder}/orchestrator_results/wide_*/*/result.json"):
-        lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.endswith("}")]
-        if lines and glob.glob(os.path.join(os.path.dirname(path), "checkpoint_*")):
-            found[os.path.dirname(path)] = lines[-1]["epoch"]
-    return found
+    reported = trial_results(f"{folder}/orchestrator_results/wide_*/*/result.json")
+    return {trial: lines[-1]["epoch"] for trial, lines in reported.items() if glob.glob(f"{trial}/checkpoint_*")}
 
 
 @pytest.mark.integration
@@ -161,9 +156,8 @@ def test_ctrl_c_then_the_printed_command_resumes_where_the_trials_were(own_model
     table = proc.stdout[proc.stdout.index("trial  "):]
     assert "2/2 trials finished" in table and table.count("TERMINATED") == 2
     assert table.splitlines()[0].split()[:2] == ["trial", "config"] and " moved " not in table  # one node, no moves
-    for path in glob.glob(f"{folder}/orchestrator_results/wide_*/*/result.json"):
-        reported = [json.loads(line)["epoch"] for line in Path(path).read_text().splitlines() if line.strip()]
-        assert reported == list(range(1, 21)), (path, stopped_at)  # continued, not started over
+    for trial, lines in trial_results(f"{folder}/orchestrator_results/wide_*/*/result.json").items():
+        assert [line["epoch"] for line in lines] == list(range(1, 21)), (trial, stopped_at)  # continued, not started over
 
     import mlflow
 

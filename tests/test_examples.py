@@ -23,7 +23,7 @@ from orchestrator.config import Stop
 from orchestrator.device import CpuDevice
 from tests.conftest import ROOT
 from trainables.loop import LoopPlan, LoopSettings, Trainer
-from trainables.examples.causal_lm import IGNORE, PAD, CausalLMWorkload, MarkovSequences, pad_batch
+from trainables.examples.causal_lm import IGNORE, PAD, CausalLMWorkload, pad_batch
 from trainables.examples.graphs import Graph, GraphWorkload, collate_graphs
 
 MAIN_BIN = Path(sys.executable).parent

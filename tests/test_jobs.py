@@ -7,8 +7,6 @@ example with the installed command from its own folder, and the demo sweeps from
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 import signal
 import subprocess
@@ -25,7 +23,7 @@ from orchestrator.config import load_spec
 from orchestrator.errors import UserError
 from orchestrator.jobs import build_job_request, connect, results_notes
 from ports import free_port
-from tests.conftest import command_env
+from tests.conftest import command_env, trial_results
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = "configs/demo_cpu.yaml"
@@ -166,7 +164,7 @@ def test_the_readmes_own_model_as_a_job(ray_head, own_model_project, tmp_path):
 
     # Both trials' gauges reach the node's Prometheus endpoint with the values Tune recorded last.
     assert ray_head.session_metrics_port() == ray_head.metrics_export_port
-    final = {r["trial_id"]: r for r in map(last_result, glob.glob(f"{tmp_path}/results/wide_*/*/result.json"))}
+    final = {lines[-1]["trial_id"]: lines[-1] for lines in trial_results(f"{tmp_path}/results/wide_*/*/result.json").values()}
     assert len(final) == 2
     expected = {}
     for trial_id, result in final.items():
@@ -181,11 +179,6 @@ def test_the_readmes_own_model_as_a_job(ray_head, own_model_project, tmp_path):
 
     seen = ours(scrape_until(ray_head, lambda samples: ours(samples).keys() >= expected.keys()))
     assert {key: seen.get(key) for key in expected} == expected
-
-
-def last_result(path: str) -> dict:
-    """The last result a trial reported to Tune (one JSON object per line)."""
-    return json.loads(Path(path).read_text().splitlines()[-1])
 
 
 def scrape_until(head, predicate, timeout: float = 60) -> list:

@@ -12,8 +12,6 @@ the Ray processes it started, by PID.
 from __future__ import annotations
 
 import glob
-import json
-import os
 import subprocess
 import sys
 import time
@@ -25,6 +23,7 @@ from orchestrator.errors import UserError
 from orchestrator.node import CAPACITY_LABEL
 from orchestrator.preflight import check_shared_storage
 from ray_cluster import alive_node_names, descendants, start_head, start_worker
+from tests.conftest import trial_results
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "configs/multinode_cpu.yaml"
@@ -72,18 +71,7 @@ def _state(pid: int) -> str:
 
 
 def _results(storage: Path) -> dict[str, list[dict]]:
-    """Every trial's reports so far, by trial folder."""
-    found = {}
-    for path in glob.glob(f"{storage}/multinode_cpu_*/*/result.json"):
-        lines = []
-        for line in Path(path).read_text().splitlines():
-            try:
-                lines.append(json.loads(line))
-            except json.JSONDecodeError:  # being written
-                break
-        if lines:
-            found[os.path.basename(os.path.dirname(path))] = lines
-    return found
+    return trial_results(f"{storage}/multinode_cpu_*/*/result.json")
 
 
 @pytest.mark.integration
@@ -114,7 +102,7 @@ def test_a_sweep_spreads_over_nodes_and_survives_losing_one(cluster, tmp_path):
     while killed_trial is None and time.monotonic() < deadline and run.poll() is None:
         for trial, lines in _results(storage).items():
             last = lines[-1]
-            has_checkpoint = glob.glob(f"{storage}/multinode_cpu_*/{trial}/checkpoint_*")
+            has_checkpoint = glob.glob(f"{trial}/checkpoint_*")
             # Epochs left (6 in all): the trial cannot finish between this look and the kill.
             if last.get("node_name") == "node-b" and has_checkpoint and last.get("epoch", 6) <= 3:
                 workers["node-b"].kill()

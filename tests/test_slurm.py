@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import signal
 import socket
 import stat
@@ -28,7 +27,6 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import requests
@@ -39,7 +37,7 @@ from orchestrator.config import load_spec
 from orchestrator.errors import UserError
 from orchestrator.slurm import expected_dashboard_port, parse_time_limit, plan_job, render, shared_tracking_uri
 from slurm_cluster import LocalSlurm, SlurmStartError
-from tests.conftest import command_env, installed_command
+from tests.conftest import command_env, installed_command, trial_results
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "configs" / "demo_cpu.yaml"
@@ -695,7 +693,7 @@ def test_submit_runs_on_two_slurm_nodes(slurm_two_nodes, tmp_path, monkeypatch):
     assert state["NodeList"] == "node[1-2]"
     assert "Ray cluster: 2/2 nodes, CPU 4" in text
     assert "4/4 trials finished" in text
-    finals = [json.loads(p.read_text().splitlines()[-1]) for p in (tmp_path / "store").glob(f"{config.stem}*/*/result.json")]
+    finals = [lines[-1] for lines in trial_results(f"{tmp_path}/store/{config.stem}*/*/result.json").values()]
     assert len(finals) == 4 and {r["node_name"] for r in finals} == {"node1", "node2"}
     table = text[text.index("trial  "):]
     assert table.splitlines()[0].split()[:2] == ["trial", "node"] and "node2" in table
