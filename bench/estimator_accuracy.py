@@ -49,7 +49,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.zoo import ZOOS, Entry, StepRunner, describe_bytes, relative  # noqa: E402
+from bench.zoo import GPU_ZOO, ZOOS, Entry, StepRunner, describe_bytes, relative  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
