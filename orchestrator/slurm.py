@@ -301,15 +301,20 @@ def submit_command(args) -> int:
     return 0
 
 
+#: The job script's port blocks (``slurm/sweep.sbatch.tmpl``'s PORT_MIN, PORT_BLOCKS and
+#: PORT_BLOCK_SIZE): a job takes one block of its own, the first free one from its job id on.
+PORT_MIN, PORT_BLOCKS, PORT_BLOCK_SIZE = 10000, 45, 500
+
+
 def expected_dashboard_port(job_id: str) -> int:
     """The port the job's dashboard will most likely get: the template's first choice of port block.
 
     The job moves to the next block when that one is busy on the head node, so the job log
     has the final word.
     """
-    port_min = int(os.environ.get("ORCHESTRATOR_PORT_MIN", 10000))
-    blocks = int(os.environ.get("ORCHESTRATOR_PORT_BLOCKS", 45))
-    return port_min + (int(job_id) % blocks) * 500 + 4
+    port_min = int(os.environ.get("ORCHESTRATOR_PORT_MIN", PORT_MIN))
+    blocks = int(os.environ.get("ORCHESTRATOR_PORT_BLOCKS", PORT_BLOCKS))
+    return port_min + (int(job_id) % blocks) * PORT_BLOCK_SIZE + 4
 
 
 def _write_job_dir(job: SlurmJob, spec: SweepSpec, script: str) -> Path:

@@ -35,7 +35,10 @@ import yaml
 from orchestrator.cli import build_parser, main
 from orchestrator.config import load_spec
 from orchestrator.errors import UserError
-from orchestrator.slurm import expected_dashboard_port, parse_time_limit, plan_job, render, shared_tracking_uri
+from orchestrator.slurm import (
+    DEFAULT_TEMPLATE, PORT_BLOCK_SIZE, PORT_BLOCKS, PORT_MIN, expected_dashboard_port, parse_time_limit, plan_job, render,
+    shared_tracking_uri,
+)
 from slurm_cluster import LocalSlurm, SlurmStartError
 from tests.conftest import command_env, installed_command, trial_results
 
@@ -329,9 +332,10 @@ def quiet_port_blocks(count: int) -> int:
             probe.settimeout(0.2)
             return probe.connect_ex(("127.0.0.1", port)) == 0
 
-    for base in range(10000, 32768 - 500 * count, 500):
-        checked = [p for b in range(base, base + 500 * count, 500)
-                   for p in [*range(b, b + 10), *range(b + 100, b + 500, 25)]]
+    size = PORT_BLOCK_SIZE
+    for base in range(PORT_MIN, 32768 - size * count, size):
+        checked = [p for b in range(base, base + size * count, size)
+                   for p in [*range(b, b + 10), *range(b + 100, b + size, 25)]]
         if not any(listens(port) for port in checked):
             return base
     raise RuntimeError("no quiet block of ports below 32768 on this machine")
@@ -446,6 +450,13 @@ def test_one_node_run_has_no_workers_and_returns_the_driver_status(tmp_path, fak
     assert [c["argv"][0] for c in calls if c["tool"] == "ray"] == ["get-auth-token", "start"]
     assert "driver exited with status 3" in out
     assert not [c for c in calls if c["tool"] == "scontrol" and c["argv"][0] == "requeue"]
+
+
+def test_python_predicts_ports_from_the_templates_blocks():
+    template = DEFAULT_TEMPLATE.read_text()
+    assert f"PORT_MIN=${{ORCHESTRATOR_PORT_MIN:-{PORT_MIN}}}" in template
+    assert f"PORT_BLOCKS=${{ORCHESTRATOR_PORT_BLOCKS:-{PORT_BLOCKS}}}" in template
+    assert f"PORT_BLOCK_SIZE={PORT_BLOCK_SIZE}" in template
 
 
 def test_a_busy_port_block_moves_the_job_to_the_next(tmp_path, fakes):
