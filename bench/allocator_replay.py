@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args(argv)
 
+    from orchestrator.allocator_conf import parse_alloc_conf
     from orchestrator.memory import Settings
-    from orchestrator.memory.allocator import parse_alloc_conf
     from orchestrator.memory.trace import trace_profile
 
     entry = next(e for e in (*GPU_ZOO, *CPU_ZOO) if e.name == args.model)

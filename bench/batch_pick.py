@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="emulated device on the CPU tracker (no GPU needed)")
     args = parser.parse_args(argv)
 
-    from orchestrator.device import DEFAULT_ALLOC_CONF, configure_allocator
+    from orchestrator.allocator_conf import DEFAULT_ALLOC_CONF
+    from orchestrator.device import configure_allocator
     from orchestrator.units import parse_bytes
 
     configure_allocator(DEFAULT_ALLOC_CONF)  # before CUDA initialises, as the orchestrator does
@@ -171,7 +172,7 @@ def largest_fitting(fits) -> int:
 
 def ours(entry: Entry, estimator: str, budget: int, device, on_gpu: bool, args, effective: int) -> Pick:
     from orchestrator.config import MemoryPolicy
-    from orchestrator.nvml import cuda_context_bytes
+    from orchestrator.device.nvml import cuda_context_bytes
     from orchestrator.planner import plan_with_profile
 
     policy = MemoryPolicy(
@@ -221,8 +222,7 @@ def accelerate_pick(entry: Entry, device) -> Pick:
 def lightning_pick(entry: Entry, mode: str, on_gpu: bool) -> Pick:
     try:
         import lightning.pytorch as pl
-        from lightning.pytorch.tuner import Tuner
-        from lightning.pytorch.tuner import batch_size_scaling
+        from lightning.pytorch.tuner import Tuner, batch_size_scaling
     except ImportError:
         return Pick(f"lightning {mode}", None, 0.0, 0, "not installed")
     import torch

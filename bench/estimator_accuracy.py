@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         return list_zoo([args.zoo] if args.zoo else list(ZOOS), args.models)
 
-    from orchestrator.device import DEFAULT_ALLOC_CONF, configure_allocator, effective_allocator_conf
+    from orchestrator.allocator_conf import DEFAULT_ALLOC_CONF, effective_allocator_conf
+    from orchestrator.device import configure_allocator
 
     if args.truth:
         rows = compare_with_truth(args.truth, set(args.models.split(",")) if args.models else None)
@@ -148,9 +149,9 @@ def describe_machine(on_gpu: bool) -> str:
 def run_entry(entry: Entry, on_gpu: bool, conf: str | None) -> list[dict]:
     import torch
 
+    from orchestrator.allocator_conf import parse_alloc_conf
     from orchestrator.device import CpuDevice, CudaDevice
     from orchestrator.memory import Settings, estimate
-    from orchestrator.memory.allocator import parse_alloc_conf
     from orchestrator.memory.trace import trace_profile
 
     settings = Settings(entry.precision)
@@ -423,8 +424,8 @@ def _setup_from_real_model(workload):
     from torch import nn
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from orchestrator.device.tensor_tracker import CUDA_BLOCK
     from orchestrator.memory.fake import FakeSetup
-    from orchestrator.tensor_tracker import CUDA_BLOCK
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     model, fakes = workload.build_model(), {}

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from ray_cluster import start_head, start_worker  # noqa: E402 - the tests' cluster helpers
 
-from orchestrator.node import CAPACITY_LABEL  # noqa: E402
+from orchestrator.trial.node import CAPACITY_LABEL  # noqa: E402
 
 CONFIG = "configs/multinode_cpu.yaml"
 LABELS = {CAPACITY_LABEL: "4MiB"}

@@ -484,7 +484,7 @@ def _memory(value: Any) -> MemoryPolicy:
 def _allocator_conf(value: Any) -> str | None:
     """``PYTORCH_CUDA_ALLOC_CONF`` for the trials, checked as PyTorch would check it (which only
     happens when a worker first touches CUDA, minutes into a sweep)."""
-    from orchestrator.memory.allocator import parse_alloc_conf
+    from orchestrator.allocator_conf import parse_alloc_conf
 
     conf = _optional_string(value, "memory.allocator_conf")
     try:

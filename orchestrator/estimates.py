@@ -24,41 +24,7 @@ from typing import Any, Callable
 
 from orchestrator.config import MemoryPolicy, SweepSpec
 from orchestrator.memory import MemoryProfile, Settings
-
-
-class ProfileCache:
-    """Profiles of one workload by planner settings, estimated when first asked for.
-
-    ``known`` holds profiles made elsewhere (the driver's); a setting that is not there is
-    estimated here. ``None`` marks a setting whose estimation failed, with the reason in ``errors``.
-    """
-
-    def __init__(self, workload, policy: MemoryPolicy, target: str, device=None,
-                 known: dict[Settings, MemoryProfile | None] | None = None):
-        self.workload, self.policy, self.target, self.device = workload, policy, target, device
-        self.cache: dict[Settings, MemoryProfile | None] = dict(known or {})
-        self.errors: dict[Settings, str] = {}
-
-    def get(self, settings: Settings) -> MemoryProfile | None:
-        from orchestrator.device import effective_allocator_conf
-        from orchestrator.memory import EstimationError, estimate
-
-        if settings not in self.cache:
-            try:
-                self.cache[settings] = estimate(
-                    self.workload, self.policy.estimator, settings, target=self.target,
-                    fragmentation=self.policy.fragmentation, device=self.device,
-                    allocator_conf=effective_allocator_conf(self.policy.allocator_conf),
-                )
-            except EstimationError as exc:
-                self.cache[settings] = None
-                self.errors[settings] = str(exc)
-        return self.cache[settings]
-
-    def shareable(self) -> dict[Settings, MemoryProfile]:
-        """The profiles a worker of the same target can use as they are: made by the configured
-        estimator itself (a fallback made here without a device is not what the worker would make)."""
-        return {s: p for s, p in self.cache.items() if p is not None and p.estimator == self.policy.estimator}
+from orchestrator.memory.cache import ProfileCache
 
 
 def memory_signature(config: dict[str, Any], policy: MemoryPolicy, target: str) -> str:
@@ -69,7 +35,7 @@ def memory_signature(config: dict[str, Any], policy: MemoryPolicy, target: str) 
     is the one the trial's process runs with (an exported ``PYTORCH_CUDA_ALLOC_CONF`` wins over
     ``memory.allocator_conf``): the trace replays its allocations through a model of it.
     """
-    from orchestrator.device import effective_allocator_conf
+    from orchestrator.allocator_conf import effective_allocator_conf
     from trainables.workload import resolve_workload
 
     cls = resolve_workload(config["workload"])

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from orchestrator.oom import OOM_MESSAGES
+from orchestrator.contract import OOM_MESSAGES
 
 _GAVE_UP = ("OomRetriesExhausted",)
 _WORKER_DIED = ("RayActorError", "actor died unexpectedly", "ActorDiedError")
@@ -33,10 +33,6 @@ _MEMORY_MONITOR = re.compile(r"killed due to the node running low on memory|ray\
 
 #: ``package.module.SomeError: message`` (the module path is dropped when shown)
 _EXCEPTION_LINE = re.compile(r"^(?:\w+\.)*(\w+(?:Error|Exception|Exhausted|Refused)\b.*: .*)$")
-
-
-class NotRetriedError(RuntimeError):
-    """A trial's restart that fails at once: its earlier error is one a retry would not fix."""
 
 
 def last_failure(error_file: str | None) -> str:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from orchestrator import nvml
 from orchestrator.config import SweepSpec
+from orchestrator.device import nvml
 from orchestrator.errors import UserError
 
 
@@ -41,7 +41,7 @@ def auto_gpu_resources(spec: SweepSpec, estimates) -> Callable[[dict[str, Any]],
     (``orchestrator.estimates``), request its share."""
     from ray.tune import PlacementGroupFactory
 
-    from orchestrator.estimates import ProfileCache
+    from orchestrator.memory.cache import ProfileCache
     from orchestrator.planner import make_plan
     from trainables.workload import build_workload
 

@@ -33,7 +33,8 @@ from orchestrator.units import parse_bytes
 
 def plan_command(args) -> int:
     from orchestrator.config import load_spec
-    from orchestrator.estimates import ProfileCache, describe_signature, estimate_trials, memory_signature
+    from orchestrator.estimates import describe_signature, estimate_trials, memory_signature
+    from orchestrator.memory.cache import ProfileCache
     from orchestrator.memory.failure import summary
     from orchestrator.planner import plan_for_ranks, plan_with_profile
     from orchestrator.preflight import check_workloads
@@ -108,8 +109,7 @@ def _target_and_budget(spec, policy, device_memory: str | None) -> tuple[str, in
         return "cpu", policy.budget
     if policy.budget is not None:
         return "cuda", policy.budget
-    from orchestrator import nvml
-
+    from orchestrator.device import nvml
     info = nvml.gpu_info(0)
     if info is None:
         raise UserError(

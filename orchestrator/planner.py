@@ -27,8 +27,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Callable
 
-from orchestrator.estimates import ProfileCache
 from orchestrator.memory import EstimationError, MemoryProfile, Settings
+from orchestrator.memory.cache import ProfileCache
 from orchestrator.memory.parallel import DataParallel
 from orchestrator.units import GiB, gib, human
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.device import MEMORY_LABELS
+from orchestrator.contract import MEMORY_LABELS
 from orchestrator.errors import UserError
 from orchestrator.table import format_table
 from orchestrator.tracking import ROLE_TAG, STEP_METRIC, SWEEP_ID_TAG, sqlite_path

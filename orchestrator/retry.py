@@ -22,11 +22,15 @@ from __future__ import annotations
 
 from ray.tune.schedulers import TrialScheduler
 
-from orchestrator.failures import classify, exception_line, gave_up_message, last_failure, pickled_failure
-from orchestrator.oom import take_oom_evidence
-from trainables.trainable import (
-    NOT_RETRIED_KEY, OOM_GAVE_UP_KEY, OOM_SHRINKS_KEY, OTHER_FAILURES_KEY, RESTART_REASON_KEY,
+from orchestrator.contract import (
+    NOT_RETRIED_KEY,
+    OOM_GAVE_UP_KEY,
+    OOM_SHRINKS_KEY,
+    OTHER_FAILURES_KEY,
+    RESTART_REASON_KEY,
 )
+from orchestrator.failures import classify, exception_line, gave_up_message, last_failure, pickled_failure
+from orchestrator.trial.evidence import take_oom_evidence
 
 
 class OomAwareScheduler(TrialScheduler):

@@ -19,12 +19,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from orchestrator.capacity import WaitForNodes, alive_nodes, check_local_node, check_schedulable, local_node, trial_request
+from orchestrator.capacity import (
+    WaitForNodes,
+    alive_nodes,
+    check_local_node,
+    check_schedulable,
+    local_node,
+    trial_request,
+)
 from orchestrator.config import SweepSpec, folder_name, load_spec
-from orchestrator.device import MEMORY_LABELS
+from orchestrator.contract import MEMORY_LABELS, describe_moves
 from orchestrator.errors import UserError
 from orchestrator.failures import exception_line
-from orchestrator.node import describe_moves
 from orchestrator.outcome import INTERRUPTED, TERMINATED, SweepRecord, TrackingDelivery, recording, trial_status
 from orchestrator.preflight import check_shared_storage, check_storage, check_workloads, taken_back_if_refused
 from orchestrator.ray_token import secure_token_files
@@ -344,7 +350,7 @@ def _trainable(spec: SweepSpec, estimates):
     from ray import tune
 
     from orchestrator.packing import auto_gpu_resources
-    from trainables.trainable import train_trial
+    from orchestrator.trial.trainable import train_trial
 
     trainable = tune.with_parameters(train_trial, spec=spec, estimates=estimates)
     if spec.resources.gpu == "auto":

@@ -42,9 +42,9 @@ import yaml
 from ray import tune
 
 from orchestrator.config import Domain, SweepSpec
+from orchestrator.contract import describe_moves
 from orchestrator.errors import UserError
 from orchestrator.failures import exception_line, last_failure
-from orchestrator.node import describe_moves
 from orchestrator.outcome import TrackingDelivery, current_record, sweep_run_status, trial_status
 from orchestrator.preflight import check_new_database
 

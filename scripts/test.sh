@@ -15,4 +15,6 @@ for installer in scripts/install_slurm.sh scripts/install_browser.sh; do
   [[ -f "$installer" ]] && bash "$installer"
 done
 export MLFLOW_DISABLE_TELEMETRY=true RAY_USAGE_STATS_ENABLED=0
+# The layers of pyproject.toml [tool.importlinter]: an import against them fails before any test runs.
+.venv/bin/lint-imports --no-cache
 exec .venv/bin/python -m pytest "$@"

@@ -6,8 +6,9 @@ import dataclasses
 import pytest
 
 from orchestrator.config import parse_spec
-from orchestrator.estimates import ProfileCache, estimate_trials, memory_signature, planning_target
+from orchestrator.estimates import estimate_trials, memory_signature, planning_target
 from orchestrator.memory import Settings
+from orchestrator.memory.cache import ProfileCache
 from orchestrator.planner import plan_with_profile
 from orchestrator.space import memory_configs
 from trainables.mlp import MLPWorkload

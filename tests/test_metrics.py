@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import requests
+from ports import free_ports
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.metrics import TrialMetrics
-from ports import free_ports
+from orchestrator.trial.metrics import TrialMetrics
 
 EPOCH = {
     "predicted_peak_bytes": 1_000_000, "peak_allocated_bytes": 800_000, "peak_reserved_bytes": 900_000,

@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 
 import pytest
+from ray_cluster import alive_node_names, descendants, start_head, start_worker
 
 from orchestrator.errors import UserError
-from orchestrator.node import CAPACITY_LABEL
 from orchestrator.preflight import check_shared_storage
-from ray_cluster import alive_node_names, descendants, start_head, start_worker
+from orchestrator.trial.node import CAPACITY_LABEL
 from tests.conftest import trial_results
 
 ROOT = Path(__file__).resolve().parent.parent

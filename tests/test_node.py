@@ -2,7 +2,8 @@
 
 import pytest
 
-from orchestrator.node import CAPACITY_LABEL, Move, NodeInfo, describe_moves, left_its_node, restart_reason
+from orchestrator.contract import Move, describe_moves
+from orchestrator.trial.node import CAPACITY_LABEL, NodeInfo, left_its_node, restart_reason
 
 MiB = 2**20
 

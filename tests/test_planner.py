@@ -6,11 +6,11 @@ import json
 
 import pytest
 
+from orchestrator.allocator_conf import parse_alloc_conf
 from orchestrator.config import MemoryPolicy, Stop
 from orchestrator.device import EmulatedDevice
-from orchestrator.estimates import ProfileCache
 from orchestrator.memory import MemoryProfile, PhaseProfile, Settings
-from orchestrator.memory.allocator import parse_alloc_conf
+from orchestrator.memory.cache import ProfileCache
 from orchestrator.memory.sequence import TrialSequence, fit_log
 from orchestrator.planner import Plan, make_plan, next_reduction, plan_for_ranks
 from trainables.cnn import CNNWorkload

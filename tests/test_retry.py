@@ -6,12 +6,18 @@ import cloudpickle
 from ray.exceptions import ActorDiedError
 from ray.tune.schedulers import FIFOScheduler
 
-from orchestrator.failures import classify, exception_line, last_failure, pickled_failure
-from orchestrator.oom import OOM_EVIDENCE_FILE, OomEvent, write_oom_evidence
-from orchestrator.retry import OomAwareScheduler
-from trainables.trainable import (
-    NOT_RETRIED_KEY, OOM_GAVE_UP_KEY, OOM_SHRINKS_KEY, OTHER_FAILURES_KEY, RESTART_REASON_KEY,
+from orchestrator.contract import (
+    NOT_RETRIED_KEY,
+    OOM_EVIDENCE_FILE,
+    OOM_GAVE_UP_KEY,
+    OOM_SHRINKS_KEY,
+    OTHER_FAILURES_KEY,
+    RESTART_REASON_KEY,
+    OomEvent,
 )
+from orchestrator.failures import classify, exception_line, last_failure, pickled_failure
+from orchestrator.retry import OomAwareScheduler
+from orchestrator.trial.evidence import write_oom_evidence
 
 
 def _trial(tmp_path, text, config=None, failures=1, max_failures=3, error=None):

@@ -1,7 +1,7 @@
 """What a worker remembers between the trials it runs (the sweeps that reuse workers are in
 ``test_trainable.py``)."""
 
-from trainables.reuse import WorkerHistory
+from orchestrator.trial.reuse import WorkerHistory
 
 
 def test_a_reused_workers_budget_adds_back_its_own_cuda_context():

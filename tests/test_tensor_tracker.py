@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from orchestrator.tensor_tracker import StorageTracker
+from orchestrator.device.tensor_tracker import StorageTracker
 
 
 def test_the_log_opens_with_existing_tensors_and_records_allocations_and_frees():

@@ -23,9 +23,9 @@ from ray.tune.execution.tune_controller import TuneController
 from ray.tune.experiment import Trial
 from ray.tune.schedulers import FIFOScheduler
 
-from orchestrator.oom import OomEvent, write_oom_evidence
+from orchestrator.contract import NOT_RETRIED_KEY, OOM_SHRINKS_KEY, OomEvent
 from orchestrator.retry import OomAwareScheduler
-from trainables.trainable import NOT_RETRIED_KEY, OOM_SHRINKS_KEY
+from orchestrator.trial.evidence import write_oom_evidence
 
 
 class Controller:

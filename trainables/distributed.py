@@ -35,12 +35,15 @@ import torch
 import torch.distributed as dist
 
 from orchestrator.device import Device
-from orchestrator.memory.parallel import BUCKET_CAP_BYTES
-from orchestrator.oom import is_oom
+from orchestrator.device.oom import is_oom
 from trainables.data import Shard
 from trainables.loop import LoopPlan, LoopSettings, Milestone, Trainer, seed_generators, step_seed
 from trainables.step import accumulate_gradients, apply_gradients
 from trainables.workload import Workload
+
+#: DDP's default ``bucket_cap_mb`` (25 MiB), which our exchange uses too
+#: (``orchestrator.memory.parallel`` plans each rank's memory for it).
+BUCKET_CAP_BYTES = 25 * 2**20
 
 #: How long a rank waits in a collective for a peer that neither arrives nor dies (a dead peer's
 #: closed connection fails the collective at once). Longer than any one step or evaluation.

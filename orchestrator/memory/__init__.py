@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from orchestrator.device import DEFAULT_ALLOC_CONF
-from orchestrator.memory.allocator import parse_alloc_conf
+from orchestrator.allocator_conf import DEFAULT_ALLOC_CONF, parse_alloc_conf
 from orchestrator.memory.failure import summary
 from orchestrator.memory.fake import Untraceable
 from orchestrator.memory.measured import MeasurementFailed, measured_profile

@@ -22,11 +22,11 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
+from orchestrator.device.tensor_tracker import CUDA_BLOCK, StorageTracker
 from orchestrator.memory.construction import build_fake
 from orchestrator.memory.cuda_emulation import cuda_semantics, mha_fast_path
 from orchestrator.memory.failure import where
 from orchestrator.memory.workspaces import KernelWorkspaces
-from orchestrator.tensor_tracker import CUDA_BLOCK, StorageTracker
 from trainables.workload import Workload
 
 

@@ -166,7 +166,7 @@ def measured_profile(
         raise MeasurementFailed("fewer than two probe batch sizes fit on the device: " + "; ".join(notes))
     notes.insert(0, f"measured on {device.kind} at batch sizes {', '.join(map(str, sizes))}")
     if on_gpu:
-        from orchestrator.nvml import cuda_context_bytes
+        from orchestrator.device.nvml import cuda_context_bytes
 
         extra = {"context": cuda_context_bytes(device.torch_device.index or 0), "workspace": CUBLAS_WORKSPACE_BYTES}
     else:

@@ -20,9 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.memory.profile import MemoryProfile
-
-#: DDP's default ``bucket_cap_mb`` (25 MiB), which our exchange uses too.
-BUCKET_CAP_BYTES = 25 * 2**20
+from trainables.distributed import BUCKET_CAP_BYTES
 
 
 @dataclass(frozen=True)

@@ -228,7 +228,7 @@ def overheads(target: str, fragmentation: float, *, measured_context: int | None
     """
     if target != "cuda":
         return {"context": 0, "workspace": 0, "fragmentation": 0.0}
-    from orchestrator.nvml import DEFAULT_CUDA_CONTEXT_BYTES
+    from orchestrator.device.nvml import DEFAULT_CUDA_CONTEXT_BYTES
 
     return {
         "context": DEFAULT_CUDA_CONTEXT_BYTES if measured_context is None else measured_context,

@@ -24,13 +24,13 @@ import os
 import torch
 from torch.utils._pytree import tree_leaves
 
+from orchestrator.device.tensor_tracker import CUDA_BLOCK, StorageTracker
 from orchestrator.memory.construction import HostOrMeta
 from orchestrator.memory.failure import summary
 from orchestrator.memory.fake import Untraceable, describe, fake_setup, running
 from orchestrator.memory.fit import line_through
 from orchestrator.memory.phases import Phase, enter_phase, phases_of
 from orchestrator.memory.profile import MemoryProfile, PhaseProfile, Settings, overheads
-from orchestrator.tensor_tracker import CUDA_BLOCK, StorageTracker
 from orchestrator.units import human
 from trainables.step import autocast
 from trainables.workload import Workload, sample_batch, to_device

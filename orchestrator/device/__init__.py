@@ -20,7 +20,8 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-from orchestrator.tensor_tracker import StorageTracker
+from orchestrator.allocator_conf import ALLOC_CONF_VARIABLES
+from orchestrator.device.tensor_tracker import StorageTracker
 from orchestrator.units import human
 
 #: How tables and plots name each kind of reading (``MemoryReading.source``).
@@ -30,8 +31,6 @@ MEMORY_LABELS = {"cuda_allocator": "reserved", "cpu_tensor_tracker": "tensor byt
 CPU_SAMPLED_STEPS = 2
 CPU_SAMPLE_EVERY_S = 1.0
 
-#: What the allocator-settings knob defaults to; fragmentation 1.39 -> 1.07 on GPT-2 (FACTS.md).
-DEFAULT_ALLOC_CONF = "expandable_segments:True"
 
 
 @dataclass(frozen=True)
@@ -244,8 +243,7 @@ class CudaDevice(Device):
         return int(total * self._fraction) if self._fraction is not None else total
 
     def reading(self) -> MemoryReading:
-        from orchestrator import nvml
-
+        from orchestrator.device import nvml
         info = nvml.gpu_info(self.torch_device.index or 0)
         return MemoryReading(
             self.kind,
@@ -255,10 +253,6 @@ class CudaDevice(Device):
         )
 
 
-#: Where PyTorch reads its allocator settings, the first one set winning (the second is the older name).
-ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
-
-
 def configure_allocator(alloc_conf: str | None) -> None:
     """Set ``PYTORCH_CUDA_ALLOC_CONF`` before CUDA initialises (it is read once, at first use).
 
@@ -266,11 +260,6 @@ def configure_allocator(alloc_conf: str | None) -> None:
     """
     if alloc_conf and not any(v in os.environ for v in ALLOC_CONF_VARIABLES):
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
-
-
-def effective_allocator_conf(alloc_conf: str | None) -> str | None:
-    """The allocator settings a trial's process will run with: an exported one, else ``alloc_conf``."""
-    return next((os.environ[v] for v in ALLOC_CONF_VARIABLES if v in os.environ), alloc_conf)
 
 
 def open_device(kind: str, *, capacity: int | None = None, memory_fraction: float | None = None) -> Device:

@@ -1,4 +1,4 @@
-"""The Ray Tune trainable: one trial, planned for its memory, surviving its OOMs.
+"""One trial in its Ray worker: planned for its memory, surviving its OOMs.
 
 Read :meth:`TrialRun.run` top to bottom for the story of a trial: open the device, take the
 plan (from the last checkpoint when resuming, else from the estimator), train, and report at
@@ -10,70 +10,33 @@ optimisation; only how it is cut into micro-batches does.
 
 from __future__ import annotations
 
-import glob
 import os
-import shutil
-import tempfile
 from typing import Any
 
 import torch
 
-from orchestrator import nvml
 from orchestrator.config import SweepSpec
-from orchestrator.device import CudaDevice, Device, configure_allocator, open_device
-from orchestrator.estimates import Estimates, ProfileCache
-from orchestrator.failures import NotRetriedError
-from orchestrator.node import Move, current_node, left_its_node, restart_reason
-from orchestrator.oom import (
-    OomEvent, OomRetriesExhausted, bytes_requested, clear_oom_evidence, is_oom, release_memory, storage_trial_folder,
-    write_oom_evidence,
-)
+from orchestrator.contract import OOM_SHRINKS_KEY, RESTART_REASON_KEY, STATE_FILE, Move, OomEvent
+from orchestrator.device import CudaDevice, Device, configure_allocator, nvml, open_device
+from orchestrator.device.oom import bytes_requested, is_oom, release_memory
+from orchestrator.estimates import Estimates
+from orchestrator.memory.cache import ProfileCache
 from orchestrator.planner import Plan, make_plan, next_reduction
+from orchestrator.trial.checkpoint import LocalCheckpoints
+from orchestrator.trial.errors import OomRetriesExhausted
+from orchestrator.trial.evidence import clear_oom_evidence, storage_trial_folder, write_oom_evidence
+from orchestrator.trial.node import current_node, left_its_node, restart_reason
+from orchestrator.trial.reuse import HISTORY
 from orchestrator.units import human
 from trainables.loop import LoopSettings, Milestone, Trainer
-from trainables.reuse import HISTORY
 from trainables.workload import build_workload
-
-#: Config key the OOM-aware scheduler sets when Tune restarts a trial after its worker died of
-#: an OOM: the number of reductions the restarted trial must apply on top of its checkpoint's plan.
-OOM_SHRINKS_KEY = "_oom_shrinks"
-#: Set by the scheduler after this trial gave up on OOMs, so that the restart Tune insists on
-#: fails at once instead of training into the same OOM again.
-OOM_GAVE_UP_KEY = "_oom_gave_up"
-#: How often the trial failed for a reason other than memory (counted by the scheduler).
-OTHER_FAILURES_KEY = "_other_failures"
-#: Set by the scheduler, with the error's line, when such failures exceed the sweep's
-#: ``max_failures``: the restart fails at once instead of running into the same bug again.
-NOT_RETRIED_KEY = "_not_retried"
-#: Set by the scheduler when Tune restarts a trial whose worker or node died (not of memory): the
-#: kind of failure, for the trial to say why it moved should it resume on another node.
-RESTART_REASON_KEY = "_restart_reason"
-STATE_FILE = "state.pt"
-
-
-def train_trial(config: dict[str, Any], spec: SweepSpec, estimates: Estimates | None = None) -> None:
-    """Tune entry point (wrapped with ``tune.with_parameters(train_trial, spec=spec, estimates=...)``:
-    ``estimates`` are the driver's memory profiles, ``orchestrator.estimates``)."""
-    if config.get(OOM_GAVE_UP_KEY):
-        raise OomRetriesExhausted(config[OOM_GAVE_UP_KEY])
-    if config.get(NOT_RETRIED_KEY):
-        raise NotRetriedError(
-            f"{config[NOT_RETRIED_KEY]} (failed {config.get(OTHER_FAILURES_KEY, 1)} time(s); errors other "
-            f"than out-of-memory are retried at most max_failures={spec.max_failures} time(s))"
-        )
-    if spec.resources.workers > 1:
-        from trainables.group import GroupTrialRun
-
-        GroupTrialRun(config, spec, estimates).run()
-        return
-    TrialRun(config, spec, estimates).run()
 
 
 class TrialRun:
     def __init__(self, config: dict[str, Any], spec: SweepSpec, estimates: Estimates | None = None):
         from ray import tune
 
-        from orchestrator.metrics import TrialMetrics
+        from orchestrator.trial.metrics import TrialMetrics
 
         self.config = config
         self.spec = spec
@@ -95,8 +58,7 @@ class TrialRun:
             release_memory()  # a reused worker: the previous trial's cached blocks go back first
             self.gpu_free_before_context = HISTORY.gpu_free_before_context(self._gpu_free())
         self.device = self._open_device()
-        self.scratch = _fresh_scratch(trial_id)
-        self.local_checkpoint: str | None = None  # folder of the newest checkpoint, this process's copy
+        self.checkpoints = LocalCheckpoints(trial_id)
         self.events: list[OomEvent] = []
         self.evidence_folder = storage_trial_folder()  # where an OOM being recovered from is written down
         self.evidence_written = False
@@ -114,7 +76,7 @@ class TrialRun:
                 self.device.reset_peak()  # not the peak of the trial this worker ran before
                 self._train()
         finally:
-            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.checkpoints.remove()
             self._remember_cuda_context()
 
     def _train(self) -> None:
@@ -146,10 +108,9 @@ class TrialRun:
         if checkpoint is None:
             plan = self._plan_from_estimates(self._profiles())
         else:
-            self.local_checkpoint = tempfile.mkdtemp(prefix="checkpoint-", dir=self.scratch)
             with checkpoint.as_directory() as folder:
-                shutil.copy(os.path.join(folder, STATE_FILE), self.local_checkpoint)
-            saved = self._saved_state(map_location="cpu")
+                self.checkpoints.adopt(os.path.join(folder, STATE_FILE))
+            saved = self.checkpoints.load(map_location="cpu")
             plan = Plan.from_dict(saved["plan"])
             self.events = [OomEvent.from_dict(e) for e in saved["oom_events"]]
             self.applied_shrinks = saved["applied_shrinks"]
@@ -203,12 +164,9 @@ class TrialRun:
     def _new_trainer(self) -> Trainer:
         seed = self.config.get("seed", self.spec.seed)
         trainer = Trainer(self.workload, self.device, self.plan, self.loop_settings, seed=seed)
-        if self.local_checkpoint is not None:
-            trainer.load_state_dict(self._saved_state(map_location=self.device.torch_device)["trainer"])
+        if self.checkpoints.newest is not None:
+            trainer.load_state_dict(self.checkpoints.load(map_location=self.device.torch_device)["trainer"])
         return trainer
-
-    def _saved_state(self, map_location) -> dict:
-        return torch.load(os.path.join(self.local_checkpoint, STATE_FILE), map_location=map_location, weights_only=False)
 
     def _oom_event(self, trainer: Trainer, exc: BaseException) -> OomEvent:
         return OomEvent(
@@ -247,24 +205,16 @@ class TrialRun:
         if not milestone.checkpoint:
             tune.report(metrics)
             return
-        folder = self._save_checkpoint(trainer)
+        folder = self.checkpoints.save(self._state(trainer))
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(folder))
-        if self.local_checkpoint is not None:
-            shutil.rmtree(self.local_checkpoint, ignore_errors=True)
-        self.local_checkpoint = folder
 
-    def _save_checkpoint(self, trainer: Trainer) -> str:
-        """A new folder in the scratch holding everything needed to continue exactly here."""
-        folder = tempfile.mkdtemp(prefix="checkpoint-", dir=self.scratch)
-        torch.save(
-            {
-                "trainer": trainer.state_dict(), "plan": self.plan.to_dict(),
-                "oom_events": [e.to_dict() for e in self.events], "applied_shrinks": self.applied_shrinks,
-                "node_id": self.node.node_id, "node_name": self.node.name, "moves": [m.to_dict() for m in self.moves],
-            },
-            os.path.join(folder, STATE_FILE),
-        )
-        return folder
+    def _state(self, trainer: Trainer) -> dict:
+        """Everything needed to continue exactly here."""
+        return {
+            "trainer": trainer.state_dict(), "plan": self.plan.to_dict(),
+            "oom_events": [e.to_dict() for e in self.events], "applied_shrinks": self.applied_shrinks,
+            "node_id": self.node.node_id, "node_name": self.node.name, "moves": [m.to_dict() for m in self.moves],
+        }
 
     def _report_refusal(self) -> None:
         """A refused trial reports once, with its reason, and ends without training."""
@@ -368,18 +318,6 @@ class TrialRun:
         if capacity is None:
             return self.policy.budget  # the CPU: unbounded unless the config says otherwise
         return min(self.policy.budget, capacity) if self.policy.budget else capacity
-
-
-def _fresh_scratch(trial_id: str) -> str:
-    """A temporary folder for this attempt of the trial, removed when it ends in any state.
-
-    A worker that was killed could not remove its own; the trial's next attempt on this node
-    removes it.
-    """
-    prefix = f"orchestrator-{trial_id}-"
-    for stale in glob.glob(os.path.join(tempfile.gettempdir(), prefix + "*")):
-        shutil.rmtree(stale, ignore_errors=True)
-    return tempfile.mkdtemp(prefix=prefix)
 
 
 def _describe_change(old: Plan, new: Plan) -> str:

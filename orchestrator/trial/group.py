@@ -29,9 +29,7 @@ have to be rebuilt on top of its. A placement group and ``torch.distributed`` ar
 from __future__ import annotations
 
 import os
-import shutil
 import socket
-import tempfile
 from dataclasses import replace
 from typing import Any
 
@@ -39,14 +37,18 @@ import ray
 import torch
 
 from orchestrator.config import SweepSpec
+from orchestrator.contract import STATE_FILE, OomEvent
 from orchestrator.device import Device, configure_allocator
-from orchestrator.estimates import Estimates, ProfileCache
-from orchestrator.node import NodeInfo, current_node
-from orchestrator.oom import OomEvent, OomRetriesExhausted, is_oom
+from orchestrator.device.oom import is_oom
+from orchestrator.estimates import Estimates
+from orchestrator.memory.cache import ProfileCache
 from orchestrator.planner import Plan, plan_for_ranks
+from orchestrator.trial.checkpoint import LocalCheckpoints
+from orchestrator.trial.errors import OomRetriesExhausted
+from orchestrator.trial.node import NodeInfo, current_node
+from orchestrator.trial.run import TrialRun
 from trainables.distributed import DistributedTrainer, GroupFailure, GroupOutOfMemory, RankGroup, failed_rank
 from trainables.loop import LoopSettings, Milestone, Trainer
-from trainables.trainable import STATE_FILE, TrialRun, _fresh_scratch
 from trainables.workload import build_workload
 
 #: How long rank 0 waits, after its group failed, for Ray to say which rank's actor died.
@@ -81,8 +83,8 @@ class _GroupRank:
         trainer = failure = None
         try:
             trainer = DistributedTrainer(self.workload, self.device, self.plan, self.loop_settings, seed, self.group)
-            if self.local_checkpoint is not None:
-                trainer.load_state_dict(self._saved_state(map_location=self.device.torch_device)["trainer"])
+            if self.checkpoints.newest is not None:
+                trainer.load_state_dict(self.checkpoints.load(map_location=self.device.torch_device)["trainer"])
         except Exception as exc:  # noqa: BLE001 - agreed on, then raised on every rank
             failure = exc
         self.group.agree(failure, "setup", 0)
@@ -186,9 +188,9 @@ class RankRun(_GroupRank, TrialRun):
 
     def __init__(self, config: dict[str, Any], spec: SweepSpec, trial_id: str, group_address: str, rank: int,
                  ranks: int, state: bytes | None):
-        from orchestrator import nvml
-        from orchestrator.oom import release_memory
-        from trainables.reuse import HISTORY
+        from orchestrator.device import nvml
+        from orchestrator.device.oom import release_memory
+        from orchestrator.trial.reuse import HISTORY
 
         self.config, self.spec, self.estimates = config, spec, None
         self.rank, self.ranks = rank, ranks
@@ -211,12 +213,9 @@ class RankRun(_GroupRank, TrialRun):
             RankGroup.join_and_leave(rank, ranks, group_address, _backend(self.policy))
             raise
         self.metrics = None
-        self.scratch = _fresh_scratch(f"{trial_id}-rank{rank}")
-        self.local_checkpoint = None
+        self.checkpoints = LocalCheckpoints(f"{trial_id}-rank{rank}")
         if state is not None:
-            self.local_checkpoint = tempfile.mkdtemp(prefix="checkpoint-", dir=self.scratch)
-            with open(os.path.join(self.local_checkpoint, STATE_FILE), "wb") as f:
-                f.write(state)
+            self.checkpoints.adopt(data=state)
         self.events: list[OomEvent] = []
         self.evidence_folder, self.evidence_written = None, False  # rank 0 writes the group's evidence
         self.applied_shrinks = 0
@@ -241,10 +240,7 @@ class RankRun(_GroupRank, TrialRun):
     def _report(self, trainer: Trainer, milestone: Milestone) -> None:
         if not milestone.checkpoint:
             return
-        folder = self._save_checkpoint(trainer)
-        if self.local_checkpoint is not None:
-            shutil.rmtree(self.local_checkpoint, ignore_errors=True)
-        self.local_checkpoint = folder
+        self.checkpoints.save(self._state(trainer))
 
     def _report_refusal(self) -> None:
         return None  # rank 0 reports it

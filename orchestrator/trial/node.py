@@ -19,7 +19,7 @@ in resource accounting as a custom resource would.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.units import parse_bytes
@@ -47,28 +47,6 @@ class NodeInfo:
             raise ValueError(f"node {self.name}: label {CAPACITY_LABEL}={declared!r}: {exc}") from None
 
 
-@dataclass(frozen=True)
-class Move:
-    """A trial that resumed on another node than the one its checkpoint was made on."""
-
-    from_node: str
-    to_node: str
-    epoch: int  # the checkpoint's epoch it resumed from
-    reason: str  # why it stopped where it was ("node node-b lost", "worker died")
-    replanned: str = ""  # "64 x 2 -> 32 x 4 (budget 96.0 MiB -> 48.0 MiB)" when the new node is smaller
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Move":
-        return cls(**d)
-
-    def describe(self) -> str:
-        text = f"moved {self.from_node}->{self.to_node} at epoch {self.epoch}: {self.reason}"
-        return text + (f"; re-planned {self.replanned}" if self.replanned else "")
-
-
 def current_node() -> NodeInfo:
     """This process's node (inside a Ray worker or driver)."""
     import ray
@@ -92,11 +70,6 @@ def left_its_node(saved: dict[str, Any], node: NodeInfo) -> bool:
     if "node_name" in saved:
         return saved["node_name"] != node.name
     return saved.get("node_id", node.node_id) != node.node_id
-
-
-def describe_moves(moves: list[dict[str, Any]]) -> str:
-    """The moves a trial's last result lists, for the final table and MLflow."""
-    return "; ".join(Move.from_dict(m).describe() for m in moves)
 
 
 #: How long a trial that resumed elsewhere after its node stopped answering waits for Ray's

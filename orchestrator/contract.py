@@ -1,0 +1,111 @@
+"""What the driver and a trial's worker agree on, in a module that imports neither torch nor Ray.
+
+The driver (``run``, the retry scheduler, MLflow tracking, the tables, ``report``) and the
+trial runtime (``orchestrator.trial``) run in different processes and talk through Tune: the
+trial's config (the scheduler's restart keys), its reports (OOM events, moves), its checkpoint
+folder (the state file) and its storage folder (the OOM evidence file). Every name both sides
+read lives here, once, so neither side imports the other's machinery to learn a string.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any
+
+# -- the trial's config keys that the retry scheduler sets before Tune restarts a trial ---------
+
+#: The number of plan reductions a restarted trial applies on top of its checkpoint's plan, set
+#: when its worker died of an OOM it could not recover from in-process.
+OOM_SHRINKS_KEY = "_oom_shrinks"
+#: Set after the trial gave up on OOMs, so that the restart Tune insists on fails at once
+#: instead of training into the same OOM again.
+OOM_GAVE_UP_KEY = "_oom_gave_up"
+#: How often the trial failed for a reason other than memory.
+OTHER_FAILURES_KEY = "_other_failures"
+#: Set, with the error's line, when such failures exceed the sweep's ``max_failures``: the
+#: restart fails at once instead of running into the same bug again.
+NOT_RETRIED_KEY = "_not_retried"
+#: The kind of failure (``worker_died``, ``node_died``, ``node_unreachable``) when a trial's
+#: worker or node died of something other than memory: why it moved, should it resume elsewhere.
+RESTART_REASON_KEY = "_restart_reason"
+RESTART_KEYS = (OOM_SHRINKS_KEY, OOM_GAVE_UP_KEY, OTHER_FAILURES_KEY, NOT_RETRIED_KEY, RESTART_REASON_KEY)
+
+# -- files -------------------------------------------------------------------------------------
+
+#: The one file of a trial's checkpoint folder: model, optimizer, position, plan, OOM events.
+STATE_FILE = "state.pt"
+#: In the trial's folder on the storage path: the OOM event a trial is recovering from. Written
+#: when the trial catches an OOM, before it releases the failed attempt and builds the next, and
+#: removed once the recovery reports; a worker that dies in between (a CUDA context an OOM left
+#: unusable) leaves it behind, which is how the driver knows that death was about memory.
+OOM_EVIDENCE_FILE = "oom_before_death.json"
+
+# -- memory ------------------------------------------------------------------------------------
+
+#: How each kind of device measures the peak a report carries, as the tables label it.
+MEMORY_LABELS = {"cuda_allocator": "reserved", "cpu_tensor_tracker": "tensor bytes", "emulated": "emulated"}
+
+#: Messages of allocation failures that do not come as ``torch.OutOfMemoryError`` (cuBLAS/cuDNN
+#: workspaces, the CUDA driver itself): the trial recognises an OOM by them, the driver reads
+#: them in a dead trial's error text.
+OOM_MESSAGES = re.compile(
+    r"out of memory|CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED|cudaErrorMemoryAllocation",
+    re.IGNORECASE,
+)
+
+
+@dataclass(frozen=True)
+class OomEvent:
+    """One out-of-memory failure and what was done about it. It travels with the trial: in its
+    checkpoints, its reports, MLflow and, when retries run out, its error."""
+
+    phase: str  # "train" | "eval"
+    epoch: int  # 0-based epoch in which it happened
+    step: int  # optimizer step (train) or eval batch index within that epoch
+    micro_batch: int
+    eval_batch: int
+    bytes_requested: int | None
+    bytes_allocated: int
+    bytes_reserved: int | None
+    message: str
+    action: str = ""  # what was done about it: the reduction applied, or "gave up"
+    rank: int | None = None  # in a data-parallel trial, the rank that ran out (the lowest, when several did)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "OomEvent":
+        return cls(**data)
+
+
+# -- nodes -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Move:
+    """A trial that resumed on another node than the one its checkpoint was made on."""
+
+    from_node: str
+    to_node: str
+    epoch: int  # the checkpoint's epoch it resumed from
+    reason: str  # why it stopped where it was ("node node-b lost", "worker died")
+    replanned: str = ""  # "64 x 2 -> 32 x 4 (budget 96.0 MiB -> 48.0 MiB)" when the new node is smaller
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Move":
+        return cls(**d)
+
+    def describe(self) -> str:
+        text = f"moved {self.from_node}->{self.to_node} at epoch {self.epoch}: {self.reason}"
+        return text + (f"; re-planned {self.replanned}" if self.replanned else "")
+
+
+def describe_moves(moves: list[dict[str, Any]]) -> str:
+    """The moves a trial's last result lists, for the final table and MLflow."""
+    return "; ".join(Move.from_dict(m).describe() for m in moves)

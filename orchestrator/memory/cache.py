@@ -1,0 +1,46 @@
+"""A workload's memory profiles by planner settings, estimated once each.
+
+The planner asks for the profile of each setting it considers (full precision, then with
+activation checkpointing, then lower precision); each is estimated the first time it is asked
+for. The driver fills one per memory signature before the trials start
+(``orchestrator.estimates``) and hands the trials what it made (``known``), so a trial
+estimates only what the driver could not.
+"""
+
+from __future__ import annotations
+
+from orchestrator.allocator_conf import effective_allocator_conf
+from orchestrator.config import MemoryPolicy
+from orchestrator.memory import EstimationError, MemoryProfile, Settings, estimate
+
+
+class ProfileCache:
+    """Profiles of one workload by planner settings, estimated when first asked for.
+
+    ``known`` holds profiles made elsewhere (the driver's); a setting that is not there is
+    estimated here. ``None`` marks a setting whose estimation failed, with the reason in ``errors``.
+    """
+
+    def __init__(self, workload, policy: MemoryPolicy, target: str, device=None,
+                 known: dict[Settings, MemoryProfile | None] | None = None):
+        self.workload, self.policy, self.target, self.device = workload, policy, target, device
+        self.cache: dict[Settings, MemoryProfile | None] = dict(known or {})
+        self.errors: dict[Settings, str] = {}
+
+    def get(self, settings: Settings) -> MemoryProfile | None:
+        if settings not in self.cache:
+            try:
+                self.cache[settings] = estimate(
+                    self.workload, self.policy.estimator, settings, target=self.target,
+                    fragmentation=self.policy.fragmentation, device=self.device,
+                    allocator_conf=effective_allocator_conf(self.policy.allocator_conf),
+                )
+            except EstimationError as exc:
+                self.cache[settings] = None
+                self.errors[settings] = str(exc)
+        return self.cache[settings]
+
+    def shareable(self) -> dict[Settings, MemoryProfile]:
+        """The profiles a worker of the same target can use as they are: made by the configured
+        estimator itself (a fallback made here without a device is not what the worker would make)."""
+        return {s: p for s, p in self.cache.items() if p is not None and p.estimator == self.policy.estimator}

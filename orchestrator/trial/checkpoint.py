@@ -1,0 +1,65 @@
+"""A trial attempt's own copy of its newest checkpoint, in a scratch folder of its own.
+
+Tune copies every reported checkpoint to the sweep's storage before ``report`` returns, so the
+attempt keeps only its newest one here: the state an in-process OOM retry resumes from without
+reading storage back. Everything needed to continue exactly where it was is one file
+(:data:`orchestrator.contract.STATE_FILE`): the trainer's state (model, optimizer, schedule,
+position), the plan in force, the OOM events and shrinks so far, the node and the moves.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import tempfile
+
+import torch
+
+from orchestrator.contract import STATE_FILE
+
+
+class LocalCheckpoints:
+    """The scratch folder of one attempt of a trial (or of one rank of it), and its newest checkpoint."""
+
+    def __init__(self, name: str):
+        self.scratch = fresh_scratch(name)
+        self.newest: str | None = None  # folder of the newest checkpoint
+
+    def adopt(self, state_file: str | None = None, *, data: bytes | None = None) -> None:
+        """Start from a checkpoint made elsewhere: Tune's copy of one (a path), or its bytes sent
+        by rank 0 of a group."""
+        folder = tempfile.mkdtemp(prefix="checkpoint-", dir=self.scratch)
+        if state_file is not None:
+            shutil.copy(state_file, folder)
+        else:
+            with open(os.path.join(folder, STATE_FILE), "wb") as f:
+                f.write(data)
+        self.newest = folder
+
+    def save(self, state: dict) -> str:
+        """Write ``state`` as the newest checkpoint; the one before it goes. Its folder, for Tune."""
+        folder = tempfile.mkdtemp(prefix="checkpoint-", dir=self.scratch)
+        torch.save(state, os.path.join(folder, STATE_FILE))
+        if self.newest is not None:
+            shutil.rmtree(self.newest, ignore_errors=True)
+        self.newest = folder
+        return folder
+
+    def load(self, map_location) -> dict:
+        return torch.load(os.path.join(self.newest, STATE_FILE), map_location=map_location, weights_only=False)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def fresh_scratch(trial_id: str) -> str:
+    """A temporary folder for this attempt of the trial, removed when it ends in any state.
+
+    A worker that was killed could not remove its own; the trial's next attempt on this node
+    removes it.
+    """
+    prefix = f"orchestrator-{trial_id}-"
+    for stale in glob.glob(os.path.join(tempfile.gettempdir(), prefix + "*")):
+        shutil.rmtree(stale, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=prefix)

@@ -1,0 +1,30 @@
+"""The errors a trial raises that the driver reads back by name (``orchestrator.failures``).
+
+Ray rebuilds an exception on the driver from its ``args``, so each takes one message.
+"""
+
+from __future__ import annotations
+
+from orchestrator.contract import OomEvent
+
+
+class OomRetriesExhausted(RuntimeError):
+    """The trial ran out of memory more often than ``memory.max_oom_retries`` allows.
+
+    Its message lists every OOM event. It takes only that message so Ray can pickle it across
+    processes (exceptions are rebuilt from their ``args``).
+    """
+
+    @classmethod
+    def from_events(cls, events: list[OomEvent], reason: str) -> "OomRetriesExhausted":
+        lines = [f"{reason}; {len(events)} OOM event(s):"]
+        lines += [
+            f"  epoch {e.epoch} {e.phase} step {e.step}{'' if e.rank is None else f' on rank {e.rank}'}: micro-batch {e.micro_batch}, eval batch "
+            f"{e.eval_batch}, asked {e.bytes_requested} B with {e.bytes_allocated} B allocated -> {e.action}"
+            for e in events
+        ]
+        return cls("\n".join(lines))
+
+
+class NotRetriedError(RuntimeError):
+    """A trial's restart that fails at once: its earlier error is one a retry would not fix."""
