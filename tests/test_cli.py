@@ -126,9 +126,12 @@ def test_ctrl_c_then_the_printed_command_resumes_where_the_trials_were(own_model
     id but the same name)."""
     folder = own_model_project.folder
     (folder / "my_models" / "paced.py").write_text(PACED)
-    command = own_model_project.command("run") + [
-        "--set", "workload.name=my_models.paced:PacedWideNet", "--set", "stop.epochs=20", "--num-cpus", "2"]
-    sweep = subprocess.Popen(command, cwd=folder, env=command_env(), stdout=subprocess.PIPE,
+    # Typed as the README's setup leaves it: the venv's script by a relative path, not on PATH.
+    typed = os.path.relpath(installed_command(), folder)
+    user = command_env(venv_on_path=False)
+    command = [typed, *own_model_project.command("run")[1:],
+               "--set", "workload.name=my_models.paced:PacedWideNet", "--set", "stop.epochs=20", "--num-cpus", "2"]
+    sweep = subprocess.Popen(command, cwd=folder, env=user, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
@@ -147,11 +150,12 @@ def test_ctrl_c_then_the_printed_command_resumes_where_the_trials_were(own_model
     assert out.count("INTERRUPTED") >= 2
     [printed] = re.findall(r"^Interrupted trials continue from their last checkpoints with: (.*)$", out, re.M)
     resume = shlex.split(printed)
-    assert resume[0] == "orchestrator" and resume[-1] == "--resume" and "--num-cpus" in resume
+    assert resume[0] == typed and resume[-1] == "--resume" and "--num-cpus" in resume
     stopped_at = {os.path.basename(trial): epoch for trial, epoch in _checkpointed_epochs(folder).items()}
     assert max(stopped_at.values()) < 20, stopped_at
 
-    proc = run([installed_command(), *resume[1:]], folder, timeout=600)
+    # Pasted into the same shell as printed.
+    proc = subprocess.run(printed, shell=True, cwd=folder, env=user, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = proc.stdout[proc.stdout.index("trial  "):]
     assert "2/2 trials finished" in table and table.count("TERMINATED") == 2
