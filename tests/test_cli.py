@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import command_env, installed_command, trial_results
+from tests.conftest import ROOT, command_env, installed_command, trial_results
 
 # The README's WideNet at a pace a test can interrupt (about half a second an epoch on one core),
 # in a module of the user's package beside it.
@@ -109,6 +109,20 @@ def test_a_shape_mismatch_in_the_users_model_is_one_line_and_writes_nothing(own_
         [error] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert error.startswith("error: workload my_models.wide:WideNet hidden=")
         assert sorted(p.name for p in own_model_project.folder.iterdir()) == ["my_models", own_model_project.config]
+
+
+@pytest.mark.parametrize("pipe", ["| head -1", "2>&1 | true"])
+def test_a_reader_that_leaves_early_ends_plan_quietly(pipe, tmp_path):
+    """``plan ... | head -1`` (the reader leaves after the first line) and ``| true`` (it leaves
+    before plan writes anything, also its progress on stderr): no BrokenPipeError traceback,
+    and plan's own exit status."""
+    line = f"{shlex.quote(installed_command())} plan {shlex.quote(str(ROOT / 'configs' / 'demo_cpu.yaml'))} {pipe}"
+    proc = subprocess.run(["bash", "-o", "pipefail", "-c", line], cwd=tmp_path, env=command_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr[-3000:]
+    if pipe.startswith("| head"):
+        assert proc.stdout.startswith("target cpu, budget unbounded") and proc.stdout.count("\n") == 1
 
 
 def _checkpointed_epochs(folder: Path) -> dict[str, int]:
