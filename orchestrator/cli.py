@@ -1,13 +1,16 @@
 """``orchestrator run | plan | submit | report``: the four things a user does.
 
-Each command's work lives in the module named for it; this file only parses flags, so the
-whole command-line surface can be read in one place.
+Each command's work lives in the module named for it; this file parses flags, so the whole
+command-line surface can be read in one place, and sets up the process every command shares
+(its output into a pipe, Ray's loopback flag, the working directory on Python's path).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import os
+import stat
 import sys
 
 from orchestrator.errors import UserError
@@ -112,8 +115,54 @@ def keep_local_ray_on_loopback(args: argparse.Namespace) -> None:
         os.environ.setdefault(RAY_CLUSTER_ENV, "0")
 
 
+class _UntilTheReaderLeaves(io.RawIOBase):
+    """A pipe's file descriptor that, once its reader has closed it, points to /dev/null instead."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self._fd = fd
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def write(self, data) -> int:
+        try:
+            return os.write(self._fd, data)
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._fd)
+            os.close(devnull)
+            return len(data)
+
+
+def quiet_when_the_reader_leaves() -> None:
+    """``orchestrator plan ... | head``: the reader leaves early, and Python would end the command
+    in a ``BrokenPipeError`` traceback at its next print. Where standard output or error is a pipe,
+    what is written after the reader left is dropped instead, so every command finishes its work
+    and exits with its own status (a sweep is not cut short because nobody reads its table)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is None or stream is not getattr(sys, f"__{name}__"):  # replaced, e.g. captured by a test
+            continue
+        try:
+            fd = stream.fileno()
+        except (OSError, ValueError):
+            continue
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            continue
+        stream.flush()
+        setattr(sys, name, io.TextIOWrapper(
+            io.BufferedWriter(_UntilTheReaderLeaves(fd)), encoding=stream.encoding, errors=stream.errors,
+            line_buffering=stream.line_buffering, write_through=stream.write_through,
+        ))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_when_the_reader_leaves()
     keep_local_ray_on_loopback(args)
     import_from_working_directory()
     try:

@@ -8,7 +8,7 @@ still hold the previous failure).
 
 A dead worker is an out-of-memory failure only with evidence: Ray's memory monitor killed it
 (``ray.exceptions.OutOfMemoryError``, "killed due to the node running low on memory"), or the
-trial wrote an OOM event before it died (:mod:`orchestrator.oom`). A ``kill -9``, a lost node or
+trial wrote an OOM event before it died (:mod:`orchestrator.trial.evidence`). A ``kill -9``, a lost node or
 a segfault is none of those: the trial restarts with the plan it had. The kernel's OOM killer
 leaves no trace Ray can see (Ray only lists it among the possible causes of a SIGKILL), so a
 worker it killed is restarted with the same plan, and the in-process OOM handling or Ray's

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from orchestrator.config import SweepSpec, load_spec
 from orchestrator.errors import UserError
+from orchestrator.invocation import tool
 
 # Local tracking data is never worth uploading, even when a project has no .gitignore saying so.
 EXCLUDED = ("mlruns", "mlflow.db", ".pytest_cache")
@@ -141,7 +142,8 @@ def run_as_job(args: argparse.Namespace) -> int:
         entrypoint=request.entrypoint, runtime_env=request.runtime_env, metadata=request.metadata
     )
     needs_token = token_required(args.address)
-    ray_cli = "RAY_AUTH_MODE=token ray" if needs_token else "ray"  # Ray's CLI sends the token only when told to
+    ray = shlex.quote(tool("ray"))
+    ray_cli = f"RAY_AUTH_MODE=token {ray}" if needs_token else ray  # Ray's CLI sends the token only when told to
     stop = f"{ray_cli} job stop {submission_id} --address {args.address}"
     logs = f"{ray_cli} job logs --follow {submission_id} --address {args.address}"
     try:

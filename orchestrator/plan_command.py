@@ -163,7 +163,7 @@ def _as_text(policy, target: str, budget: int | None, results: list[dict]) -> st
     from orchestrator.table import format_table
 
     headers = ["trial", "workload", "phase", "params", "grads", "optim", "act/sample", "fixed", "ctx", "alloc@b",
-               "peak@b", ""]
+               "peak@b", "worst"]
     rows, plans, notes = [], [], []
     for r in results:
         searched = " ".join(f"{k}={v}" for k, v in r["config"].items() if k != "workload")
@@ -182,7 +182,7 @@ def _as_text(policy, target: str, budget: int | None, results: list[dict]) -> st
                 if phase.fragmentation:
                     note = f"{phase.name}: reserved = allocated x {1 + phase.fragmentation:g} (memory.fragmentation)"
                     notes.extend([note] if note not in notes else [])
-            worst = "worst" if phase.name == plan.predicted_phase else ""
+            worst = "yes" if phase.name == plan.predicted_phase else ""  # the phase the plan was made for
             rows.append([
                 r["trial"], r["config"]["workload"], phase.name, _size(phase.params), _size(phase.grads),
                 _size(phase.optimizer), _size(phase.activations_per_sample), _size(phase.buffers + phase.fixed_other),

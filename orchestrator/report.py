@@ -21,7 +21,7 @@ from orchestrator.contract import MEMORY_LABELS
 from orchestrator.errors import UserError
 from orchestrator.table import format_table
 from orchestrator.tracking import ROLE_TAG, STEP_METRIC, SWEEP_ID_TAG, sqlite_path
-from orchestrator.units import GiB, human
+from orchestrator.units import binary_unit, human
 
 #: The report reads many histories: retry a little, but never for minutes against a dead server.
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
@@ -346,74 +346,131 @@ def _arrow_type(column: str, values: list):
 # -- the plot -------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class PeakBar:
+    """One trial's row of the plot, in the chart's unit."""
+
+    label: str  # the trial's searched hyper-parameters, short: ``width=64 lr=3.2e-3``
+    predicted: float | None
+    measured: float | None
+    note: str  # the measured peak and the estimation error (``1.8 MiB, +5.0%``), ``refused``, or nothing
+    ooms: tuple[float, ...]  # each OOM event's bytes in use + requested
+    budget: float | None
+
+
+@dataclass(frozen=True)
+class PeakChart:
+    """What ``report.png`` shows, apart from how matplotlib draws it."""
+
+    title: str
+    unit: str  # B, KiB, MiB or GiB: the largest value of the chart reaches it
+    bars: tuple[PeakBar, ...]
+    budget: float | None  # the budget shared by every trial; per-trial budgets are on the bars
+    measured_label: str
+
+
+def short_value(text: str) -> str:
+    """A hyper-parameter for a label: ``0.0031622776601683794`` -> ``3.2e-3``, ``64`` -> ``64``."""
+    value = _typed(text)
+    if not isinstance(value, float):
+        return str(value)
+    if value == 0 or 1e-2 <= abs(value) < 1e4:
+        return f"{value:.3g}"
+    mantissa, exponent = f"{value:.1e}".split("e")
+    return f"{mantissa.removesuffix('.0')}e{int(exponent)}"
+
+
+def config_labels(trials: list[TrialRecord]) -> list[str]:
+    """Each trial's hyper-parameters that differ between the trials (``workload`` first), short;
+    trials with the same ones also get their name, and a lone trial is named by its name."""
+    configs = [{k.removeprefix("config."): v for k, v in t.params.items() if k.startswith("config.")} for t in trials]
+    varying = sorted({k for c in configs for k in c if len({d.get(k) for d in configs}) > 1},
+                     key=lambda k: (k != "workload", k))
+    labels = [" ".join(f"{k}={short_value(c[k])}" for k in varying if k in c) for c in configs]
+    return [label if labels.count(label) == 1 and label else f"{label} ({t.name})" if label else t.name
+            for label, t in zip(labels, trials)]
+
+
+def bar_note(measured: float | None, error: float | None) -> str:
+    """Beside a trial's bars, so that a bar too short to see next to the longest still reads."""
+    if measured is None:
+        return ""
+    return human(measured) + (f", {error:+.1%}" if error is not None else "")
+
+
+def peak_chart(sweep: SweepRecord) -> PeakChart:
+    """Predicted vs measured peak per trial, the budget and the OOM events, scaled to one unit."""
+    trials = sweep.trials
+    peaks = [t.peak() for t in trials]
+    ooms = [[(e.get("bytes_allocated") or 0) + (e.get("bytes_requested") or 0) for e in t.oom_events] for t in trials]
+    budgets = {t.name: float(t.params["budget_bytes"]) for t in trials if t.params.get("budget_bytes")}
+    largest = max([v for p, m, _ in peaks for v in (p, m) if v] + [n for need in ooms for n in need]
+                  + list(budgets.values()) + [0])
+    unit, size = binary_unit(largest)
+    shared = next(iter(budgets.values())) if len(set(budgets.values())) == 1 else None
+
+    def scaled(n: float | None) -> float | None:
+        return None if n is None else n / size
+
+    bars = []
+    for trial, label, (predicted, measured, error), needs in zip(trials, config_labels(trials), peaks, ooms):
+        note = "refused" if trial.shown_status == "REFUSED" else bar_note(measured, error)
+        bars.append(PeakBar(label, scaled(predicted or None), scaled(measured), note,
+                            tuple(n / size for n in needs if n),
+                            None if shared is not None else scaled(budgets.get(trial.name))))
+    sources = sorted({t.params.get("memory_source") or t.tags.get("memory_source", "") for t in trials} - {""})
+    measured_label = "measured peak" + (f" ({', '.join(MEMORY_LABELS.get(s, s) for s in sources)})" if sources else "")
+    title = f"{sweep.name}: predicted vs measured peak memory per trial"
+    notes = [] if budgets else ["no memory budget: the device was unbounded"]
+    if not any(p for p, _, _ in peaks):
+        notes.append("no predicted peaks: the plans had no estimate")
+    if notes:
+        title += f"\n({'; '.join(notes)})"
+    return PeakChart(title, unit, tuple(bars), scaled(shared), measured_label)
+
+
 def plot_peaks(sweep: SweepRecord, path: Path) -> None:
-    """Predicted vs measured peak per trial (GiB), the memory budget, and each OOM event."""
+    """Draws :func:`peak_chart`: a horizontal pair of bars per trial, so that each trial's label
+    reads level however many trials there are (the figure grows in height with them)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter
 
-    trials = sweep.trials
-    fig, ax = plt.subplots(figsize=(max(9.0, 1.1 * len(trials) + 5.0), 5.5))
-    width = 0.38
+    chart = peak_chart(sweep)
+    count = len(chart.bars)
+    fig, ax = plt.subplots(figsize=(11.0, max(5.5, 0.34 * count + 2.5)), layout="constrained")
+    height = 0.4
     tops = [0.0]
-    sources = sorted({t.params.get("memory_source") or t.tags.get("memory_source", "") for t in trials} - {""})
-    measured_label = "measured peak" + (f" ({', '.join(MEMORY_LABELS.get(s, s) for s in sources)})" if sources else "")
-    for i, trial in enumerate(trials):
-        predicted, measured, error = trial.peak()
-        if predicted:
-            ax.bar(i - width / 2, predicted / GiB, width, color="#9ecae1", edgecolor="#3182bd", hatch="//",
-                   label="predicted peak (plan)" if "predicted peak (plan)" not in _labels(ax) else None)
-            tops.append(predicted / GiB)
-        if measured is not None:
-            ax.bar(i + width / 2, measured / GiB, width, color="#3182bd",
-                   label=measured_label if measured_label not in _labels(ax) else None)
-            tops.append(measured / GiB)
-        top = max(v for v in ((predicted or 0) / GiB, (measured or 0) / GiB))
-        if trial.shown_status == "REFUSED":
-            ax.annotate("refused", (i, top), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8, color="#b30000")
-        elif error is not None:
-            ax.annotate(f"{error:+.1%}", (i, top), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8)
-        needs = [(e.get("bytes_allocated") or 0) + (e.get("bytes_requested") or 0) for e in trial.oom_events]
-        needs = [n / GiB for n in needs if n]
-        if needs:
-            label = "OOM event (in use + requested)"
-            ax.scatter([i + width / 2] * len(needs), needs, marker="X", s=90, color="#d62728", zorder=5,
-                       label=label if label not in _labels(ax) else None)
-            ax.annotate(f"{len(needs)} OOM{'s' if len(needs) > 1 else ''}", (i + width / 2, max(needs)),
-                        textcoords="offset points", xytext=(8, -3), fontsize=8, color="#d62728")
-            tops.extend(needs)
-    budgets = {t.name: float(t.params["budget_bytes"]) for t in trials if t.params.get("budget_bytes")}
-    if len(set(budgets.values())) == 1:
-        budget = next(iter(budgets.values())) / GiB
-        small = f" ({human(budget * GiB)})" if budget < 0.1 else ""
-        ax.axhline(budget, color="#d62728", linestyle="--", linewidth=1.5, label=f"budget {budget:.3g} GiB{small}")
-        tops.append(budget)
-    else:
-        for i, trial in enumerate(trials):
-            if trial.name in budgets:
-                ax.hlines(budgets[trial.name] / GiB, i - 0.45, i + 0.45, colors="#d62728", linestyles="--",
-                          label="budget per trial" if "budget per trial" not in _labels(ax) else None)
-                tops.append(budgets[trial.name] / GiB)
-    title = f"{sweep.name}: predicted vs measured peak memory per trial"
-    notes = [] if budgets else ["no memory budget: the device was unbounded"]
-    if not any(t.peak()[0] for t in trials):
-        notes.append("no predicted peaks: the plans had no estimate")
-    if notes:
-        title += f"\n({'; '.join(notes)})"
-    ax.set_title(title, fontsize=11)
-    ax.set_ylabel("peak memory (GiB)")
-    ax.set_ylim(0, max(tops) * 1.18 or 1)
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
-    ax.set_xticks(range(len(trials)), [t.name for t in trials], rotation=30, ha="right", fontsize=8)
-    ax.set_xlim(-0.7, len(trials) - 0.3)
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # outside: never over a bar
-    fig.tight_layout()
+    legend: dict[str, object] = {}
+    for i, bar in enumerate(chart.bars):
+        if bar.predicted:
+            legend["predicted peak (plan)"] = ax.barh(i - height / 2, bar.predicted, height, color="#9ecae1",
+                                                      edgecolor="#3182bd", hatch="//")
+        if bar.measured is not None:
+            legend[chart.measured_label] = ax.barh(i + height / 2, bar.measured, height, color="#3182bd")
+        top = max(bar.predicted or 0, bar.measured or 0)
+        if bar.note:
+            ax.annotate(bar.note, (top, i), textcoords="offset points", xytext=(4, 0), va="center", fontsize=8,
+                        color="#b30000" if bar.note == "refused" else "black")
+        if bar.ooms:
+            legend["OOM event (in use + requested)"] = ax.scatter(
+                bar.ooms, [i + height / 2] * len(bar.ooms), marker="X", s=70, color="#d62728", zorder=5)
+        if bar.budget is not None:
+            legend["budget per trial"] = ax.vlines(bar.budget, i - 0.45, i + 0.45, colors="#d62728", linestyles="--")
+        tops.extend([top, *bar.ooms, bar.budget or 0])
+    if chart.budget is not None:
+        legend[f"budget {chart.budget:.3g} {chart.unit}"] = ax.axvline(
+            chart.budget, color="#d62728", linestyle="--", linewidth=1.5)
+        tops.append(chart.budget)
+    ax.set_title(chart.title, fontsize=11)
+    ax.set_xlabel(f"peak memory ({chart.unit})")
+    ax.set_xlim(0, max(tops) * 1.15 or 1)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.4g}"))
+    ax.set_yticks(range(count), [bar.label for bar in chart.bars], fontsize=8)
+    ax.set_ylim(count - 0.5, -0.5)  # the first trial on top, as in the table
+    ax.grid(axis="x", alpha=0.3)
+    fig.legend(legend.values(), legend.keys(), loc="outside lower center", ncols=min(4, len(legend) or 1), fontsize=8)
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def _labels(ax) -> list[str]:
-    return ax.get_legend_handles_labels()[1]

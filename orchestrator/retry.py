@@ -6,7 +6,7 @@ that *died* of memory (killed by Ray's memory monitor, or dead while recovering 
 had recorded; see :mod:`orchestrator.failures` for the evidence). A worker that died without
 such evidence (``kill -9``, a lost node) restarts with the plan it had, told why (so that,
 resumed on another node, it can say why it moved; it re-plans there only if that node's
-budget is smaller, ``trainables.trainable``). Tune calls a scheduler's
+budget is smaller, ``orchestrator.trial.run``). Tune calls a scheduler's
 ``on_trial_error`` before it requeues a failed trial, and the requeued trial is built from
 ``trial.config`` and restored from the last checkpoint, so setting a config key there is how
 the restarted trial learns to apply one more reduction (the same mechanism PBT uses to mutate

@@ -12,7 +12,6 @@ import contextlib
 import glob
 import math
 import os
-import shlex
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +30,7 @@ from orchestrator.config import SweepSpec, folder_name, load_spec
 from orchestrator.contract import MEMORY_LABELS, describe_moves
 from orchestrator.errors import UserError
 from orchestrator.failures import exception_line
+from orchestrator.invocation import shell_command
 from orchestrator.outcome import INTERRUPTED, TERMINATED, SweepRecord, TrackingDelivery, recording, trial_status
 from orchestrator.preflight import check_shared_storage, check_storage, check_workloads, taken_back_if_refused
 from orchestrator.ray_token import secure_token_files
@@ -56,7 +56,7 @@ class TrialRow:
     oom_retries: int
     note: str = ""
     node: str = ""  # the node of its last attempt (``ray start --node-name``, else its IP)
-    moves: str = ""  # "moved node-b->node-c at epoch 2: node node-b lost" (orchestrator.node)
+    moves: str = ""  # "moved node-b->node-c at epoch 2: node node-b lost" (orchestrator.contract.Move)
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ def summary_lines(outcome: SweepOutcome, spec: SweepSpec, args) -> list[str]:
         lines.append(f"MLflow at {delivery.tracking_uri} did not take {delivery.unsent} write(s) by the end; {where}.")
         if delivery.kept_at:
             lines.append(f"  Send them once MLflow is back with: {resume_command(args, name)}")
-    lines.append(f"MLflow: {outcome.tracking_uri} (experiment {spec.experiment!r}); see `orchestrator report {spec.experiment}`")
+    lines.append(f"MLflow: {outcome.tracking_uri} (experiment {spec.experiment!r}); see `{report_command(outcome, spec, args)}`")
     return lines
 
 
@@ -131,7 +131,7 @@ def resume_command(args, name: str | None = None) -> str:
     """The command that continues this sweep (``--resume`` without a name takes the newest of the
     experiment), on the same resources: the embedded Ray's CPUs and GPUs decide how many trials
     run at once."""
-    words = ["orchestrator", "run", args.config]
+    words = ["run", args.config]
     for override in args.overrides:
         words += ["--set", override]
     for flag, value in (("--storage-path", args.storage_path), ("--tracking-uri", args.tracking_uri),
@@ -142,7 +142,14 @@ def resume_command(args, name: str | None = None) -> str:
     if args.offline_tracking:
         words.append("--offline-tracking")
     name = name or args.name
-    return shlex.join(words + (["--name", name] if name else []) + ["--resume"])
+    return shell_command(*words, *(["--name", name] if name else []), "--resume")
+
+
+def report_command(outcome: SweepOutcome, spec: SweepSpec, args) -> str:
+    """``orchestrator report EXPERIMENT``, with the tracking URI where it is not the one ``report``
+    reads by default (the working directory's ``mlflow.db``, which is also ``run``'s)."""
+    chosen = args.tracking_uri or spec.tracking_uri
+    return shell_command("report", spec.experiment, *(["--tracking-uri", outcome.tracking_uri] if chosen else []))
 
 
 def resolve_tracking_uri(flag: str | None, spec: SweepSpec) -> str:

@@ -14,6 +14,9 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$
 
 GiB = 2**30
 MiB = 2**20
+KiB = 2**10
+#: Largest first: a size is shown in the largest unit it reaches.
+BINARY_UNITS = (("GiB", GiB), ("MiB", MiB), ("KiB", KiB), ("B", 1))
 
 
 def parse_bytes(value: int | float | str) -> int:
@@ -38,9 +41,15 @@ def gib(n_bytes: float) -> str:
     return f"{n_bytes / GiB:.2f}G" if n_bytes < 10 * GiB else f"{n_bytes / GiB:.1f}G"
 
 
+def binary_unit(n_bytes: float) -> tuple[str, int]:
+    """The largest binary unit ``n_bytes`` reaches, ``("MiB", 2**20)`` for 1.5 MiB; bytes below 1 KiB."""
+    for unit, size in BINARY_UNITS:
+        if abs(n_bytes) >= size:
+            return unit, size
+    return BINARY_UNITS[-1]
+
+
 def human(n_bytes: float) -> str:
     """Bytes -> the largest binary unit that keeps the number readable ('1.5 MiB')."""
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 2**10)):
-        if abs(n_bytes) >= size:
-            return f"{n_bytes / size:.1f} {unit}"
-    return f"{int(n_bytes)} B"
+    unit, size = binary_unit(n_bytes)
+    return f"{int(n_bytes)} B" if size == 1 else f"{n_bytes / size:.1f} {unit}"

@@ -4,6 +4,8 @@
 #   bash scripts/test.sh [PYTEST ARGS]         # what CI runs; tests/test_zoo.py skips without .venv-zoo
 #   bash scripts/test.sh --zoo [PYTEST ARGS]   # also makes .venv-zoo (timm, torchvision, transformers:
 #                                              # ~6 GB, minutes), so tests/test_zoo.py runs too
+#   ORCHESTRATOR_NO_SYSTEM_PACKAGES=1 bash scripts/test.sh ...   # installs no system packages; the
+#                                              # tests that need them skip, naming this variable
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --dev
@@ -11,9 +13,19 @@ if [[ "${1:-}" == "--zoo" ]]; then
   shift
   bash scripts/setup.sh --zoo
 fi
-for installer in scripts/install_slurm.sh scripts/install_browser.sh; do
-  [[ -f "$installer" ]] && bash "$installer"
-done
+if [[ "${ORCHESTRATOR_NO_SYSTEM_PACKAGES:-}" == 1 ]]; then
+  echo "test.sh: ORCHESTRATOR_NO_SYSTEM_PACKAGES=1: installing no system packages; the SLURM and browser tests skip"
+else
+  cat <<'NOTICE'
+test.sh: the integration tests use system packages; as root, the installers add the missing ones with apt-get:
+  slurm-wlm munge            scripts/install_slurm.sh    tests/test_slurm.py runs sweeps on a local SLURM cluster
+  chromium chromium-driver   scripts/install_browser.sh  tests/test_dashboard_browser.py opens the Ray dashboard
+  To install none (those tests then skip): ORCHESTRATOR_NO_SYSTEM_PACKAGES=1 bash scripts/test.sh ...
+NOTICE
+  for installer in scripts/install_slurm.sh scripts/install_browser.sh; do
+    [[ -f "$installer" ]] && bash "$installer"
+  done
+fi
 export MLFLOW_DISABLE_TELEMETRY=true RAY_USAGE_STATS_ENABLED=0
 # The layers of pyproject.toml [tool.importlinter]: an import against them fails before any test runs.
 .venv/bin/lint-imports --no-cache

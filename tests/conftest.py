@@ -117,11 +117,16 @@ def installed_command() -> str:
     return str(script)
 
 
-def command_env() -> dict[str, str]:
+def command_env(venv_on_path: bool = True) -> dict[str, str]:
     """The environment of a user's shell: nothing puts the project or the working directory on
-    Python's path, so the command must find the user's package itself."""
+    Python's path, so the command must find the user's package itself. ``venv_on_path=False``:
+    the venv not activated either, as the README's setup leaves it (``orchestrator`` is then
+    only ``.venv/bin/orchestrator``)."""
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("PYTHONPATH", None)
+    if not venv_on_path:
+        venv_bin = str(Path(sys.executable).parent)
+        env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != venv_bin)
     return env
 
 

@@ -48,7 +48,7 @@ def plan_dict(micro_batch: int, reductions: int, refusal: str | None = None) -> 
 
 
 def result_for(plan: dict, epoch: int, oom_events: list[dict]) -> dict:
-    """A report at the end of an epoch as ``trainables.trainable`` builds it (emulated device: no
+    """A report at the end of an epoch as ``orchestrator.trial.run`` builds it (emulated device: no
     reserved/NVML), for a trial of one optimizer step per epoch."""
     measured = int(plan["predicted_peak_bytes"] * 1.05)
     return {

@@ -6,7 +6,8 @@ files, so that ``--gres=gpu:N`` sets ``CUDA_VISIBLE_DEVICES`` as on a real GPU n
 under ``/etc`` is touched and no systemd is needed; the recipe is the one in FACTS.md.
 
 Only the daemons this class starts are stopped, by PID. ``LocalSlurm.unavailable()`` returns
-the exact reason a test must skip (not installed, not root) instead of failing.
+the exact reason a test must skip (not installed, not root, left out by ORCHESTRATOR_NO_SYSTEM_PACKAGES=1)
+instead of failing.
 
 Usage::
 
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ports import free_ports
+from system_packages import left_out
 
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "scontrol", "srun", "scancel")
@@ -59,6 +61,9 @@ class LocalSlurm:
     @staticmethod
     def unavailable() -> str | None:
         """Why this machine can't run the cluster, or None when it can."""
+        opted_out = left_out("slurm-wlm and munge")
+        if opted_out:
+            return opted_out
         missing = [tool for tool in DAEMONS + CLIENTS if _which(tool) is None]
         if missing:
             return (

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import command_env, installed_command, trial_results
+from tests.conftest import ROOT, command_env, installed_command, trial_results
 
 # The README's WideNet at a pace a test can interrupt (about half a second an epoch on one core),
 # in a module of the user's package beside it.
@@ -111,6 +111,20 @@ def test_a_shape_mismatch_in_the_users_model_is_one_line_and_writes_nothing(own_
         assert sorted(p.name for p in own_model_project.folder.iterdir()) == ["my_models", own_model_project.config]
 
 
+@pytest.mark.parametrize("pipe", ["| head -1", "2>&1 | true"])
+def test_a_reader_that_leaves_early_ends_plan_quietly(pipe, tmp_path):
+    """``plan ... | head -1`` (the reader leaves after the first line) and ``| true`` (it leaves
+    before plan writes anything, also its progress on stderr): no BrokenPipeError traceback,
+    and plan's own exit status."""
+    line = f"{shlex.quote(installed_command())} plan {shlex.quote(str(ROOT / 'configs' / 'demo_cpu.yaml'))} {pipe}"
+    proc = subprocess.run(["bash", "-o", "pipefail", "-c", line], cwd=tmp_path, env=command_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr[-3000:]
+    if pipe.startswith("| head"):
+        assert proc.stdout.startswith("target cpu, budget unbounded") and proc.stdout.count("\n") == 1
+
+
 def _checkpointed_epochs(folder: Path) -> dict[str, int]:
     """The last reported epoch of each trial that has a checkpoint, by trial folder."""
     reported = trial_results(f"{folder}/orchestrator_results/wide_*/*/result.json")
@@ -126,9 +140,12 @@ def test_ctrl_c_then_the_printed_command_resumes_where_the_trials_were(own_model
     id but the same name)."""
     folder = own_model_project.folder
     (folder / "my_models" / "paced.py").write_text(PACED)
-    command = own_model_project.command("run") + [
-        "--set", "workload.name=my_models.paced:PacedWideNet", "--set", "stop.epochs=20", "--num-cpus", "2"]
-    sweep = subprocess.Popen(command, cwd=folder, env=command_env(), stdout=subprocess.PIPE,
+    # Typed as the README's setup leaves it: the venv's script by a relative path, not on PATH.
+    typed = os.path.relpath(installed_command(), folder)
+    user = command_env(venv_on_path=False)
+    command = [typed, *own_model_project.command("run")[1:],
+               "--set", "workload.name=my_models.paced:PacedWideNet", "--set", "stop.epochs=20", "--num-cpus", "2"]
+    sweep = subprocess.Popen(command, cwd=folder, env=user, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
@@ -147,11 +164,12 @@ def test_ctrl_c_then_the_printed_command_resumes_where_the_trials_were(own_model
     assert out.count("INTERRUPTED") >= 2
     [printed] = re.findall(r"^Interrupted trials continue from their last checkpoints with: (.*)$", out, re.M)
     resume = shlex.split(printed)
-    assert resume[0] == "orchestrator" and resume[-1] == "--resume" and "--num-cpus" in resume
+    assert resume[0] == typed and resume[-1] == "--resume" and "--num-cpus" in resume
     stopped_at = {os.path.basename(trial): epoch for trial, epoch in _checkpointed_epochs(folder).items()}
     assert max(stopped_at.values()) < 20, stopped_at
 
-    proc = run([installed_command(), *resume[1:]], folder, timeout=600)
+    # Pasted into the same shell as printed.
+    proc = subprocess.run(printed, shell=True, cwd=folder, env=user, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = proc.stdout[proc.stdout.index("trial  "):]
     assert "2/2 trials finished" in table and table.count("TERMINATED") == 2

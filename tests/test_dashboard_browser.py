@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from system_packages import left_out
 
 from orchestrator.cli import build_parser
 from orchestrator.config import load_spec
@@ -41,6 +42,9 @@ def artifacts(tmp_path) -> Path:
 
 @pytest.fixture
 def browser(tmp_path):
+    opted_out = left_out("chromium and chromium-driver")
+    if opted_out:
+        pytest.skip(opted_out)
     for path in (CHROMIUM, CHROMEDRIVER):
         if not shutil.which(path):
             pytest.skip(f"{path} not found: run scripts/install_browser.sh as root (apt-get install chromium chromium-driver)")

@@ -54,7 +54,9 @@ def test_table_shows_every_phase_of_every_trial_and_the_plan(sweep, capsys):
         *((t, "staged_mlp", p) for t in "01" for p in ("train", "eval", "train@epoch2", "eval@epoch2")),
         *((t, "cnn", p) for t in "23" for p in ("train", "eval")),
     }
-    worst = {r[0]: r[2] for r in rows if r[-1] == "worst"}
+    [header] = [line.split() for line in out.splitlines() if line.startswith("trial  workload")]
+    assert header[-1] == "worst" and len(header) == len(max(rows, key=len))  # every column has a header
+    worst = {r[0]: r[2] for r in rows if r[-1] == "yes"}
     assert worst["0"] == "train@epoch2" and worst["2"] == "eval"  # the aux block; the 4x eval batch
     assert "trial 0 (staged_mlp" in out and "32 x 1 (eval 128, fp32); peak 0." in out
     assert "of 1.96G (2.00G x safety margin 0.98)" in out  # the plan's peak against its limit

@@ -1,6 +1,7 @@
 """``orchestrator report`` on sweeps recorded in real MLflow by a real local Ray sweep.
 
-The table, the summary, the Parquet file and the PNG are checked against what MLflow holds.
+The table, the summary, the Parquet file and the PNG are checked against what MLflow holds;
+what the plot shows (its unit, its labels) is checked on records made here.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from fake_sweep import ROOT, run_fake_sweep, runs_of
 from mlflow_server import MlflowServer
 
 from orchestrator.cli import main
-
-pytestmark = pytest.mark.integration  # a real local Ray sweep records what the report reads
+from orchestrator.report import SweepRecord, TrialRecord, config_labels, peak_chart, plot_peaks, short_value
+from orchestrator.units import KiB, MiB
 
 CASES = {0.01: {"epochs": 3}, 0.1: {"epochs": 3, "oom_at": 2}, 0.2: {"refuse": True}}
 
@@ -44,6 +45,7 @@ def png_size(path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
+@pytest.mark.integration  # a real local Ray sweep records what the report reads
 def test_report_table_summary_parquet_and_png_match_mlflow(sqlite_sweep, tmp_path, capsys):
     _, uri = sqlite_sweep
     out = tmp_path / "out"
@@ -95,6 +97,7 @@ def test_report_table_summary_parquet_and_png_match_mlflow(sqlite_sweep, tmp_pat
     assert logged == {"report/report.png", "report/results.parquet"}
 
 
+@pytest.mark.integration  # a real local Ray sweep records what the report reads
 def test_report_defaults_to_the_newest_sweep(sqlite_sweep, tmp_path, capsys, monkeypatch):
     root, _ = sqlite_sweep
     monkeypatch.chdir(root)  # the default tracking URI is ./mlflow.db
@@ -102,6 +105,7 @@ def test_report_defaults_to_the_newest_sweep(sqlite_sweep, tmp_path, capsys, mon
     assert code == 0 and "experiment 'tracking_test'" in text
 
 
+@pytest.mark.integration  # a real local Ray sweep records what the report reads
 def test_report_errors_are_one_line(sqlite_sweep, tmp_path, capsys):
     _, uri = sqlite_sweep
     code, _, err = report(capsys, "--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}")
@@ -110,6 +114,7 @@ def test_report_errors_are_one_line(sqlite_sweep, tmp_path, capsys):
     assert code == 2 and "no MLflow experiment 'nope'" in err and "tracking_test" in err
 
 
+@pytest.mark.integration  # a real local Ray sweep records what the report reads
 def test_report_against_a_tracking_server(local_ray, tmp_path, capsys):
     with MlflowServer(tmp_path / "server") as server:
         _, results = run_fake_sweep(tmp_path, server.uri, {0.01: {"epochs": 2}, 0.1: {"epochs": 2, "oom_at": 2}})
@@ -123,6 +128,7 @@ def test_report_against_a_tracking_server(local_ray, tmp_path, capsys):
         assert logged == {"report/report.png", "report/results.parquet"}
 
 
+@pytest.mark.integration  # a real local Ray sweep records what the report reads
 def test_real_sweep_with_ooms_reported_from_mlflow(local_ray, tmp_path, capsys):
     """The real runner and trainable on an emulated 8 MiB device: trials OOM, shrink and finish;
     MLflow has every report once, the events and the final plan, and the report agrees with it."""
@@ -159,3 +165,74 @@ def test_real_sweep_with_ooms_reported_from_mlflow(local_ray, tmp_path, capsys):
         last = max((r for r in rows if r["run_id"] == run.info.run_id), key=lambda r: r["epoch"])
         assert last["oom_retries"] == run.data.metrics["oom_retries"]
         assert last["peak_allocated_bytes"] == run.data.metrics["peak_allocated_bytes"]
+
+
+# -- the plot, from records made here -------------------------------------------------------------
+
+
+def record(index: int, config: dict[str, str], predicted: float | None, measured: float | None, *,
+           budget: int | None = None, ooms: tuple[int, ...] = (), refused: bool = False) -> TrialRecord:
+    """A trial as ``load_sweep`` reads it from MLflow: params as text, one result."""
+    params = {f"config.{k}": v for k, v in config.items()}
+    params.update({"budget_bytes": str(budget)} if budget else {})
+    metrics = {"predicted_peak_bytes": predicted} if predicted else {}
+    metrics.update({"peak_allocated_bytes": measured} if measured is not None else {})
+    return TrialRecord(
+        name=f"train_a1b2c_{index:05d}", trial_id=str(index), run_id=str(index), status="FINISHED", params=params,
+        tags={"refusal": "needs 9 MiB"} if refused else {}, results={8: metrics},
+        oom_events=[{"bytes_allocated": n, "bytes_requested": 0} for n in ooms], duration_s=1.0,
+    )
+
+
+def sweep_of(trials: list[TrialRecord]) -> SweepRecord:
+    return SweepRecord("demo_cpu", "demo_cpu_2026", "r0", "eval_loss", trials)
+
+
+def test_hyper_parameters_are_short_in_labels():
+    assert [short_value(t) for t in ("0.0031622776601683794", "0.003", "0.1", "64", "mlp", "12345.678", "0.0")] == [
+        "3.2e-3", "3e-3", "0.1", "64", "mlp", "1.2e4", "0"]
+
+
+def test_bars_are_labelled_by_what_differs_between_the_trials():
+    configs = [("mlp", "0.003", "64"), ("cnn", "0.003", "16"), ("mlp", "0.1", "16")]
+    trials = [record(i, {"workload": w, "lr": lr, "width": width, "seed": "0"}, 1.0, 1.0)
+              for i, (w, lr, width) in enumerate(configs)]
+    assert config_labels(trials) == ["workload=mlp lr=3e-3 width=64", "workload=cnn lr=3e-3 width=16",
+                                     "workload=mlp lr=0.1 width=16"]
+    # Samples of the same configuration: their names tell them apart; a lone trial is its name.
+    twins = [record(i, {"lr": "0.01", "width": w}, 1.0, 1.0) for i, w in enumerate(["16", "16", "32"])]
+    assert config_labels(twins) == ["width=16 (train_a1b2c_00000)", "width=16 (train_a1b2c_00001)", "width=32"]
+    assert config_labels(twins[:1]) == ["train_a1b2c_00000"]
+
+
+def test_the_unit_is_the_largest_values_and_bars_are_in_it():
+    """The demo's MLP peaks at about 1.8 MiB on a CPU: in MiB, not 0.00175 GiB."""
+    trials = [record(0, {"width": "16"}, 1.7 * MiB, 1.8 * MiB),
+              record(1, {"width": "32"}, 300 * KiB, None, refused=True)]
+    chart = peak_chart(sweep_of(trials))
+    assert chart.unit == "MiB" and chart.budget is None and "the device was unbounded" in chart.title
+    assert [(b.label, b.predicted, b.measured) for b in chart.bars] == [
+        ("width=16", pytest.approx(1.7), pytest.approx(1.8)), ("width=32", pytest.approx(300 / 1024), None)]
+    assert [b.note for b in chart.bars] == ["1.8 MiB, +5.9%", "refused"]  # the value, for a bar too short to see
+    small = peak_chart(sweep_of([record(0, {"width": "8"}, 700, 800)]))
+    assert small.unit == "B" and small.bars[0].measured == 800
+
+
+def test_a_shared_budget_and_oom_events_set_the_unit_too():
+    budget = 8 * MiB
+    trials = [record(i, {"lr": lr}, 200 * KiB, 210 * KiB, budget=budget, ooms=(9 * MiB,) if i else ())
+              for i, lr in enumerate(["0.01", "0.1"])]
+    chart = peak_chart(sweep_of(trials))
+    assert chart.unit == "MiB" and chart.budget == 8 and chart.bars[1].ooms == (9,)
+    assert all(b.budget is None for b in chart.bars)  # one line for all
+    own = peak_chart(sweep_of([record(0, {"lr": "0.01"}, 1, 2, budget=2 * KiB),
+                               record(1, {"lr": "0.1"}, 1, 2, budget=KiB)]))
+    assert own.unit == "KiB" and own.budget is None and [b.budget for b in own.bars] == [2, 1]
+
+
+def test_a_plot_of_64_trials_grows_in_height(tmp_path):
+    trials = [record(i, {"lr": str(10 ** (-1 - i / 16)), "width": str(16 << (i % 4))}, (i + 1) * 40 * KiB,
+                     (i + 1) * 42 * KiB) for i in range(64)]
+    plot_peaks(sweep_of(trials), tmp_path / "report.png")
+    width, height = png_size(tmp_path / "report.png")
+    assert height > width >= 1000

@@ -1,6 +1,7 @@
 """The runner's own decisions: what counts as finished, and which sweep folder a run uses."""
 
 import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -83,13 +84,22 @@ def test_an_error_tune_could_not_store_is_shown_with_its_reason():
     assert sweep_run_status(["TERMINATED", "INTERRUPTED"]) == "KILLED" and sweep_run_status(["TERMINATED"]) == "FINISHED"
 
 
+#: How the user typed the command: the venv's script, its folder not on PATH (not activated).
+TYPED = "/opt/sweeps/.venv/bin/orchestrator"
+
+
+@pytest.fixture
+def typed(monkeypatch):
+    monkeypatch.setattr(sys, "argv", [TYPED, "run", "sweep.yaml"])
+
+
 def run_args(**changes):
     return SimpleNamespace(**{"config": "sweep.yaml", "overrides": ["stop.epochs=2"], "storage_path": None,
                               "tracking_uri": "http://127.0.0.1:5000", "ray_address": None, "offline_tracking": False,
                               "name": None, "num_cpus": None, "num_gpus": None, **changes})
 
 
-def test_what_mlflow_lacks_fails_the_run_and_says_how_to_send_it():
+def test_what_mlflow_lacks_fails_the_run_and_says_how_to_send_it(typed):
     from orchestrator.outcome import TrackingDelivery
     from orchestrator.runner import summary_lines
 
@@ -100,7 +110,7 @@ def test_what_mlflow_lacks_fails_the_run_and_says_how_to_send_it():
     assert not outcome.ok
     lines = summary_lines(outcome, SPEC, run_args())
     assert "did not take 18 write(s) by the end; kept in /r/exp_1/mlflow_unsent.pkl." in lines[1]
-    assert lines[2].strip() == ("Send them once MLflow is back with: orchestrator run sweep.yaml --set stop.epochs=2 "
+    assert lines[2].strip() == (f"Send them once MLflow is back with: {TYPED} run sweep.yaml --set stop.epochs=2 "
                                 "--tracking-uri http://127.0.0.1:5000 --name exp_1 --resume")
     dropped = TrackingDelivery("sqlite:///m.db", dropped=["LogResult(step 2 of t): Invalid metric name"])
     lines = summary_lines(SweepOutcome(rows, "/r/exp_1", "sqlite:///m.db", dropped), SPEC, run_args())
@@ -108,16 +118,27 @@ def test_what_mlflow_lacks_fails_the_run_and_says_how_to_send_it():
     assert "MLflow rejected 1 write(s)" in lines[1] and "Invalid metric name" in lines[1]
 
 
-def test_an_interrupted_sweep_says_our_resume_command():
+def test_an_interrupted_sweep_says_our_resume_command(typed):
     from orchestrator.runner import summary_lines
 
     rows = [_row(result({**METRICS, "epoch": 2, "done": False}), SPEC)]
     lines = summary_lines(SweepOutcome(rows, "/r/exp_1", "sqlite:///m.db"), SPEC, run_args(storage_path="/r"))
-    assert ("Interrupted trials continue from their last checkpoints with: orchestrator run sweep.yaml --set "
+    assert (f"Interrupted trials continue from their last checkpoints with: {TYPED} run sweep.yaml --set "
             "stop.epochs=2 --storage-path /r --tracking-uri http://127.0.0.1:5000 --name exp_1 --resume") in lines
     # On the same resources as the interrupted run: they decide how many trials run at once.
     lines = summary_lines(SweepOutcome(rows, "/r/exp_1", "sqlite:///m.db"), SPEC, run_args(num_cpus=2, num_gpus=0.5))
     assert lines[-2].endswith("--tracking-uri http://127.0.0.1:5000 --num-cpus 2 --num-gpus 0.5 --name exp_1 --resume")
+
+
+def test_the_report_command_names_the_tracking_uri_the_user_chose(typed):
+    from orchestrator.runner import summary_lines
+
+    rows = [_row(result({**METRICS, "done": True}), SPEC)]
+    chosen = summary_lines(SweepOutcome(rows, "/r/exp_1", "http://127.0.0.1:5000"), SPEC, run_args())
+    assert chosen[-1].endswith(f"see `{TYPED} report exp --tracking-uri http://127.0.0.1:5000`")
+    # The default, the working directory's mlflow.db, is where `report` looks by itself.
+    default = summary_lines(SweepOutcome(rows, "/r/exp_1", "sqlite:////w/mlflow.db"), SPEC, run_args(tracking_uri=None))
+    assert default[-1] == f"MLflow: sqlite:////w/mlflow.db (experiment 'exp'); see `{TYPED} report exp`"
 
 
 @pytest.mark.integration

@@ -4,7 +4,7 @@ Rank 0 is the trial itself, the Tune actor running :class:`GroupTrialRun`; it st
 1..N-1 as :class:`RankActor` s in the other bundles of the trial's placement group (one bundle
 per rank, ``runner._trainable``), so they land on this node or on others, as Ray places them,
 inside a SLURM allocation too. Every rank runs the same story as a single-process trial
-(``trainables.trainable.TrialRun``: plan, train, on OOM release / shrink / resume from the last
+(``orchestrator.trial.run.TrialRun``: plan, train, on OOM release / shrink / resume from the last
 checkpoint) with a :class:`~trainables.distributed.DistributedTrainer`, whose agreements make the
 OOM of any one rank an OOM of the whole group at the same step, so the recovery runs in step.
 
