@@ -75,9 +75,9 @@ def local_node(num_cpus: float | None, num_gpus: float | None) -> dict[str, floa
     """What the embedded local Ray ``run`` starts will have: the flags, else this machine's CPUs
     and the GPUs PyTorch sees (as Ray detects them)."""
     if num_gpus is None:
-        import torch
+        from orchestrator.device import gpu_count
 
-        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        num_gpus = gpu_count()
     return {"CPU": float(num_cpus if num_cpus is not None else os.cpu_count() or 1), "GPU": float(num_gpus)}
 
 

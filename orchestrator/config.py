@@ -16,13 +16,13 @@ from typing import Any
 
 import yaml
 
+from orchestrator.device_kinds import KINDS, device_names
 from orchestrator.errors import ConfigError
 from orchestrator.units import parse_bytes
 
 SEARCH_KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
 ESTIMATORS = ("static", "trace", "measured", "none")
 PRECISIONS = ("fp32", "bf16", "fp16")
-DEVICES = ("auto", "cuda", "cpu", "emulated")
 
 
 @dataclass(frozen=True)
@@ -461,7 +461,7 @@ def _memory(value: Any) -> MemoryPolicy:
     else:
         capacity = _size(capacity, "memory.capacity")
     policy = MemoryPolicy(
-        device=_one_of(get("device"), DEVICES, "memory.device"),
+        device=_one_of(get("device"), device_names(), "memory.device"),
         capacity=capacity,
         rank_capacities=rank_capacities,
         budget=None if budget in (None, "auto") else _size(budget, "memory.budget"),
@@ -476,8 +476,8 @@ def _memory(value: Any) -> MemoryPolicy:
         lower_precision=None if get("lower_precision") is None
         else _one_of(get("lower_precision"), PRECISIONS, "memory.lower_precision"),
     )
-    if policy.device == "emulated" and policy.capacity is None:
-        raise ConfigError("memory.capacity: memory.device 'emulated' needs a capacity, e.g. capacity: 8MiB")
+    if policy.device in KINDS and KINDS[policy.device].sized_by_config and policy.capacity is None:
+        raise ConfigError(f"memory.capacity: memory.device '{policy.device}' needs a capacity, e.g. capacity: 8MiB")
     return policy
 
 

@@ -22,7 +22,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from orchestrator.config import MemoryPolicy, SweepSpec
+from orchestrator.config import MemoryPolicy
 from orchestrator.memory import MemoryProfile, Settings
 from orchestrator.memory.cache import ProfileCache
 
@@ -47,14 +47,6 @@ def memory_signature(config: dict[str, Any], policy: MemoryPolicy, target: str) 
         "checkpointing": policy.allow_activation_checkpointing, "fragmentation": policy.fragmentation,
         "allocator_conf": effective_allocator_conf(policy.allocator_conf), "target": target,
     }, sort_keys=True, default=str)
-
-
-def planning_target(spec: SweepSpec) -> str:
-    """The kind of device the trials will train on, as the driver can tell before they start."""
-    device = spec.memory.device
-    if device in ("cuda", "cpu", "emulated"):
-        return device
-    return "cpu" if spec.resources.gpu in (0, 0.0) else "cuda"
 
 
 @dataclass

@@ -27,6 +27,7 @@ import json
 import sys
 from dataclasses import replace
 
+from orchestrator.device_kinds import device_kind
 from orchestrator.errors import UserError
 from orchestrator.units import parse_bytes
 
@@ -45,7 +46,8 @@ def plan_command(args) -> int:
     policy = spec.memory if not args.estimator else replace(spec.memory, estimator=args.estimator)
     if policy.estimator == "none":
         raise UserError("memory.estimator is 'none': there is nothing to plan; pass --estimator static|trace|measured")
-    target, budget = _target_and_budget(spec, policy, args.device_memory)
+    planned = planning_target(spec, args.device_memory)
+    target, budget = planned.kind, planned.budget
     configs = trial_configs(spec)
     check_workloads(spec)  # data for one step and an eval set, as `run` checks: one line, not an estimator's crash
 
@@ -58,7 +60,7 @@ def plan_command(args) -> int:
               f"{policy.estimator} {seconds:.1f}s",
               file=sys.stderr, flush=True)
 
-    rank_budgets = _rank_budgets(spec, policy, target, budget)
+    rank_budgets = _rank_budgets(spec, planned, args.device_memory is not None)
     rank_batch = spec.effective_batch_size // spec.resources.workers
     estimates = estimate_trials(configs, policy, target, budget, rank_batch, on_done=progress)
     results, caches = [], {}
@@ -92,23 +94,16 @@ def plan_command(args) -> int:
     return 1 if any("error" in r for r in results) else 0
 
 
-def _target_and_budget(spec, policy, device_memory: str | None) -> tuple[str, int | None]:
-    """What to plan for: the device kind, and the bytes a trial may use (None: unbounded)."""
-    if device_memory is not None:
-        try:
-            size = parse_bytes(device_memory)
-        except ValueError as exc:
-            raise UserError(f"--device-memory: {exc}") from None
-        return ("emulated" if policy.device == "emulated" else "cuda"), size
-    if policy.device == "emulated":
-        return "emulated", policy.budget or policy.capacity
-    import torch
+def planning_target(spec, device_memory: str | None):
+    """What to plan for (an ``orchestrator.device.target.Target``): the device kind, and the bytes
+    a trial may use (None: unbounded), by the rule a trial follows. A GPU whose size neither the
+    config nor ``--device-memory`` gives is this machine's GPU 0, as NVML sees its free memory."""
+    from orchestrator.device.target import resolve_target
 
-    gpu_wanted = policy.device == "cuda" or (policy.device == "auto" and spec.resources.gpu not in (0, 0.0))
-    if policy.device == "cpu" or (policy.device == "auto" and not gpu_wanted and not torch.cuda.is_available()):
-        return "cpu", policy.budget
-    if policy.budget is not None:
-        return "cuda", policy.budget
+    card = _device_memory(device_memory)
+    target = resolve_target(spec, card=card)
+    if target.budget is not None or card is not None or not device_kind(target.device).accelerator:
+        return target
     from orchestrator.device import nvml
     info = nvml.gpu_info(0)
     if info is None:
@@ -116,18 +111,30 @@ def _target_and_budget(spec, policy, device_memory: str | None) -> tuple[str, in
             "the sweep runs on GPUs but this machine has none for NVML to read: pass --device-memory "
             "(e.g. --device-memory 24GiB) or set memory.budget"
         )
-    return "cuda", info.free
+    return resolve_target(spec, measured=info.free)
 
 
-def _rank_budgets(spec, policy, target: str, budget: int | None) -> list[int | None] | None:
-    """Each rank's budget in a data-parallel trial (None for a one-process trial): the emulated
-    device's capacity per rank where the config gives one, else the same card for every rank."""
+def _device_memory(text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise UserError(f"--device-memory: {exc}") from None
+
+
+def _rank_budgets(spec, planned, card: bool) -> list[int | None] | None:
+    """Each rank's budget in a data-parallel trial (None for a one-process trial), as each rank
+    resolves it: a device sized by the config has each rank's own capacity where the config
+    gives one per rank; every other (and ``--device-memory``'s card) is the same for every rank."""
+    from orchestrator.device.target import resolve_target
+
     workers = spec.resources.workers
     if workers == 1:
         return None
-    if target == "emulated" and policy.rank_capacities:
-        return [min(c, policy.budget) if policy.budget else c for c in policy.rank_capacities]
-    return [budget] * workers
+    if not card and device_kind(planned.device).sized_by_config:
+        return [resolve_target(spec, rank=rank).budget for rank in range(workers)]
+    return [planned.budget] * workers
 
 
 def _rank_lines(plan) -> list[str]:

@@ -332,14 +332,13 @@ def estimate_before_start(spec: SweepSpec):
     A workload whose estimate raises (its model or loss fails on the first batch) stops the sweep
     here, in one line, instead of failing every trial after Ray has started.
     """
-    from orchestrator.estimates import describe_signature, estimate_trials, planning_target
+    from orchestrator.device.target import resolve_target
+    from orchestrator.estimates import describe_signature, estimate_trials
     from orchestrator.space import memory_configs
 
-    target = planning_target(spec)
     policy = spec.memory
-    budget = policy.budget
-    if target == "emulated":
-        budget = min(budget, policy.capacity) if budget else policy.capacity
+    planned = resolve_target(spec)  # the workers' device and budget, as far as the driver can tell
+    target, budget = planned.kind, planned.budget
     started = time.perf_counter()
     rank_batch = spec.effective_batch_size // spec.resources.workers  # what one rank of a trial computes per step
     estimates = estimate_trials(memory_configs(spec), policy, target, budget, rank_batch)

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from orchestrator.config import parse_spec
-from orchestrator.estimates import estimate_trials, memory_signature, planning_target
+from orchestrator.estimates import estimate_trials, memory_signature
 from orchestrator.memory import Settings
 from orchestrator.memory.cache import ProfileCache
 from orchestrator.planner import plan_with_profile
@@ -59,12 +59,6 @@ def test_memory_configs_list_every_signature_a_sweep_can_have():
     assert sorted((c["workload"], c["width"]) for c in grid) == [("cnn", 16), ("cnn", 32), ("mlp", 16), ("mlp", 32)]
     # A continuous memory-relevant parameter: the trials' own workers estimate.
     assert memory_configs(spec(search_space={"width": {"randint": [8, 64]}})) == []
-
-
-def test_the_planning_target_follows_the_trials_device():
-    assert planning_target(spec()) == "cpu"
-    assert planning_target(spec(resources={"gpu": 0.5})) == "cuda"
-    assert planning_target(spec(resources={"gpu": 1}, memory={"device": "emulated", "capacity": "1GiB"})) == "emulated"
 
 
 @pytest.mark.parametrize("processes", [1, 2])

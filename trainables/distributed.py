@@ -37,7 +37,7 @@ import torch.distributed as dist
 from orchestrator.device import Device
 from orchestrator.device.oom import is_oom
 from trainables.data import Shard
-from trainables.loop import LoopPlan, LoopSettings, Milestone, Trainer, seed_generators, step_seed
+from trainables.loop import LoopPlan, LoopSettings, Milestone, Trainer, step_seed
 from trainables.step import accumulate_gradients, apply_gradients
 from trainables.workload import Workload
 
@@ -91,10 +91,10 @@ class RankGroup:
 
     def __init__(self, rank: int, ranks: int, address: str, device: Device):
         self.rank, self.ranks, self.device = rank, ranks, device
-        self.backend = "nccl" if device.torch_device.type == "cuda" else "gloo"
-        # A small tensor per collective, on the device NCCL needs, made outside the emulated
-        # device's count (bookkeeping, not the model's memory).
-        self.tensor_device = device.torch_device if self.backend == "nccl" else torch.device("cpu")
+        self.backend = device.collective_backend
+        # A small tensor per collective, where the backend needs it (NCCL: on the GPU), made
+        # outside the emulated device's count (bookkeeping, not the model's memory).
+        self.tensor_device = device.collective_device
         dist.init_process_group(self.backend, init_method=address, rank=rank, world_size=ranks,
                                 timeout=COLLECTIVE_TIMEOUT)
 
@@ -222,7 +222,7 @@ class DistributedTrainer(Trainer):
     def _train_step(self, batches) -> None:
         self.model.train()
         self.phase, self.position = "train", self.progress.step
-        seed_generators(step_seed(self.seed, self.progress.step) + self.group.rank * 2**42, self.device.torch_device)
+        self.device.seed(step_seed(self.seed, self.progress.step) + self.group.rank * 2**42)
         sizes = self.cut.sizes
         with self.device.step("train", self.state_tensors):
             self._group_step(batches, sizes)

@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 
 from orchestrator.config import DataLoading, Every, LrSchedule, Stop, SweepSpec
-from orchestrator.device import Device, MemoryReading
+from orchestrator.device import Device, MemoryReading, state_tensors
 from trainables.data import Shard, StepCut, eval_batch_sizes, eval_loader, eval_slice, train_loader
 from trainables.schedule import build_lr_scheduler
 from trainables.step import eval_step, make_grad_scaler, train_step
@@ -99,8 +99,8 @@ class Trainer:
         self.model = workload.build_model().to(device.torch_device)
         workload.set_activation_checkpointing(self.model, plan.activation_checkpointing)
         self.optimizer = workload.build_optimizer(self.model)
-        self.scaler = make_grad_scaler(plan.precision, device.torch_device)
-        on_gpu = device.torch_device.type == "cuda"
+        self.scaler = make_grad_scaler(plan.precision, device)
+        on_gpu = device.pins_host_memory
         self.cut = StepCut(plan.effective_batch // shard.ranks, plan.micro_batch)
         with device.host():
             train_data, eval_data = workload.train_data(), workload.eval_data()
@@ -151,7 +151,7 @@ class Trainer:
     def _train_step(self, batches) -> None:
         self.model.train()
         self.phase, self.position = "train", self.progress.step
-        seed_generators(step_seed(self.seed, self.progress.step), self.device.torch_device)
+        self.device.seed(step_seed(self.seed, self.progress.step))
         sizes = self.cut.sizes
         with self.device.step("train", self.state_tensors):
             loss = train_step(
@@ -210,7 +210,7 @@ class Trainer:
         """The workload's eval metrics over the whole eval set, as ``eval_<name>``."""
         self.model.eval()
         self.phase = "eval"
-        seed_generators(step_seed(self.seed, self.progress.step) + 2**40, self.device.torch_device)
+        self.device.seed(step_seed(self.seed, self.progress.step) + 2**40)
         totals = self._eval_totals()
         self.model.train()
         reported = self.workload.summarize_metrics(totals, self.eval_samples)
@@ -241,10 +241,7 @@ class Trainer:
 
     def state_tensors(self):
         """Tensors that exist between steps: what a device holds for this trainer at rest."""
-        yield from self.model.parameters()
-        yield from self.model.buffers()
-        for state in self.optimizer.state.values():
-            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+        return state_tensors(self.model, self.optimizer)
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -274,20 +271,6 @@ class Trainer:
 def step_seed(seed: int, step: int) -> int:
     """The random seed of optimizer step ``step``: the same whenever the step is replayed."""
     return seed * 1_000_003 + step
-
-
-def seed_generators(seed: int, device: torch.device) -> None:
-    """Seed the random generators a step draws from: the CPU's (dropout on the CPU, augmentation
-    in the main process) and, on a GPU, that GPU's.
-
-    Not ``torch.manual_seed``, which also seeds every other backend and, while CUDA is not
-    initialised (every CPU trial), formats the Python stack to queue a seed for later: 1-5 ms per
-    call, once per optimizer step (``bench/loop_throughput.py``).
-    """
-    torch.default_generator.manual_seed(seed)
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            torch.cuda.manual_seed(seed)
 
 
 def _due(every: Every, progress: Progress, epoch_ended: bool, seconds_since: float) -> bool:

@@ -11,6 +11,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
+from orchestrator.device import Device
 from trainables.workload import Batch, Workload, to_device
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -24,10 +25,10 @@ def autocast(precision: str, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def make_grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | None:
-    """fp16 needs loss scaling to keep small gradients; bf16 and fp32 do not."""
-    if precision == "fp16" and device.type == "cuda":
-        return torch.amp.GradScaler("cuda")
+def make_grad_scaler(precision: str, device: Device) -> torch.amp.GradScaler | None:
+    """fp16 needs loss scaling to keep small gradients (where the device says so); bf16 and fp32 do not."""
+    if precision == "fp16" and device.scales_fp16_loss:
+        return torch.amp.GradScaler(device.torch_device.type)
     return None
 
 

@@ -21,8 +21,13 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
 from orchestrator.allocator_conf import ALLOC_CONF_VARIABLES
-from orchestrator.device.tensor_tracker import StorageTracker
+from orchestrator.device.oom import release
+from orchestrator.device.tensor_tracker import StorageTracker, state_tensors
+from orchestrator.device_kinds import AUTO, accelerator, device_kind
 from orchestrator.units import human
+
+__all__ = ["CpuDevice", "CudaDevice", "Device", "EmulatedDevice", "MemoryReading", "configure_allocator",
+           "gpu_count", "gpu_visible", "open_device", "release", "state_tensors"]
 
 #: How tables and plots name each kind of reading (``MemoryReading.source``).
 MEMORY_LABELS = {"cuda_allocator": "reserved", "cpu_tensor_tracker": "tensor bytes", "emulated": "emulated"}
@@ -88,8 +93,35 @@ class Device:
     """
 
     kind: str  # what a reading measured: cuda_allocator | cpu_tensor_tracker | emulated
-    target: str  # what plans for this device count: cuda | cpu | emulated
+    target: str  # what plans for this device count: its registered kind (orchestrator.device_kinds)
     torch_device: torch.device
+    #: ``torch.distributed``'s backend for a data-parallel group of such devices
+    collective_backend = "gloo"
+    #: Batches are collated into pinned host memory, for an asynchronous copy to the device.
+    pins_host_memory = False
+    #: fp16 on this device needs loss scaling (``torch.amp.GradScaler``) to keep small gradients.
+    scales_fp16_loss = False
+
+    @classmethod
+    def open(cls, *, capacity: int | None = None, memory_fraction: float | None = None) -> Device:
+        """A device of this class for a trial: ``capacity`` for one sized by the config,
+        ``memory_fraction`` for a share of a GPU; a class ignores what it has no use for."""
+        return cls()
+
+    @property
+    def collective_device(self) -> torch.device:
+        """Where a group's small collective tensors live: the host, unless the backend needs the device."""
+        return torch.device("cpu")
+
+    def seed(self, seed: int) -> None:
+        """Seed the random generators a step draws from: the CPU's (dropout on the CPU,
+        augmentation in the main process) and the device's own, where it has one.
+
+        Not ``torch.manual_seed``, which also seeds every other backend and, while CUDA is not
+        initialised (every CPU trial), formats the Python stack to queue a seed for later: 1-5 ms
+        per call, once per optimizer step (``bench/loop_throughput.py``).
+        """
+        torch.default_generator.manual_seed(seed)
 
     def measuring(self):
         raise NotImplementedError
@@ -125,6 +157,11 @@ class Device:
     def capacity(self) -> int | None:
         """Memory the trial may use on this device, or None where that has no meaning (CPU)."""
         return None
+
+    def available(self, free_before_context: int | None) -> int | None:
+        """What a plan may count on: the capacity, or less where the device is shared and
+        ``free_before_context`` (NVML's free bytes before this process's context) says so."""
+        return self.capacity()
 
 
 class CpuDevice(Device):
@@ -204,6 +241,12 @@ class EmulatedDevice(CpuDevice):
     def __init__(self, capacity: int):
         super().__init__(capacity)
 
+    @classmethod
+    def open(cls, *, capacity: int | None = None, memory_fraction: float | None = None) -> Device:
+        if capacity is None:
+            raise ValueError("memory.device: emulated needs memory.capacity")
+        return cls(capacity)
+
     def step(self, phase, state):
         return contextlib.nullcontext()
 
@@ -216,12 +259,29 @@ class CudaDevice(Device):
 
     kind = "cuda_allocator"
     target = "cuda"
+    collective_backend = "nccl"
+    pins_host_memory = True
+    scales_fp16_loss = True
 
     def __init__(self, index: int = 0, memory_fraction: float | None = None):
         self.torch_device = torch.device("cuda", index)
         # Always set: a reused worker keeps the previous trial's cap otherwise.
         torch.cuda.set_per_process_memory_fraction(1.0 if memory_fraction is None else memory_fraction, index)
         self._fraction = memory_fraction
+
+    @classmethod
+    def open(cls, *, capacity: int | None = None, memory_fraction: float | None = None) -> Device:
+        # A shared GPU's allocator is capped to the trial's share: its growth can't OOM a neighbour.
+        return cls(torch.cuda.current_device(), memory_fraction)
+
+    @property
+    def collective_device(self) -> torch.device:
+        return self.torch_device  # NCCL exchanges device tensors
+
+    def seed(self, seed: int) -> None:
+        super().seed(seed)
+        with torch.cuda.device(self.torch_device):
+            torch.cuda.manual_seed(seed)
 
     def measuring(self):
         return contextlib.nullcontext()
@@ -241,6 +301,14 @@ class CudaDevice(Device):
     def capacity(self) -> int | None:
         total = torch.cuda.get_device_properties(self.torch_device).total_memory
         return int(total * self._fraction) if self._fraction is not None else total
+
+    def available(self, free_before_context: int | None) -> int | None:
+        """The memory free before this trial started, within the card; a trial that shares the
+        card (a memory fraction) counts on its share: its neighbours' use is theirs to cap."""
+        capacity = self.capacity()
+        if self._fraction is None and free_before_context is not None:
+            return min(free_before_context, capacity)
+        return capacity
 
     def reading(self) -> MemoryReading:
         from orchestrator.device import nvml
@@ -262,14 +330,19 @@ def configure_allocator(alloc_conf: str | None) -> None:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
 
 
+def gpu_visible() -> bool:
+    """Whether this process sees a GPU PyTorch can use."""
+    return torch.cuda.is_available()
+
+
+def gpu_count() -> int:
+    """The GPUs this process sees (as Ray detects them on a machine it starts on)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def open_device(kind: str, *, capacity: int | None = None, memory_fraction: float | None = None) -> Device:
-    """``memory.device`` of the config -> a Device. ``auto`` is CUDA when PyTorch sees a GPU."""
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
-    if kind == "cuda":
-        return CudaDevice(torch.cuda.current_device(), memory_fraction)
-    if kind == "emulated":
-        if capacity is None:
-            raise ValueError("memory.device: emulated needs memory.capacity")
-        return EmulatedDevice(capacity)
-    return CpuDevice()
+    """A registered device kind (``orchestrator.device_kinds``) -> a Device. ``auto`` is the
+    accelerator when PyTorch sees a GPU, else the CPU."""
+    if kind == AUTO:
+        kind = accelerator() if gpu_visible() else "cpu"
+    return device_kind(kind).device_class().open(capacity=capacity, memory_fraction=memory_fraction)

@@ -29,12 +29,14 @@ def bytes_requested(message: str) -> int | None:
     return int(float(match.group(1)) * _UNIT[match.group(2)]) if match else None
 
 
-def release_memory() -> None:
-    """After an OOM only: drop the failed step's garbage and hand cached blocks back to the device.
+def release() -> None:
+    """After an OOM (or a probe, or before a reused worker's next trial) only: drop the failed
+    work's garbage and hand the allocator's cached blocks back to the device.
 
-    ``empty_cache`` belongs here, once per OOM, and never in the training loop (one team made
-    their epochs 3x slower by calling it every 10 batches).
+    The one place that frees memory this way. ``empty_cache`` belongs here, once per OOM, and
+    never in the training loop (one team made their epochs 3x slower by calling it every 10
+    batches); it does nothing where CUDA was never initialised.
     """
     gc.collect()
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():
         torch.cuda.empty_cache()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -26,6 +26,38 @@ from torch.utils._pytree import tree_leaves
 
 #: The CUDA caching allocator's smallest block; every allocation is rounded up to a multiple.
 CUDA_BLOCK = 512
+
+
+def model_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """A model's parameters, then its buffers."""
+    yield from model.parameters()
+    yield from model.buffers()
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """The tensors of an optimizer's state (moments, step counters), parameter by parameter."""
+    for state in optimizer.state.values():
+        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """What a trainer holds between steps: the model's tensors and its optimizer's state. The one
+    listing of them, for the device that counts them and for the estimators."""
+    yield from model_tensors(model)
+    yield from optimizer_tensors(optimizer)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor], device_type: str, round_to: int = 1) -> int:
+    """The bytes of the distinct storages of ``tensors`` on ``device_type``, each rounded up to
+    ``round_to`` (a CPU ``step`` counter of a CUDA optimizer is not device memory; tensors that
+    share a storage count once)."""
+    seen, total = set(), 0
+    for tensor in tensors:
+        key = id(tensor.untyped_storage())
+        if tensor.device.type == device_type and key not in seen:
+            seen.add(key)
+            total += math.ceil(tensor.untyped_storage().nbytes() / round_to) * round_to
+    return total
 
 
 class StorageTracker(TorchDispatchMode):
@@ -78,6 +110,10 @@ class StorageTracker(TorchDispatchMode):
     def stop_recording(self) -> list[int]:
         log, self.log, self._logged = self.log or [], None, {}
         return log
+
+    def bytes_of(self, tensors: Iterable[torch.Tensor]) -> int:
+        """:func:`storage_bytes` of ``tensors`` on this tracker's device type, rounded as it rounds."""
+        return storage_bytes(tensors, self.device_type, self.round_to)
 
     def size_of(self, tensor: torch.Tensor) -> int:
         nbytes = tensor.untyped_storage().nbytes()

@@ -22,7 +22,12 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
-from orchestrator.device.tensor_tracker import CUDA_BLOCK, StorageTracker
+from orchestrator.device.tensor_tracker import (
+    CUDA_BLOCK,
+    StorageTracker,
+    model_tensors,
+    optimizer_tensors,
+)
 from orchestrator.memory.construction import build_fake
 from orchestrator.memory.cuda_emulation import cuda_semantics, mha_fast_path
 from orchestrator.memory.failure import where
@@ -50,7 +55,7 @@ class FakeSetup:
 
     def tracker(self) -> StorageTracker:
         tracker = StorageTracker(self.device.type, self.round_to)
-        tracker.track(list(self.model.parameters()) + list(self.model.buffers()))
+        tracker.track(list(model_tensors(self.model)))
         return tracker
 
     def batch(self, size: int):
@@ -81,15 +86,7 @@ class FakeSetup:
 
     def optimizer_bytes(self, tracker: StorageTracker) -> int:
         """Optimizer state on the device (a CPU ``step`` counter of a CUDA model is not device memory)."""
-        seen, total = set(), 0
-        for state in self.optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.device.type == tracker.device_type:
-                    key = id(value.untyped_storage())
-                    if key not in seen:
-                        seen.add(key)
-                        total += tracker.size_of(value)
-        return total
+        return tracker.bytes_of(optimizer_tensors(self.optimizer))
 
 
 def fake_setup(workload: Workload, target: str, trace_on: str | None = None) -> FakeSetup:

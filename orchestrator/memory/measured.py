@@ -16,12 +16,12 @@ bytes) the same code runs, which is what makes it testable here.
 
 from __future__ import annotations
 
-import gc
 import math
 
 import torch
 
-from orchestrator.device import CpuDevice, CudaDevice, Device
+from orchestrator.device import CpuDevice, CudaDevice, Device, release, state_tensors
+from orchestrator.device.tensor_tracker import optimizer_tensors, storage_bytes
 from orchestrator.memory.phases import enter_phase, phases_of
 from orchestrator.memory.profile import CUBLAS_WORKSPACE_BYTES, MemoryProfile, PhaseProfile, Settings, overheads
 from trainables.step import eval_step, make_grad_scaler, train_step
@@ -43,20 +43,16 @@ class _Probe:
 
     def __init__(self, workload: Workload, settings: Settings, device: Device):
         self.workload, self.settings, self.device = workload, settings, device
-        dev = device.torch_device
-        self.model = workload.build_model().to(dev)
+        self.model = workload.build_model().to(device.torch_device)
         self.optimizer = workload.build_optimizer(self.model)
-        self.scaler = make_grad_scaler(settings.precision, dev)
+        self.scaler = make_grad_scaler(settings.precision, device)
         self.train_data, self.eval_data = workload.train_data(), workload.eval_data()
         self.fb_peak = self.fb_reserved = self.step_peak = 0
         self.optimizer.register_step_pre_hook(self._before_step)
         self.optimizer.register_step_post_hook(self._after_step)
 
     def _state(self):
-        yield from self.model.parameters()
-        yield from self.model.buffers()
-        for state in self.optimizer.state.values():
-            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+        return state_tensors(self.model, self.optimizer)
 
     def _before_step(self, *_):
         reading = self.device.reading()
@@ -69,9 +65,7 @@ class _Probe:
     def recover(self) -> None:
         """Free what a step that ran out of memory left behind."""
         self.optimizer.zero_grad(set_to_none=True)
-        gc.collect()
-        if self.device.torch_device.type == "cuda":
-            torch.cuda.empty_cache()
+        release()
 
     def _batches(self, data, size: int, count: int):
         """``count`` batches of ``size``, each collated on the host and admitted to the device when
@@ -106,14 +100,7 @@ class _Probe:
         return reading.peak_allocated, reading.peak_reserved or 0
 
     def bytes_of(self, tensors) -> int:
-        seen, total = set(), 0
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and t.device.type == self.device.torch_device.type:
-                key = t.untyped_storage().data_ptr()
-                if key not in seen:
-                    seen.add(key)
-                    total += t.untyped_storage().nbytes()
-        return total
+        return storage_bytes(tensors, self.device.torch_device.type)
 
 
 def default_device(target: str) -> Device:
@@ -159,9 +146,7 @@ def measured_profile(
     finally:
         breakdown = _breakdown(probe)
         del probe
-        gc.collect()
-        if on_gpu:
-            torch.cuda.empty_cache()
+        release()
     if not sizes or any(len(seen[p.name]) < 2 for p in phases):
         raise MeasurementFailed("fewer than two probe batch sizes fit on the device: " + "; ".join(notes))
     notes.insert(0, f"measured on {device.kind} at batch sizes {', '.join(map(str, sizes))}")
@@ -200,7 +185,7 @@ def _breakdown(probe: _Probe) -> dict[str, int]:
     return {
         "params": probe.bytes_of(params),
         "grads": probe.bytes_of([p for p in params if p.requires_grad]),
-        "optimizer": probe.bytes_of(v for s in probe.optimizer.state.values() for v in s.values()),
+        "optimizer": probe.bytes_of(optimizer_tensors(probe.optimizer)),
         "buffers": probe.bytes_of(probe.model.buffers()),
     }
 

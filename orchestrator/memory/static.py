@@ -24,7 +24,12 @@ import os
 import torch
 from torch.utils._pytree import tree_leaves
 
-from orchestrator.device.tensor_tracker import CUDA_BLOCK, StorageTracker
+from orchestrator.device.tensor_tracker import (
+    CUDA_BLOCK,
+    StorageTracker,
+    model_tensors,
+    optimizer_tensors,
+)
 from orchestrator.memory.construction import HostOrMeta
 from orchestrator.memory.failure import summary
 from orchestrator.memory.fake import Untraceable, describe, fake_setup, running
@@ -89,17 +94,10 @@ def _states(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tracker: S
         step_peak = tracker.peak
         grads = sum(tracker.size_of(p.grad) for p in trainable)
         optimizer.zero_grad(set_to_none=True)
-    seen, opt = set(), 0
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor) and value.device.type == tracker.device_type:
-                if id(value.untyped_storage()) not in seen:
-                    seen.add(id(value.untyped_storage()))
-                    opt += tracker.size_of(value)
     return {
         "params": sum(tracker.size_of(p) for p in model.parameters()),
         "grads": grads,
-        "optimizer": opt,
+        "optimizer": tracker.bytes_of(optimizer_tensors(optimizer)),
         "buffers": sum(tracker.size_of(b) for b in model.buffers()),
         "step_peak": step_peak,
         "scalar": tracker.size_of(torch.zeros((), device=tracker.device_type)),
@@ -150,7 +148,7 @@ def _check_fits_here(workload: Workload) -> None:
     """
     with HostOrMeta():
         model = workload.build_model()
-    size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    size = sum(t.numel() * t.element_size() for t in model_tensors(model))
     available = _available_memory()
     if REAL_STATES_PER_PARAMETER_BYTE * size > REAL_MEMORY_SHARE * available:
         raise TooLargeForRealTensors(
@@ -167,7 +165,7 @@ def _on_real_cpu(workload: Workload, settings: Settings, target: str):
     optimizer = workload.build_optimizer(model)
     round_to = CUDA_BLOCK if target == "cuda" else 1
     tracker = StorageTracker("cpu", round_to)
-    tracker.track(list(model.parameters()) + list(model.buffers()))
+    tracker.track(list(model_tensors(model)))
     states = _states(model, optimizer, tracker)
     data = workload.train_data()
     device = torch.device("cpu")

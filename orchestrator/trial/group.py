@@ -34,11 +34,12 @@ from dataclasses import replace
 from typing import Any
 
 import ray
-import torch
 
 from orchestrator.config import SweepSpec
 from orchestrator.contract import STATE_FILE, OomEvent
-from orchestrator.device import Device, configure_allocator
+from orchestrator.device import Device, configure_allocator, gpu_visible
+from orchestrator.device.target import resolve_target
+from orchestrator.device_kinds import device_kind
 from orchestrator.device.oom import is_oom
 from orchestrator.estimates import Estimates
 from orchestrator.memory.cache import ProfileCache
@@ -68,9 +69,6 @@ class _GroupRank:
     policy: Any
     device: Device
     node: NodeInfo
-
-    def _configured_capacity(self) -> int | None:
-        return self.policy.capacity_of(self.rank)  # memory.capacity may give each rank its own
 
     def _gpu_share(self) -> float | None:
         return None  # a rank has a whole GPU (the config refuses fractions in a group)
@@ -188,8 +186,7 @@ class RankRun(_GroupRank, TrialRun):
 
     def __init__(self, config: dict[str, Any], spec: SweepSpec, trial_id: str, group_address: str, rank: int,
                  ranks: int, state: bytes | None):
-        from orchestrator.device import nvml
-        from orchestrator.device.oom import release_memory
+        from orchestrator.device import nvml, release
         from orchestrator.trial.reuse import HISTORY
 
         self.config, self.spec, self.estimates = config, spec, None
@@ -203,14 +200,14 @@ class RankRun(_GroupRank, TrialRun):
             self.workload = build_workload(config)
             self.checkpointable = type(self.workload).supports_activation_checkpointing
             self.gpu_free_before_context = None
-            if torch.cuda.is_available():
-                release_memory()
+            if gpu_visible():
+                release()
                 info = nvml.gpu_info(0)
                 self.gpu_free_before_context = HISTORY.gpu_free_before_context(info.free if info else None)
             self.device = self._open_device()
         except Exception:
             # Rank 0 waits for this rank to join the group: join and leave, so it stops at once.
-            RankGroup.join_and_leave(rank, ranks, group_address, _backend(self.policy))
+            RankGroup.join_and_leave(rank, ranks, group_address, _backend(spec, rank))
             raise
         self.metrics = None
         self.checkpoints = LocalCheckpoints(f"{trial_id}-rank{rank}")
@@ -276,10 +273,10 @@ def _failed_rank(runs: list) -> tuple[int, bool, str] | None:
     return None
 
 
-def _backend(policy) -> str:
+def _backend(spec: SweepSpec, rank: int) -> str:
     """The group's backend as ``_open_device`` would choose it, without opening a device."""
-    on_gpu = policy.device == "cuda" or (policy.device == "auto" and torch.cuda.is_available())
-    return "nccl" if on_gpu else "gloo"
+    device = resolve_target(spec, rank=rank, gpu_here=gpu_visible()).device
+    return device_kind(device).device_class().collective_backend
 
 
 def _free_port() -> int:

@@ -13,19 +13,19 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
-
 from orchestrator.config import SweepSpec
 from orchestrator.contract import OOM_SHRINKS_KEY, RESTART_REASON_KEY, STATE_FILE, Move, OomEvent
-from orchestrator.device import CudaDevice, Device, configure_allocator, nvml, open_device
-from orchestrator.device.oom import bytes_requested, is_oom, release_memory
+from orchestrator.device import CudaDevice, Device, configure_allocator, gpu_visible, nvml, open_device, release
+from orchestrator.device.oom import bytes_requested, is_oom
+from orchestrator.device.target import Target, resolve_target
+from orchestrator.device_kinds import device_kind
 from orchestrator.estimates import Estimates
 from orchestrator.memory.cache import ProfileCache
 from orchestrator.planner import Plan, make_plan, next_reduction
 from orchestrator.trial.checkpoint import LocalCheckpoints
 from orchestrator.trial.errors import OomRetriesExhausted
 from orchestrator.trial.evidence import clear_oom_evidence, storage_trial_folder, write_oom_evidence
-from orchestrator.trial.node import current_node, left_its_node, restart_reason
+from orchestrator.trial.node import NodeInfo, current_node, left_its_node, restart_reason
 from orchestrator.trial.reuse import HISTORY
 from orchestrator.units import human
 from trainables.loop import LoopSettings, Milestone, Trainer
@@ -33,6 +33,8 @@ from trainables.workload import build_workload
 
 
 class TrialRun:
+    rank: int | None = None  # a rank of a data-parallel group sets its own
+
     def __init__(self, config: dict[str, Any], spec: SweepSpec, estimates: Estimates | None = None):
         from ray import tune
 
@@ -54,8 +56,8 @@ class TrialRun:
         self.gpu_free_before_context = None
         self.node = current_node()
         self.moves: list[Move] = []  # every time this trial resumed on another node, oldest first
-        if torch.cuda.is_available():
-            release_memory()  # a reused worker: the previous trial's cached blocks go back first
+        if gpu_visible():
+            release()  # a reused worker: the previous trial's cached blocks go back first
             self.gpu_free_before_context = HISTORY.gpu_free_before_context(self._gpu_free())
         self.device = self._open_device()
         self.checkpoints = LocalCheckpoints(trial_id)
@@ -96,7 +98,7 @@ class TrialRun:
             # Out of the except block: the exception and the frames of the failed step are gone,
             # so dropping the trainer frees its weights and optimizer state before the next is built.
             del trainer
-            release_memory()
+            release()
             self.device.reset_peak()  # the next report's peak covers the recovery, not the failed step
             self._shrink(event)
 
@@ -277,16 +279,7 @@ class TrialRun:
         return gpus if 0 < gpus < 1 else None
 
     def _open_device(self) -> Device:
-        kind = self.policy.device
-        if kind == "auto":
-            kind = "cuda" if torch.cuda.is_available() else "cpu"
-        # A shared GPU's allocator is capped to the trial's share: its growth can't OOM a neighbour.
-        # An emulated device is as large as its node declares, else as memory.capacity says.
-        capacity = self.node.capacity(self._configured_capacity()) if kind == "emulated" else None
-        return open_device(kind, capacity=capacity, memory_fraction=self._gpu_share() if kind == "cuda" else None)
-
-    def _configured_capacity(self) -> int | None:
-        return self.policy.capacity
+        return open_trial_device(self.spec, self.node, rank=self.rank, gpu_share=self._gpu_share())
 
     def _gpu_free(self) -> int | None:
         info = nvml.gpu_info(0)
@@ -299,25 +292,31 @@ class TrialRun:
             return
         free = self._gpu_free()
         if free is not None and self.gpu_free_before_context is not None:
-            held = self.gpu_free_before_context - free - torch.cuda.memory_reserved(self.device.torch_device)
+            held = self.gpu_free_before_context - free - self.device.reserved()
             HISTORY.cuda_context_bytes = max(held, 0)
 
     def _budget(self) -> int | None:
-        """Bytes the plan may fill (before the safety margin): the config's, else the device's.
+        """Bytes the plan may fill (before the safety margin): the config's, within the device's."""
+        return trial_target(self.spec, self.device, rank=self.rank, free_before_context=self.gpu_free_before_context).budget
 
-        On a GPU that is the memory free before this trial started (or its share of the card,
-        when it shares one); the plan's profile counts the CUDA context inside that.
-        """
-        capacity = self.device.capacity()
-        if isinstance(self.device, CudaDevice):
-            if self._gpu_share() is None and self.gpu_free_before_context is not None:
-                available = min(self.gpu_free_before_context, capacity)
-            else:
-                available = capacity  # the card, or this trial's capped share of it
-            return min(self.policy.budget, available) if self.policy.budget else available
-        if capacity is None:
-            return self.policy.budget  # the CPU: unbounded unless the config says otherwise
-        return min(self.policy.budget, capacity) if self.policy.budget else capacity
+
+def open_trial_device(spec: SweepSpec, node: NodeInfo, *, rank: int | None = None,
+                      gpu_share: float | None = None) -> Device:
+    """The device a trial (its rank ``rank`` in a group) trains on, of the kind
+    ``resolve_target`` picks in a process that may or may not see a GPU. An emulated device is
+    as large as its node declares (a label), else as ``memory.capacity`` says; a GPU shared by
+    fractions is capped to the trial's share (``gpu_share``)."""
+    target = resolve_target(spec, rank=rank, gpu_here=gpu_visible())
+    capacity = node.capacity(target.capacity) if device_kind(target.device).sized_by_config else None
+    return open_device(target.device, capacity=capacity, memory_fraction=gpu_share)
+
+
+def trial_target(spec: SweepSpec, device: Device, *, rank: int | None = None,
+                 free_before_context: int | None = None) -> Target:
+    """The target of a trial whose device is open: on a GPU, its capacity is the memory free
+    before this trial started (or its share of the card, when it shares one); the plan's
+    profile counts the CUDA context inside that."""
+    return resolve_target(spec, rank=rank, measured=device.available(free_before_context), gpu_here=gpu_visible())
 
 
 def _describe_change(old: Plan, new: Plan) -> str:
