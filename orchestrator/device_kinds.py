@@ -70,6 +70,6 @@ def accelerator() -> str:
     return next(k.name for k in KINDS.values() if k.accelerator)
 
 
-register_device(DeviceKind("cuda", "orchestrator.device:CudaDevice", accelerator=True))
-register_device(DeviceKind("cpu", "orchestrator.device:CpuDevice"))
-register_device(DeviceKind("emulated", "orchestrator.device:EmulatedDevice", sized_by_config=True))
+register_device(DeviceKind("cuda", "orchestrator.device.cuda:CudaDevice", accelerator=True))
+register_device(DeviceKind("cpu", "orchestrator.device.cpu:CpuDevice"))
+register_device(DeviceKind("emulated", "orchestrator.device.emulated:EmulatedDevice", sized_by_config=True))

@@ -188,7 +188,7 @@ class WatchedMLP(MLPWorkload):
 
 def test_the_cpu_measures_the_first_steps_of_each_window_and_then_one_a_second(monkeypatch):
     """Counting every op costs a small model 2-3x its step time; sampled steps peak as the rest."""
-    from orchestrator import device as devices
+    from orchestrator.device import cpu
 
     workload = WatchedMLP(width=64, train_samples=64 * 32, eval_samples=64)
     settings = epochs(2)  # a report window per epoch, 32 steps each
@@ -197,7 +197,7 @@ def test_the_cpu_measures_the_first_steps_of_each_window_and_then_one_a_second(m
     assert workload.watched[64:68] == [True] * 4  # the next window's too
     assert sum(workload.watched) < len(workload.watched) / 4, workload.watched
 
-    monkeypatch.setattr(devices, "CPU_SAMPLE_EVERY_S", 0.0)  # every step measured
+    monkeypatch.setattr(cpu, "CPU_SAMPLE_EVERY_S", 0.0)  # every step measured
     everything = WatchedMLP(width=64, train_samples=64 * 32, eval_samples=64)
     _, full = train(everything, LoopPlan(32, 64, 64), settings)
     assert all(everything.watched)
