@@ -95,3 +95,30 @@ def test_a_node_that_declares_its_emulated_capacity_gives_its_trials_that_budget
     assert device.capacity() == 16 * MiB and target.budget == 16 * MiB
     device, target = trial(spec({"device": "cpu"}))
     assert isinstance(device, CpuDevice) and target.capacity is None
+
+
+@pytest.mark.integration
+def test_a_trial_of_a_sweep_plans_on_the_budget_plan_shows(tmp_path, local_ray, capsys):
+    """The case that disagreed: memory.budget above memory.capacity. `plan` showed the budget,
+    the trial used the device's capacity; both use the smaller now."""
+    import json
+    from argparse import Namespace
+
+    import yaml
+
+    from orchestrator.plan_command import plan_command
+    from orchestrator.runner import run_sweep
+    from tests.conftest import trial_results
+
+    raw = {**SWEEP, "memory": {"device": "emulated", "capacity": "8MiB", "budget": "24MiB", "estimator": "static"},
+           "resources": {"cpu": 1}}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    args = Namespace(config=str(path), overrides=[], device_memory=None, estimator=None, json=True)
+    assert plan_command(args) == 0
+    shown = json.loads(capsys.readouterr().out)
+    outcome = run_sweep(parse_spec(raw), tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", storage_path=str(tmp_path / "results"))
+    assert outcome.ok
+    [reports] = trial_results(f"{outcome.experiment_path}/*/result.json").values()
+    assert (shown["target"], shown["budget_bytes"]) == ("emulated", 8 * MiB)
+    assert {r["budget_bytes"] for r in reports} == {shown["budget_bytes"]}
