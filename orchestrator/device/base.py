@@ -12,6 +12,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from orchestrator.device.nvml import GpuInfo
+
 
 @dataclass(frozen=True)
 class MemoryReading:
@@ -112,6 +114,10 @@ class Device:
 
     def capacity(self) -> int | None:
         """Memory the trial may use on this device, or None where that has no meaning (CPU)."""
+        return None
+
+    def card(self) -> GpuInfo | None:
+        """What NVML says of this device (name, total memory), where it is a GPU NVML sees."""
         return None
 
     def available(self, free_before_context: int | None) -> int | None:

@@ -66,6 +66,9 @@ class CudaDevice(Device):
             return min(free_before_context, capacity)
         return capacity
 
+    def card(self) -> nvml.GpuInfo | None:
+        return nvml.gpu_info(self.torch_device.index or 0)
+
     def reading(self) -> MemoryReading:
         info = nvml.gpu_info(self.torch_device.index or 0)
         return MemoryReading(

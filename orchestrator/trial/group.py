@@ -38,9 +38,9 @@ import ray
 from orchestrator.config import SweepSpec
 from orchestrator.contract import STATE_FILE, OomEvent
 from orchestrator.device import Device, configure_allocator, gpu_visible
+from orchestrator.device.oom import is_oom
 from orchestrator.device.target import resolve_target
 from orchestrator.device_kinds import device_kind
-from orchestrator.device.oom import is_oom
 from orchestrator.estimates import Estimates
 from orchestrator.memory.cache import ProfileCache
 from orchestrator.planner import Plan, plan_for_ranks
@@ -186,9 +186,6 @@ class RankRun(_GroupRank, TrialRun):
 
     def __init__(self, config: dict[str, Any], spec: SweepSpec, trial_id: str, group_address: str, rank: int,
                  ranks: int, state: bytes | None):
-        from orchestrator.device import nvml, release
-        from orchestrator.trial.reuse import HISTORY
-
         self.config, self.spec, self.estimates = config, spec, None
         self.rank, self.ranks = rank, ranks
         self.policy = spec.memory
@@ -199,11 +196,7 @@ class RankRun(_GroupRank, TrialRun):
             configure_allocator(self.policy.allocator_conf)
             self.workload = build_workload(config)
             self.checkpointable = type(self.workload).supports_activation_checkpointing
-            self.gpu_free_before_context = None
-            if gpu_visible():
-                release()
-                info = nvml.gpu_info(0)
-                self.gpu_free_before_context = HISTORY.gpu_free_before_context(info.free if info else None)
+            self.gpu_free_before_context = self._gpu_free_before_context()
             self.device = self._open_device()
         except Exception:
             # Rank 0 waits for this rank to join the group: join and leave, so it stops at once.

@@ -9,7 +9,7 @@ worker of a trial that failed (its actor is stopped, not cached).
 What a trial sets for itself, so that it does not matter which trials its worker ran before:
 its device (with its GPU share as the per-process memory fraction, or the whole card), peak
 statistics reset at its start, and its GPU budget: the previous trial's cached blocks go back
-to the device first (``release_memory``), and the budget is what is free then plus this
+to the device first (``orchestrator.device.release``), and the budget is what is free then plus this
 process's own CUDA context, which the plan counts itself. A trial that recovered from an OOM
 leaves nothing cached behind it either; tensors that outlive a trial (a workload's module-level
 cache) stay allocated and shrink the next trial's budget instead of overflowing it.

@@ -15,7 +15,7 @@ from typing import Any
 
 from orchestrator.config import SweepSpec
 from orchestrator.contract import OOM_SHRINKS_KEY, RESTART_REASON_KEY, STATE_FILE, Move, OomEvent
-from orchestrator.device import CudaDevice, Device, configure_allocator, gpu_visible, nvml, open_device, release
+from orchestrator.device import Device, configure_allocator, gpu_visible, nvml, open_device, release
 from orchestrator.device.oom import bytes_requested, is_oom
 from orchestrator.device.target import Target, resolve_target
 from orchestrator.device_kinds import device_kind
@@ -51,14 +51,9 @@ class TrialRun:
         self.context = tune.get_context()
         trial_id = self.context.get_trial_id()
         self.metrics = TrialMetrics(spec.experiment, trial_id, config["workload"])
-        # NVML's free memory before this process creates its CUDA context: plans count the
-        # context themselves, so the budget must not have it taken out already.
-        self.gpu_free_before_context = None
         self.node = current_node()
         self.moves: list[Move] = []  # every time this trial resumed on another node, oldest first
-        if gpu_visible():
-            release()  # a reused worker: the previous trial's cached blocks go back first
-            self.gpu_free_before_context = HISTORY.gpu_free_before_context(self._gpu_free())
+        self.gpu_free_before_context = self._gpu_free_before_context()
         self.device = self._open_device()
         self.checkpoints = LocalCheckpoints(trial_id)
         self.events: list[OomEvent] = []
@@ -245,10 +240,9 @@ class TrialRun:
         if plan.predicted_peak_bytes is not None:
             metrics["predicted_peak_bytes"] = plan.predicted_peak_bytes
             metrics["predicted_phase"] = plan.predicted_phase
-        if isinstance(self.device, CudaDevice):
-            info = nvml.gpu_info(self.device.torch_device.index or 0)
-            if info:
-                metrics["gpu_name"], metrics["gpu_total_bytes"] = info.name, info.total
+        info = self.device.card()
+        if info:
+            metrics["gpu_name"], metrics["gpu_total_bytes"] = info.name, info.total
         return metrics
 
     def _milestone_metrics(self, milestone: Milestone) -> dict[str, Any]:
@@ -281,6 +275,15 @@ class TrialRun:
     def _open_device(self) -> Device:
         return open_trial_device(self.spec, self.node, rank=self.rank, gpu_share=self._gpu_share())
 
+    def _gpu_free_before_context(self) -> int | None:
+        """NVML's free memory before this process creates its CUDA context (None without a GPU):
+        plans count the context themselves, so the budget must not have it taken out already. A
+        reused worker gives the previous trial's cached blocks back first."""
+        if not gpu_visible():
+            return None
+        release()
+        return HISTORY.gpu_free_before_context(self._gpu_free())
+
     def _gpu_free(self) -> int | None:
         info = nvml.gpu_info(0)
         return info.free if info else None
@@ -288,7 +291,7 @@ class TrialRun:
     def _remember_cuda_context(self) -> None:
         """What this process holds on the GPU outside PyTorch's allocator, for the budget of
         the next trial it runs (``trainables.reuse``)."""
-        if not isinstance(self.device, CudaDevice) or HISTORY.cuda_context_bytes is not None:
+        if self.device.card() is None or HISTORY.cuda_context_bytes is not None:
             return
         free = self._gpu_free()
         if free is not None and self.gpu_free_before_context is not None:
