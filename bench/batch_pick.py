@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.zoo import CPU_ZOO, GPU_ZOO, Entry, StepRunner  # noqa: E402
+from orchestrator.device import release  # noqa: E402
 
 EFFECTIVE_BATCH = 1_000_003  # prime: the planned micro-batch is the largest that fits
 ACCELERATE_START = {"gpt2_bf16_seq1024": 64}  # starting batch for Accelerate (default 1024)
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# {entry.name}: skipped, needs {', '.join(entry.needs)}", flush=True)
             continue
         results.append(run_entry(entry, budget, on_gpu, args))
-        _release(on_gpu)
+        release()
     print_table(results)
     return 0
 
@@ -119,16 +120,6 @@ def _device(budget: int, on_gpu: bool):
     return EmulatedDevice(budget)
 
 
-def _release(on_gpu: bool) -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if on_gpu:
-        torch.cuda.empty_cache()
-
-
 def run_entry(entry: Entry, budget: int, on_gpu: bool, args) -> Result:
     device = _device(budget, on_gpu)
     runner = StepRunner(entry.make(), entry.precision, device)
@@ -136,19 +127,19 @@ def run_entry(entry: Entry, budget: int, on_gpu: bool, args) -> Result:
     true_max = largest_fitting(runner.fits)
     print(f"# {entry.name}: true max micro-batch {true_max}", flush=True)
     del runner
-    _release(on_gpu)
+    release()
     result = Result(entry.name, true_max)
     # On the CPU the plan is made for 2 x the true max, which asks the same question as the
     # search (two micro-batches of b per step).
     effective = EFFECTIVE_BATCH if on_gpu else 2 * max(true_max, 1)
     for estimator in ("trace", "measured"):
         result.picks.append(ours(entry, estimator, budget, device, on_gpu, args, effective))
-        _release(on_gpu)
+        release()
     result.picks.append(accelerate_pick(entry, device))
-    _release(on_gpu)
+    release()
     for mode in ("power", "binsearch"):
         result.picks.append(lightning_pick(entry, mode, on_gpu))
-        _release(on_gpu)
+        release()
     for pick in result.picks:
         print(f"# {entry.name}: {pick.tool}: {pick.batch} in {pick.seconds:.1f}s, {pick.ooms} OOMs {pick.note}", flush=True)
     plan = result.picks[0]

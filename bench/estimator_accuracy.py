@@ -224,7 +224,7 @@ def measure_trial(entry: Entry, b: int, device):
     workload, dev = entry.make(), device.torch_device
     model = workload.build_model().to(dev)
     optimizer = workload.build_optimizer(model)
-    scaler = make_grad_scaler(entry.precision, dev)
+    scaler = make_grad_scaler(entry.precision, device)
     train_data, eval_data = workload.train_data(), workload.eval_data()
     model.train()
     for _ in range(2):

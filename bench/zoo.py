@@ -966,14 +966,13 @@ class StepRunner:
         torch.manual_seed(0)
         self.model = workload.build_model().to(device.torch_device)
         self.optimizer = workload.build_optimizer(self.model)
-        self.scaler = make_grad_scaler(precision, device.torch_device)
+        self.scaler = make_grad_scaler(precision, device)
         self.train_data, self.eval_data = workload.train_data(), workload.eval_data()
 
     def _state(self):
-        yield from self.model.parameters()
-        yield from self.model.buffers()
-        for state in self.optimizer.state.values():
-            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+        from orchestrator.device import state_tensors
+
+        return state_tensors(self.model, self.optimizer)
 
     def batch(self, data, b: int):
         """``b`` samples collated on the host, then admitted to the device (the loop's way)."""
@@ -1011,12 +1010,10 @@ class StepRunner:
 
     def recover(self) -> None:
         """After an out-of-memory error: drop the failed step's gradients and cached blocks."""
-        import gc
+        from orchestrator.device import release
 
         self.optimizer.zero_grad(set_to_none=True)
-        gc.collect()
-        if self.device.torch_device.type == "cuda":
-            torch.cuda.empty_cache()
+        release()
 
     def fits(self, b: int) -> bool:
         """Whether a train step at micro-batch ``b`` runs without running out of memory."""
