@@ -15,7 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from orchestrator.config import parse_spec
-from orchestrator.tracking import MlflowTracking
+from orchestrator.tracking.callback import MlflowTracking
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 2**30
