@@ -307,12 +307,22 @@ def estimate_before_start(spec: SweepSpec):
     estimates = estimate_trials(memory_configs(spec), policy, target, budget, rank_batch)
     if estimates.errors:
         signature, error = next(iter(estimates.errors.items()))
-        raise UserError(f"workload {describe_signature(signature, spec.search_space)}: the {policy.estimator} estimate failed ({error}); "
-                        "fix the workload, or set memory.estimator: none to start trials without an estimate")
+        raise UserError(f"workload {describe_signature(signature, spec.search_space)}: the {policy.estimator} estimate failed "
+                        f"({error}); {_estimate_advice(error)}")
     if estimates.by_signature:
         print(f"Estimated the memory of {len(estimates.by_signature)} distinct trial configuration(s) for a "
               f"{target} device in {time.perf_counter() - started:.1f}s ({policy.estimator})", flush=True)
     return estimates
+
+
+def _estimate_advice(error: str) -> str:
+    """What helps with an estimate that failed. An op that failed on the estimator's fake tensors
+    (``aten.nonzero ...``) may run on real ones, so starting without an estimate can help; any
+    other error (the model's own code raised: the pre-flight already built it) would stop every
+    trial the same way, and only fixing the workload helps."""
+    if "aten." in error:
+        return "fix the workload, or set memory.estimator: none to start trials without an estimate"
+    return "fix the workload: its trials would fail the same way"
 
 
 def _trainable(spec: SweepSpec, estimates):
@@ -341,6 +351,7 @@ def _tune_config(spec: SweepSpec):
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
     from orchestrator.retry import OomAwareScheduler
+    from orchestrator.space import search_algorithm
 
     if spec.scheduler.type == "asha":
         unit = spec.scheduler.time_attr
@@ -354,7 +365,7 @@ def _tune_config(spec: SweepSpec):
     # metric's name was checked against every workload's declared metrics before Ray started.
     os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")
     return tune.TuneConfig(
-        metric=spec.metric, mode=spec.mode, num_samples=spec.num_samples,
+        metric=spec.metric, mode=spec.mode, num_samples=spec.num_samples, search_alg=search_algorithm(spec),
         scheduler=OomAwareScheduler(inner, max_failures=spec.max_failures), reuse_actors=spec.reuse,
     )
 
