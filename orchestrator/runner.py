@@ -12,7 +12,6 @@ import contextlib
 import glob
 import math
 import os
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from orchestrator.capacity import (
     local_node,
     trial_request,
 )
-from orchestrator.config import SweepSpec, folder_name, load_spec
+from orchestrator.config import SweepSpec
 from orchestrator.contract import MEMORY_LABELS, describe_moves
 from orchestrator.errors import UserError
 from orchestrator.failures import exception_line
@@ -34,6 +33,7 @@ from orchestrator.invocation import shell_command
 from orchestrator.outcome import INTERRUPTED, TERMINATED, SweepRecord, TrackingDelivery, recording, trial_status
 from orchestrator.preflight import check_shared_storage, check_storage, check_workloads, taken_back_if_refused
 from orchestrator.ray_token import secure_token_files
+from orchestrator.run_request import RunRequest
 from orchestrator.table import format_table
 from orchestrator.trial_report import TrialReport
 from orchestrator.units import human
@@ -75,35 +75,7 @@ class SweepOutcome:
         return trained and (self.tracking is None or self.tracking.complete)
 
 
-def run_command(args) -> int:
-    spec = load_spec(args.config, args.overrides)
-    if args.name is not None:
-        folder_name(args.name, "--name")
-    try:
-        outcome = run_sweep(
-            spec,
-            tracking_uri=args.tracking_uri,
-            storage_path=args.storage_path,
-            ray_address=args.ray_address,
-            name=args.name,
-            resume=args.resume,
-            num_cpus=args.num_cpus,
-            num_gpus=args.num_gpus,
-            dashboard=args.dashboard,
-            dashboard_host=args.dashboard_host,
-            offline_tracking=args.offline_tracking,
-        )
-    except KeyboardInterrupt:
-        print(f"\nInterrupted. Continue the sweep with: {resume_command(args)}", file=sys.stderr)
-        raise
-    print()
-    print(summary_table(outcome.rows, spec))
-    print()
-    print("\n".join(summary_lines(outcome, spec, args)))
-    return 0 if outcome.ok else 1
-
-
-def summary_lines(outcome: SweepOutcome, spec: SweepSpec, args) -> list[str]:
+def summary_lines(outcome: SweepOutcome, spec: SweepSpec, request: RunRequest) -> list[str]:
     """Below the table: what finished, what did not and why, what MLflow lacks and how to fix it."""
     rows = outcome.rows
     name = os.path.basename(outcome.experiment_path)
@@ -112,7 +84,7 @@ def summary_lines(outcome: SweepOutcome, spec: SweepSpec, args) -> list[str]:
     if outcome.stop_reason:
         lines.append(f"Stopped: {outcome.stop_reason}")
     if any(r.status == INTERRUPTED for r in rows):
-        lines.append(f"Interrupted trials continue from their last checkpoints with: {resume_command(args, name)}")
+        lines.append(f"Interrupted trials continue from their last checkpoints with: {resume_command(request, name)}")
     delivery = outcome.tracking
     if delivery and delivery.dropped:
         lines.append(
@@ -123,33 +95,22 @@ def summary_lines(outcome: SweepOutcome, spec: SweepSpec, args) -> list[str]:
         where = f"kept in {delivery.kept_at}" if delivery.kept_at else "they could not be kept"
         lines.append(f"MLflow at {delivery.tracking_uri} did not take {delivery.unsent} write(s) by the end; {where}.")
         if delivery.kept_at:
-            lines.append(f"  Send them once MLflow is back with: {resume_command(args, name)}")
-    lines.append(f"MLflow: {outcome.tracking_uri} (experiment {spec.experiment!r}); see `{report_command(outcome, spec, args)}`")
+            lines.append(f"  Send them once MLflow is back with: {resume_command(request, name)}")
+    lines.append(f"MLflow: {outcome.tracking_uri} (experiment {spec.experiment!r}); see `{report_command(outcome, spec, request)}`")
     return lines
 
 
-def resume_command(args, name: str | None = None) -> str:
+def resume_command(request: RunRequest, name: str | None = None) -> str:
     """The command that continues this sweep (``--resume`` without a name takes the newest of the
     experiment), on the same resources: the embedded Ray's CPUs and GPUs decide how many trials
     run at once."""
-    words = ["run", args.config]
-    for override in args.overrides:
-        words += ["--set", override]
-    for flag, value in (("--storage-path", args.storage_path), ("--tracking-uri", args.tracking_uri),
-                        ("--ray-address", args.ray_address), ("--num-cpus", args.num_cpus),
-                        ("--num-gpus", args.num_gpus)):
-        if value is not None:
-            words += [flag, str(value)]
-    if args.offline_tracking:
-        words.append("--offline-tracking")
-    name = name or args.name
-    return shell_command(*words, *(["--name", name] if name else []), "--resume")
+    return request.replace(name=name or request.name, resume=True).command()
 
 
-def report_command(outcome: SweepOutcome, spec: SweepSpec, args) -> str:
+def report_command(outcome: SweepOutcome, spec: SweepSpec, request: RunRequest) -> str:
     """``orchestrator report EXPERIMENT``, with the tracking URI where it is not the one ``report``
     reads by default (the working directory's ``mlflow.db``, which is also ``run``'s)."""
-    chosen = args.tracking_uri or spec.tracking_uri
+    chosen = request.tracking_uri or spec.tracking_uri
     return shell_command("report", spec.experiment, *(["--tracking-uri", outcome.tracking_uri] if chosen else []))
 
 
@@ -346,12 +307,22 @@ def estimate_before_start(spec: SweepSpec):
     estimates = estimate_trials(memory_configs(spec), policy, target, budget, rank_batch)
     if estimates.errors:
         signature, error = next(iter(estimates.errors.items()))
-        raise UserError(f"workload {describe_signature(signature, spec.search_space)}: the {policy.estimator} estimate failed ({error}); "
-                        "fix the workload, or set memory.estimator: none to start trials without an estimate")
+        raise UserError(f"workload {describe_signature(signature, spec.search_space)}: the {policy.estimator} estimate failed "
+                        f"({error}); {_estimate_advice(error)}")
     if estimates.by_signature:
         print(f"Estimated the memory of {len(estimates.by_signature)} distinct trial configuration(s) for a "
               f"{target} device in {time.perf_counter() - started:.1f}s ({policy.estimator})", flush=True)
     return estimates
+
+
+def _estimate_advice(error: str) -> str:
+    """What helps with an estimate that failed. An op that failed on the estimator's fake tensors
+    (``aten.nonzero ...``) may run on real ones, so starting without an estimate can help; any
+    other error (the model's own code raised: the pre-flight already built it) would stop every
+    trial the same way, and only fixing the workload helps."""
+    if "aten." in error:
+        return "fix the workload, or set memory.estimator: none to start trials without an estimate"
+    return "fix the workload: its trials would fail the same way"
 
 
 def _trainable(spec: SweepSpec, estimates):
@@ -380,6 +351,7 @@ def _tune_config(spec: SweepSpec):
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
     from orchestrator.retry import OomAwareScheduler
+    from orchestrator.space import search_algorithm
 
     if spec.scheduler.type == "asha":
         unit = spec.scheduler.time_attr
@@ -393,7 +365,7 @@ def _tune_config(spec: SweepSpec):
     # metric's name was checked against every workload's declared metrics before Ray started.
     os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")
     return tune.TuneConfig(
-        metric=spec.metric, mode=spec.mode, num_samples=spec.num_samples,
+        metric=spec.metric, mode=spec.mode, num_samples=spec.num_samples, search_alg=search_algorithm(spec),
         scheduler=OomAwareScheduler(inner, max_failures=spec.max_failures), reuse_actors=spec.reuse,
     )
 

@@ -23,9 +23,10 @@ from orchestrator.device.oom import bytes_requested, is_oom, release_memory
 from orchestrator.estimates import Estimates
 from orchestrator.memory.cache import ProfileCache
 from orchestrator.planner import Plan, make_plan, next_reduction
+from orchestrator.ray_internals import trial_storage_folder
 from orchestrator.trial.checkpoint import LocalCheckpoints
 from orchestrator.trial.errors import OomRetriesExhausted
-from orchestrator.trial.evidence import clear_oom_evidence, storage_trial_folder, write_oom_evidence
+from orchestrator.trial.evidence import clear_oom_evidence, write_oom_evidence
 from orchestrator.trial.node import current_node, left_its_node, restart_reason
 from orchestrator.trial.reuse import HISTORY
 from orchestrator.trial_report import TrialReport
@@ -62,7 +63,7 @@ class TrialRun:
         self.device = self._open_device()
         self.checkpoints = LocalCheckpoints(trial_id)
         self.events: list[OomEvent] = []
-        self.evidence_folder = storage_trial_folder()  # where an OOM being recovered from is written down
+        self.evidence_folder = trial_storage_folder()  # where an OOM being recovered from is written down
         self.evidence_written = False
         self.applied_shrinks = 0  # Tune-level shrinks (OOM_SHRINKS_KEY) already in self.plan
         self.estimated_by = "checkpoint"  # where the plan's profile was made: driver | worker | none
