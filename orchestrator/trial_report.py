@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -171,7 +172,7 @@ class TrialReport:
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             if f.name in result and f.name not in _SPECIAL:
-                values[f.name] = _typed(f.type, result[f.name])
+                values[f.name] = _typed(_KINDS[f.name], result[f.name])
         values["plan"] = plan
         values["refusal"] = result.get("refusal") or (plan or {}).get("refusal") or None
         values["oom_events"] = tuple(OomEvent.from_dict(e) for e in result.get("oom_events") or ())
@@ -184,7 +185,7 @@ class TrialReport:
     @classmethod
     def integer_keys(cls) -> frozenset[str]:
         """The keys whose numbers are counts or bytes (MLflow gives every metric back as a float)."""
-        counts = {f.name for f in dataclasses.fields(cls) if f.type in ("int | None", "int", "bool | None")}
+        counts = {name for name, kind in _KINDS.items() if kind in (int, bool)}  # flags are 0/1
         return frozenset(counts | {"moved", "ranks", "worst_rank"})
 
 
@@ -200,13 +201,24 @@ def _measured(reserved: int | None, allocated: int | None) -> int | None:
     return reserved if reserved is not None else allocated
 
 
-def _typed(kind: str, value: Any) -> Any:
+def _scalar(hint: Any) -> type | None:
+    """``int`` for a field typed ``int`` or ``int | None``, ``bool`` likewise, else None."""
+    kinds = set(typing.get_args(hint)) - {type(None)} or {hint}
+    kind = kinds.pop() if len(kinds) == 1 else None
+    return kind if kind in (int, bool) else None
+
+
+#: The fields whose values a result may carry as another type: name -> int or bool (else None).
+_KINDS = {name: _scalar(hint) for name, hint in typing.get_type_hints(TrialReport).items()}
+
+
+def _typed(kind: type | None, value: Any) -> Any:
     """A value as its field holds it: MLflow stores every number as a float, Tune a flag as 0/1."""
     if value is None:
         return None
-    if kind in ("bool", "bool | None"):
+    if kind is bool:
         return bool(value)
-    if kind in ("int", "int | None") and isinstance(value, float) and value.is_integer():
+    if kind is int and isinstance(value, float) and value.is_integer():
         return int(value)
     return value
 
@@ -216,5 +228,5 @@ def _rank_peaks(result: Mapping[str, Any]) -> tuple[RankPeak, ...]:
     for key, value in result.items():
         match = _RANK_KEY.fullmatch(key)
         if match and value is not None:
-            found.setdefault(int(match[1]), {})[match[2]] = _typed("int | None", value)
+            found.setdefault(int(match[1]), {})[match[2]] = _typed(int, value)
     return tuple(RankPeak(**found.get(rank, {})) for rank in range(max(found, default=-1) + 1))
