@@ -164,6 +164,7 @@ def _keys(section: type) -> list[str]:
 
 
 def _no_derived_keys(section: type, data: dict) -> None:
+    """pydantic accepts every field as a key; a derived one is still not the YAML's to set."""
     derived = {f.name for f in dataclasses.fields(section) if f.metadata.get("derived")}
     for key in data:
         if key in derived:
