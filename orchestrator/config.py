@@ -17,10 +17,11 @@ from typing import Any
 import yaml
 
 from orchestrator.errors import ConfigError
+from orchestrator.estimator_registry import NO_ESTIMATE
+from orchestrator.estimator_registry import names as estimator_names
 from orchestrator.units import parse_bytes
 
 SEARCH_KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
-ESTIMATORS = ("static", "trace", "measured", "none")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cuda", "cpu", "emulated")
 
@@ -466,7 +467,7 @@ def _memory(value: Any) -> MemoryPolicy:
         rank_capacities=rank_capacities,
         budget=None if budget in (None, "auto") else _size(budget, "memory.budget"),
         safety_margin=_fraction(get("safety_margin"), "memory.safety_margin"),
-        estimator=_one_of(get("estimator"), ESTIMATORS, "memory.estimator"),
+        estimator=_one_of(get("estimator"), (*estimator_names(), NO_ESTIMATE), "memory.estimator"),  # registered ones
         fragmentation=_non_negative_number(get("fragmentation"), "memory.fragmentation"),
         allocator_conf=_allocator_conf(get("allocator_conf")),
         max_oom_retries=_non_negative_int(get("max_oom_retries"), "memory.max_oom_retries"),
