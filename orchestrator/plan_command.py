@@ -29,6 +29,8 @@ from dataclasses import replace
 
 from orchestrator.device_kinds import device_kind
 from orchestrator.errors import UserError
+from orchestrator.estimator_registry import NO_ESTIMATE
+from orchestrator.estimator_registry import names as estimator_names
 from orchestrator.units import parse_bytes
 
 
@@ -44,8 +46,8 @@ def plan_command(args) -> int:
 
     spec = load_spec(args.config, list(args.overrides or []))
     policy = spec.memory if not args.estimator else replace(spec.memory, estimator=args.estimator)
-    if policy.estimator == "none":
-        raise UserError("memory.estimator is 'none': there is nothing to plan; pass --estimator static|trace|measured")
+    if policy.estimator == NO_ESTIMATE:
+        raise UserError(f"memory.estimator is 'none': there is nothing to plan; pass --estimator {'|'.join(estimator_names())}")
     planned = planning_target(spec, args.device_memory)
     target, budget = planned.kind, planned.budget
     configs = trial_configs(spec)

@@ -9,11 +9,10 @@ import contextlib
 import time
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_leaves
 
 from orchestrator.device.base import Device, MemoryReading
 from orchestrator.device.tensor_tracker import StorageTracker
+from orchestrator.device.torch_internals import disable_current_modes, tree_leaves
 
 #: The CPU measures the first steps of every report window, then one step per this many seconds.
 CPU_SAMPLED_STEPS = 2
@@ -50,7 +49,7 @@ class CpuDevice(Device):
 
     def host(self):
         # Host and device are one memory here: what is made outside the tracker is not counted.
-        return _disable_current_modes()
+        return disable_current_modes()
 
     def admit(self, batch):
         if self._measuring_step:
@@ -69,7 +68,7 @@ class CpuDevice(Device):
             return
         self._measuring_step = False
         try:
-            with _disable_current_modes():
+            with disable_current_modes():
                 yield
         finally:
             self._measuring_step = True
