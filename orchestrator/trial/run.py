@@ -292,7 +292,8 @@ class TrialRun:
 
     def _budget(self) -> int | None:
         """Bytes the plan may fill (before the safety margin): the config's, within the device's."""
-        return trial_target(self.spec, self.device, rank=self.rank, free_before_context=self.gpu_free_before_context).budget
+        target = trial_target(self.spec, self.device, rank=self.rank, free_before_context=self.gpu_free_before_context)
+        return target.budget
 
 
 def open_trial_device(spec: SweepSpec, node: NodeInfo, *, rank: int | None = None,
