@@ -42,6 +42,17 @@ STATE_FILE = "state.pt"
 #: unusable) leaves it behind, which is how the driver knows that death was about memory.
 OOM_EVIDENCE_FILE = "oom_before_death.json"
 
+#: In the trial's folder on the storage path: the full traceback of the error that ended the
+#: trial where its one line names this file instead (a sample its data could not load).
+TRIAL_LOG_FILE = "trial.log"
+
+# -- what a trial reports ----------------------------------------------------------------------
+
+#: In the report a trial makes just before it fails of a data error (a sample that cannot be
+#: loaded): the error's line. The retry scheduler reads it to let that failure be the trial's
+#: last, as a retry would load the same sample again.
+DATA_ERROR_KEY = "data_error"
+
 # -- memory ------------------------------------------------------------------------------------
 
 #: How each kind of device measures the peak a report carries, as the tables label it.

@@ -16,6 +16,11 @@ Tune decides whether to retry before this hook runs, from ``FailureConfig.max_fa
 trial whose in-process retries ran out, or that failed for another reason more often than the
 sweep's ``max_failures`` allows, is therefore restarted once more, and told here to fail at
 once, with its failure count raised so that this failure is its last.
+
+A data error (a sample that cannot be loaded) is known before Tune decides: the trial reports
+it (``DATA_ERROR_KEY``) just before it raises, and Tune handles a trial's results before its
+error, so ``on_trial_result`` lowers that trial's retry budget to what it has spent and the
+failure that follows is its last: it is not restarted at all.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 from ray.tune.schedulers import TrialScheduler
 
 from orchestrator.contract import (
+    DATA_ERROR_KEY,
     NOT_RETRIED_KEY,
     OOM_GAVE_UP_KEY,
     OOM_SHRINKS_KEY,
@@ -46,8 +52,12 @@ class OomAwareScheduler(TrialScheduler):
         super().__init__()
         self.inner = inner
         self.max_failures = max_failures
+        self.data_errors: set[str] = set()  # trials whose next failure is a data error
 
     def on_trial_error(self, tune_controller, trial) -> None:
+        if trial.trial_id in self.data_errors:  # not retried (see the module): nothing to prepare
+            self.inner.on_trial_error(tune_controller, trial)
+            return
         failure = last_failure(trial.error_file)
         evidence = take_oom_evidence(str(trial.path) if trial.path else None)
         kind = classify(failure, pickled_failure(trial.pickled_error_file, failure), oom_evidence=evidence is not None)
@@ -76,7 +86,7 @@ class OomAwareScheduler(TrialScheduler):
         at once from the key set in its config, and this count makes its failure the last."""
         trial.run_metadata.num_failures = max(trial.max_failures, trial.run_metadata.num_failures)
 
-    # -- everything else is the wrapped scheduler's decision ---------------------------------
+    # -- everything else is the wrapped scheduler's decision (save a data error's report) -----
     @property
     def metric(self):
         return self.inner.metric
@@ -92,6 +102,10 @@ class OomAwareScheduler(TrialScheduler):
         return self.inner.on_trial_add(tune_controller, trial)
 
     def on_trial_result(self, tune_controller, trial, result):
+        if DATA_ERROR_KEY in result:  # the trial fails next, of a data error: no retry
+            self.data_errors.add(trial.trial_id)
+            trial.max_failures = trial.run_metadata.num_failures
+            return TrialScheduler.CONTINUE
         return self.inner.on_trial_result(tune_controller, trial, result)
 
     def on_trial_complete(self, tune_controller, trial, result):
