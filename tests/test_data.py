@@ -139,3 +139,19 @@ def test_a_collate_that_fails_names_the_batchs_samples():
     with pytest.raises(SampleError, match=r"^collate of eval_data samples 0, 1, 2, 3, 4, 5, 6, 7, \.\.\. "
                                           r"\(16 in all\): tests/test_data.py:\d+: RuntimeError: ragged$"):
         next(batches)
+
+
+def test_a_failure_that_does_not_happen_again_is_raised_as_it_came():
+    """Not pinned on the data: a DataLoader worker that died, say (here: the first fetch only)."""
+    class FlakyOnce(Ragged):
+        failed = False
+
+        def __getitem__(self, i):
+            if not FlakyOnce.failed:
+                FlakyOnce.failed = True
+                raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed.")
+            return super().__getitem__(i)
+
+    batches = Batches(eval_loader(PaddedWorkload(), FlakyOnce(), 16, DataLoading(), on_gpu=False), "eval_data")
+    with pytest.raises(RuntimeError, match="is killed by signal"):
+        next(batches)

@@ -16,7 +16,8 @@ workers (``data.num_workers``) fetch and collate them with the workload's ``coll
 A sample that cannot be loaded is a bug in the workload's data, not something a retry fixes:
 :class:`Batches` knows which index list each batch was asked for, fetches those samples again
 in this process to find the one that fails (a DataLoader worker's exception arrives as text,
-without its frames), and raises :class:`SampleError` naming it.
+without its frames), and raises :class:`SampleError` naming it. A failure that does not happen
+again there (a DataLoader worker killed, say) is not pinned on the data: it is raised as it came.
 """
 
 from __future__ import annotations
@@ -63,17 +64,20 @@ class Batches:
             raise
         except (MemoryError, torch.OutOfMemoryError):  # memory, not data: the trial's OOM handling decides
             raise
-        except Exception as exc:  # noqa: BLE001 - the workload's dataset or collate: named below
-            raise self._sample_error(exc)  # noqa: B904 - its cause is set: the failure found again
+        except Exception:  # noqa: BLE001 - the workload's dataset or collate: named if found again
+            error = self._sample_error()
+            if error is None:  # not the data (a DataLoader worker killed, say): as it came
+                raise
+            raise error  # noqa: B904 - its cause is set: the failure found again
         self.taken += 1
         return batch
 
-    def _sample_error(self, exc: Exception) -> SampleError:
+    def _sample_error(self) -> SampleError | None:
         """The sample that fails when the failed batch's samples are fetched again here, one by
-        one (then ``collate``); the batch's indices where that does not fail again."""
+        one, or its ``collate``; None where neither fails again."""
         indices = next(itertools.islice(iter(self.loader.batch_sampler), self.taken, None), None)
         if indices is None:
-            return _caused(SampleError(f"{self.phase}: {failure_line(exc)}"), exc)
+            return None
         samples = []
         for index in indices:
             try:
@@ -84,7 +88,7 @@ class Batches:
             self.loader.collate_fn(samples)
         except Exception as again:  # noqa: BLE001 - the user's collate
             return _caused(SampleError(f"collate of {self.phase} samples {_listed(indices)}: {failure_line(again)}"), again)
-        return _caused(SampleError(f"{self.phase} samples {_listed(indices)}: {failure_line(exc)}"), exc)
+        return None
 
 
 def _caused(error: SampleError, cause: BaseException) -> SampleError:
