@@ -166,22 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     keep_local_ray_on_loopback(args)
     import_from_working_directory()
     try:
-        if args.command == "run":
-            if args.address:
-                from orchestrator.jobs import run_as_job
+        if args.command in ("run", "submit"):
+            from orchestrator.launch import get_launcher, launch
+            from orchestrator.run_request import RunRequest
 
-                return run_as_job(args)
-            from orchestrator.runner import run_command
-
-            return run_command(args)
+            backend = "slurm" if args.command == "submit" else "ray-job" if args.address else "local"
+            return launch(get_launcher(backend).from_args(args), RunRequest.from_args(args))
         if args.command == "plan":
             from orchestrator.plan_command import plan_command
 
             return plan_command(args)
-        if args.command == "submit":
-            from orchestrator.slurm import submit_command
-
-            return submit_command(args)
         from orchestrator.report import report_command
 
         return report_command(args)

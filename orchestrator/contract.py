@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 # -- the trial's config keys that the retry scheduler sets before Tune restarts a trial ---------
 
@@ -45,13 +45,6 @@ OOM_EVIDENCE_FILE = "oom_before_death.json"
 #: In the trial's folder on the storage path: the full traceback of the error that ended the
 #: trial where its one line names this file instead (a sample its data could not load).
 TRIAL_LOG_FILE = "trial.log"
-
-# -- what a trial reports ----------------------------------------------------------------------
-
-#: In the report a trial makes just before it fails of a data error (a sample that cannot be
-#: loaded): the error's line. The retry scheduler reads it to let that failure be the trial's
-#: last, as a retry would load the same sample again.
-DATA_ERROR_KEY = "data_error"
 
 # -- memory ------------------------------------------------------------------------------------
 
@@ -117,6 +110,6 @@ class Move:
         return text + (f"; re-planned {self.replanned}" if self.replanned else "")
 
 
-def describe_moves(moves: list[dict[str, Any]]) -> str:
-    """The moves a trial's last result lists, for the final table and MLflow."""
-    return "; ".join(Move.from_dict(m).describe() for m in moves)
+def describe_moves(moves: Iterable[Move]) -> str:
+    """The moves a trial's last report lists, for the final table and MLflow."""
+    return "; ".join(m.describe() for m in moves)

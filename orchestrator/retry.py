@@ -18,7 +18,7 @@ sweep's ``max_failures`` allows, is therefore restarted once more, and told here
 once, with its failure count raised so that this failure is its last.
 
 A data error (a sample that cannot be loaded) is known before Tune decides: the trial reports
-it (``DATA_ERROR_KEY``) just before it raises, and Tune handles a trial's results before its
+it (``TrialReport.data_error``) just before it raises, and Tune handles a trial's results before its
 error, so ``on_trial_result`` lowers that trial's retry budget to what it has spent and the
 failure that follows is its last: it is not restarted at all.
 """
@@ -28,7 +28,6 @@ from __future__ import annotations
 from ray.tune.schedulers import TrialScheduler
 
 from orchestrator.contract import (
-    DATA_ERROR_KEY,
     NOT_RETRIED_KEY,
     OOM_GAVE_UP_KEY,
     OOM_SHRINKS_KEY,
@@ -36,7 +35,9 @@ from orchestrator.contract import (
     RESTART_REASON_KEY,
 )
 from orchestrator.failures import classify, exception_line, gave_up_message, last_failure, pickled_failure
+from orchestrator.ray_internals import make_last_failure, make_next_failure_last
 from orchestrator.trial.evidence import take_oom_evidence
+from orchestrator.trial_report import TrialReport
 
 
 class OomAwareScheduler(TrialScheduler):
@@ -70,21 +71,15 @@ class OomAwareScheduler(TrialScheduler):
             config[RESTART_REASON_KEY] = kind
         elif kind == "gave_up" and not config.get(OOM_GAVE_UP_KEY):
             config[OOM_GAVE_UP_KEY] = gave_up_message(failure)
-            self._make_final(trial)
+            make_last_failure(trial)  # its restart fails at once, from the key above
         elif kind == "other" and not config.get(NOT_RETRIED_KEY):
             config[OTHER_FAILURES_KEY] = config.get(OTHER_FAILURES_KEY, 0) + 1
             if config[OTHER_FAILURES_KEY] > self.max_failures:
                 config[NOT_RETRIED_KEY] = exception_line(failure)
-                self._make_final(trial)
+                make_last_failure(trial)  # its restart fails at once, from the key above
         if config != trial.config:
             trial.set_config(config)
         self.inner.on_trial_error(tune_controller, trial)
-
-    @staticmethod
-    def _make_final(trial) -> None:
-        """Tune restarts the trial anyway (it decided before this hook ran); that restart fails
-        at once from the key set in its config, and this count makes its failure the last."""
-        trial.run_metadata.num_failures = max(trial.max_failures, trial.run_metadata.num_failures)
 
     # -- everything else is the wrapped scheduler's decision (save a data error's report) -----
     @property
@@ -102,9 +97,9 @@ class OomAwareScheduler(TrialScheduler):
         return self.inner.on_trial_add(tune_controller, trial)
 
     def on_trial_result(self, tune_controller, trial, result):
-        if DATA_ERROR_KEY in result:  # the trial fails next, of a data error: no retry
+        if TrialReport.from_result(result).data_error:  # the trial fails next, of a data error: no retry
             self.data_errors.add(trial.trial_id)
-            trial.max_failures = trial.run_metadata.num_failures
+            make_next_failure_last(trial)
             return TrialScheduler.CONTINUE
         return self.inner.on_trial_result(tune_controller, trial, result)
 

@@ -12,7 +12,6 @@ import contextlib
 import glob
 import math
 import os
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from orchestrator.capacity import (
     local_node,
     trial_request,
 )
-from orchestrator.config import SweepSpec, folder_name, load_spec
+from orchestrator.config import SweepSpec
 from orchestrator.contract import MEMORY_LABELS, describe_moves
 from orchestrator.errors import UserError
 from orchestrator.failures import data_error_tracebacks_silenced, exception_line
@@ -34,7 +33,9 @@ from orchestrator.invocation import shell_command
 from orchestrator.outcome import INTERRUPTED, TERMINATED, SweepRecord, TrackingDelivery, recording, trial_status
 from orchestrator.preflight import check_shared_storage, check_storage, check_workloads, taken_back_if_refused
 from orchestrator.ray_token import secure_token_files
+from orchestrator.run_request import RunRequest
 from orchestrator.table import format_table
+from orchestrator.trial_report import TrialReport
 from orchestrator.units import human
 
 DEFAULT_TRACKING_DB = "mlflow.db"
@@ -74,35 +75,7 @@ class SweepOutcome:
         return trained and (self.tracking is None or self.tracking.complete)
 
 
-def run_command(args) -> int:
-    spec = load_spec(args.config, args.overrides)
-    if args.name is not None:
-        folder_name(args.name, "--name")
-    try:
-        outcome = run_sweep(
-            spec,
-            tracking_uri=args.tracking_uri,
-            storage_path=args.storage_path,
-            ray_address=args.ray_address,
-            name=args.name,
-            resume=args.resume,
-            num_cpus=args.num_cpus,
-            num_gpus=args.num_gpus,
-            dashboard=args.dashboard,
-            dashboard_host=args.dashboard_host,
-            offline_tracking=args.offline_tracking,
-        )
-    except KeyboardInterrupt:
-        print(f"\nInterrupted. Continue the sweep with: {resume_command(args)}", file=sys.stderr)
-        raise
-    print()
-    print(summary_table(outcome.rows, spec))
-    print()
-    print("\n".join(summary_lines(outcome, spec, args)))
-    return 0 if outcome.ok else 1
-
-
-def summary_lines(outcome: SweepOutcome, spec: SweepSpec, args) -> list[str]:
+def summary_lines(outcome: SweepOutcome, spec: SweepSpec, request: RunRequest) -> list[str]:
     """Below the table: what finished, what did not and why, what MLflow lacks and how to fix it."""
     rows = outcome.rows
     name = os.path.basename(outcome.experiment_path)
@@ -111,7 +84,7 @@ def summary_lines(outcome: SweepOutcome, spec: SweepSpec, args) -> list[str]:
     if outcome.stop_reason:
         lines.append(f"Stopped: {outcome.stop_reason}")
     if any(r.status == INTERRUPTED for r in rows):
-        lines.append(f"Interrupted trials continue from their last checkpoints with: {resume_command(args, name)}")
+        lines.append(f"Interrupted trials continue from their last checkpoints with: {resume_command(request, name)}")
     delivery = outcome.tracking
     if delivery and delivery.dropped:
         lines.append(
@@ -122,33 +95,22 @@ def summary_lines(outcome: SweepOutcome, spec: SweepSpec, args) -> list[str]:
         where = f"kept in {delivery.kept_at}" if delivery.kept_at else "they could not be kept"
         lines.append(f"MLflow at {delivery.tracking_uri} did not take {delivery.unsent} write(s) by the end; {where}.")
         if delivery.kept_at:
-            lines.append(f"  Send them once MLflow is back with: {resume_command(args, name)}")
-    lines.append(f"MLflow: {outcome.tracking_uri} (experiment {spec.experiment!r}); see `{report_command(outcome, spec, args)}`")
+            lines.append(f"  Send them once MLflow is back with: {resume_command(request, name)}")
+    lines.append(f"MLflow: {outcome.tracking_uri} (experiment {spec.experiment!r}); see `{report_command(outcome, spec, request)}`")
     return lines
 
 
-def resume_command(args, name: str | None = None) -> str:
+def resume_command(request: RunRequest, name: str | None = None) -> str:
     """The command that continues this sweep (``--resume`` without a name takes the newest of the
     experiment), on the same resources: the embedded Ray's CPUs and GPUs decide how many trials
     run at once."""
-    words = ["run", args.config]
-    for override in args.overrides:
-        words += ["--set", override]
-    for flag, value in (("--storage-path", args.storage_path), ("--tracking-uri", args.tracking_uri),
-                        ("--ray-address", args.ray_address), ("--num-cpus", args.num_cpus),
-                        ("--num-gpus", args.num_gpus)):
-        if value is not None:
-            words += [flag, str(value)]
-    if args.offline_tracking:
-        words.append("--offline-tracking")
-    name = name or args.name
-    return shell_command(*words, *(["--name", name] if name else []), "--resume")
+    return request.replace(name=name or request.name, resume=True).command()
 
 
-def report_command(outcome: SweepOutcome, spec: SweepSpec, args) -> str:
+def report_command(outcome: SweepOutcome, spec: SweepSpec, request: RunRequest) -> str:
     """``orchestrator report EXPERIMENT``, with the tracking URI where it is not the one ``report``
     reads by default (the working directory's ``mlflow.db``, which is also ``run``'s)."""
-    chosen = args.tracking_uri or spec.tracking_uri
+    chosen = request.tracking_uri or spec.tracking_uri
     return shell_command("report", spec.experiment, *(["--tracking-uri", outcome.tracking_uri] if chosen else []))
 
 
@@ -237,7 +199,7 @@ def _check_before_ray(spec: SweepSpec, storage: str, tracking_uri: str, offline_
     check_workloads(spec)
     check_storage(storage)
     if not offline_tracking:
-        from orchestrator.tracking import check_tracking
+        from orchestrator.tracking.check import check_tracking
 
         check_tracking(tracking_uri, spec.experiment)
 
@@ -427,7 +389,7 @@ def _run_config(spec: SweepSpec, name: str, storage: str, tracking_uri: str, wai
 def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str) -> list:
     """The driver's Tune callbacks: MLflow, and the final errors Tune's results may lack (outcome.py)."""
     from orchestrator.outcome import FinalErrors
-    from orchestrator.tracking import UNSENT_FILE, MlflowTracking
+    from orchestrator.tracking.callback import UNSENT_FILE, MlflowTracking
 
     return [MlflowTracking(tracking_uri, spec, unsent_file=os.path.join(experiment_path, UNSENT_FILE)), FinalErrors()]
 
@@ -436,33 +398,33 @@ def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str) -> list
 
 
 def _row(result, spec: SweepSpec, record: SweepRecord | None = None) -> TrialRow:
-    metrics = result.metrics or {}
+    report = TrialReport.from_result(result.metrics)
     config = result.config or {}
     record = record or SweepRecord()
     shown = {k: v for k, v in config.items() if k in spec.search_space}  # what differs between trials
     # Tune reads errors back from storage: a trial whose error could not be written there has
     # none in its result, but the driver's callback saw it fail.
     error = exception_line(str(result.error)) if result.error is not None else record.errors.get(str(result.path))
-    status = trial_status(error is not None, metrics)
-    value = metrics.get(spec.metric)
-    note = metrics.get("refusal") or error or ""  # in full: the reason is what a person reads the row for
+    status = trial_status(error is not None, report)
+    value = report.metric(spec.metric)
+    note = report.refusal or error or ""  # in full: the reason is what a person reads the row for
     if status == INTERRUPTED and record.stop_reason:
         note = record.stop_reason
     return TrialRow(
-        name=str(metrics.get("trial_id") or (os.path.basename(result.path) if result.path else "?")),
+        name=str(report.trial_id or (os.path.basename(result.path) if result.path else "?")),
         config=", ".join(f"{k}={_short(v)}" for k, v in shown.items()),
         status=status,
-        epochs=int(metrics.get("epoch", 0) or 0),
-        steps=int(metrics.get("step", 0) or 0),
+        epochs=report.epoch or 0,
+        steps=report.step or 0,
         final_metric=value if isinstance(value, (int, float)) and math.isfinite(value) else None,
-        plan=(f"{metrics['micro_batch']} x {metrics['accum_steps']}"
-              + (f" x {metrics['ranks']} ranks" if metrics.get("ranks", 1) > 1 else "")) if "micro_batch" in metrics else "-",
-        peak_bytes=metrics.get("peak_reserved_bytes", metrics.get("peak_allocated_bytes")),
-        memory_source=metrics.get("memory_source", ""),
-        oom_retries=int(metrics.get("oom_retries", 0) or 0),
+        plan=(f"{report.micro_batch} x {report.accum_steps}"
+              + (f" x {report.ranks} ranks" if report.ranks > 1 else "")) if report.micro_batch is not None else "-",
+        peak_bytes=report.measured_peak,
+        memory_source=report.memory_source or "",
+        oom_retries=report.oom_retries,
         note=note,
-        node=str(metrics.get("node_name") or ""),
-        moves=describe_moves(metrics.get("moves") or []),
+        node=report.node_name or "",
+        moves=describe_moves(report.moves),
     )
 
 

@@ -8,7 +8,6 @@ from ray.exceptions import ActorDiedError
 from ray.tune.schedulers import FIFOScheduler
 
 from orchestrator.contract import (
-    DATA_ERROR_KEY,
     NOT_RETRIED_KEY,
     OOM_EVIDENCE_FILE,
     OOM_GAVE_UP_KEY,
@@ -155,7 +154,7 @@ def test_a_data_error_is_not_retried(tmp_path):
     spent, so Tune does not restart it, and the failure needs no restart keys."""
     scheduler = OomAwareScheduler(FIFOScheduler(), max_failures=2)
     trial = _trial(tmp_path, "DataError: train_data sample 13: ...", failures=0, max_failures=5)
-    decision = scheduler.on_trial_result(None, trial, {DATA_ERROR_KEY: "train_data sample 13: ..."})
+    decision = scheduler.on_trial_result(None, trial, {"data_error": "train_data sample 13: ..."})
     assert decision == FIFOScheduler.CONTINUE
     trial.run_metadata.num_failures += 1  # Tune counts the failure, then asks whether to recover
     assert trial.run_metadata.num_failures > trial.max_failures  # Trial.should_recover() is False

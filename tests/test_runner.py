@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from orchestrator.config import parse_spec
+from orchestrator.run_request import RunRequest
 from orchestrator.runner import SweepOutcome, _experiment_name, _row, summary_table
 
 SPEC = parse_spec({
@@ -94,9 +95,8 @@ def typed(monkeypatch):
 
 
 def run_args(**changes):
-    return SimpleNamespace(**{"config": "sweep.yaml", "overrides": ["stop.epochs=2"], "storage_path": None,
-                              "tracking_uri": "http://127.0.0.1:5000", "ray_address": None, "offline_tracking": False,
-                              "name": None, "num_cpus": None, "num_gpus": None, **changes})
+    return RunRequest(**{"config": "sweep.yaml", "overrides": ("stop.epochs=2",),
+                         "tracking_uri": "http://127.0.0.1:5000", **changes})
 
 
 def test_what_mlflow_lacks_fails_the_run_and_says_how_to_send_it(typed):
