@@ -97,6 +97,12 @@ def test_a_sweep_run_refuses_is_refused_in_the_same_line_by_every_launcher(sweep
     assert not (tmp_path / "orchestrator_results").exists()
 
 
+def test_a_sweep_name_that_is_a_path_is_refused_before_a_job_is_sent(sweep_file, capsys):
+    said = refusals(capsys, sweep_file, "--name", "../elsewhere", only=("run", "run --address"))  # submit names its own
+    assert said["run"] == said["run --address"]
+    assert said["run"].startswith("error: --name: expected a name, not a path") and said["run"].count("\n") == 1
+
+
 def test_a_model_that_does_not_build_is_refused_before_a_job_is_sent(sweep_file, capsys):
     """``run`` refuses it with its estimate's line (after its Ray started: tests/test_runner.py);
     the other launchers make the same estimate before sending anything."""
