@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 # -- the trial's config keys that the retry scheduler sets before Tune restarts a trial ---------
 
@@ -106,6 +106,6 @@ class Move:
         return text + (f"; re-planned {self.replanned}" if self.replanned else "")
 
 
-def describe_moves(moves: list[dict[str, Any]]) -> str:
-    """The moves a trial's last result lists, for the final table and MLflow."""
-    return "; ".join(Move.from_dict(m).describe() for m in moves)
+def describe_moves(moves: Iterable[Move]) -> str:
+    """The moves a trial's last report lists, for the final table and MLflow."""
+    return "; ".join(m.describe() for m in moves)

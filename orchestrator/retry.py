@@ -30,6 +30,7 @@ from orchestrator.contract import (
     RESTART_REASON_KEY,
 )
 from orchestrator.failures import classify, exception_line, gave_up_message, last_failure, pickled_failure
+from orchestrator.ray_internals import make_last_failure
 from orchestrator.trial.evidence import take_oom_evidence
 
 
@@ -60,21 +61,15 @@ class OomAwareScheduler(TrialScheduler):
             config[RESTART_REASON_KEY] = kind
         elif kind == "gave_up" and not config.get(OOM_GAVE_UP_KEY):
             config[OOM_GAVE_UP_KEY] = gave_up_message(failure)
-            self._make_final(trial)
+            make_last_failure(trial)  # its restart fails at once, from the key above
         elif kind == "other" and not config.get(NOT_RETRIED_KEY):
             config[OTHER_FAILURES_KEY] = config.get(OTHER_FAILURES_KEY, 0) + 1
             if config[OTHER_FAILURES_KEY] > self.max_failures:
                 config[NOT_RETRIED_KEY] = exception_line(failure)
-                self._make_final(trial)
+                make_last_failure(trial)  # its restart fails at once, from the key above
         if config != trial.config:
             trial.set_config(config)
         self.inner.on_trial_error(tune_controller, trial)
-
-    @staticmethod
-    def _make_final(trial) -> None:
-        """Tune restarts the trial anyway (it decided before this hook ran); that restart fails
-        at once from the key set in its config, and this count makes its failure the last."""
-        trial.run_metadata.num_failures = max(trial.max_failures, trial.run_metadata.num_failures)
 
     # -- everything else is the wrapped scheduler's decision ---------------------------------
     @property

@@ -35,6 +35,7 @@ from orchestrator.preflight import check_shared_storage, check_storage, check_wo
 from orchestrator.ray_token import secure_token_files
 from orchestrator.run_request import RunRequest
 from orchestrator.table import format_table
+from orchestrator.trial_report import TrialReport
 from orchestrator.units import human
 
 DEFAULT_TRACKING_DB = "mlflow.db"
@@ -198,7 +199,7 @@ def _check_before_ray(spec: SweepSpec, storage: str, tracking_uri: str, offline_
     check_workloads(spec)
     check_storage(storage)
     if not offline_tracking:
-        from orchestrator.tracking import check_tracking
+        from orchestrator.tracking.check import check_tracking
 
         check_tracking(tracking_uri, spec.experiment)
 
@@ -306,12 +307,22 @@ def estimate_before_start(spec: SweepSpec):
     estimates = estimate_trials(memory_configs(spec), policy, target, budget, rank_batch)
     if estimates.errors:
         signature, error = next(iter(estimates.errors.items()))
-        raise UserError(f"workload {describe_signature(signature, spec.search_space)}: the {policy.estimator} estimate failed ({error}); "
-                        "fix the workload, or set memory.estimator: none to start trials without an estimate")
+        raise UserError(f"workload {describe_signature(signature, spec.search_space)}: the {policy.estimator} estimate failed "
+                        f"({error}); {_estimate_advice(error)}")
     if estimates.by_signature:
         print(f"Estimated the memory of {len(estimates.by_signature)} distinct trial configuration(s) for a "
               f"{target} device in {time.perf_counter() - started:.1f}s ({policy.estimator})", flush=True)
     return estimates
+
+
+def _estimate_advice(error: str) -> str:
+    """What helps with an estimate that failed. An op that failed on the estimator's fake tensors
+    (``aten.nonzero ...``) may run on real ones, so starting without an estimate can help; any
+    other error (the model's own code raised: the pre-flight already built it) would stop every
+    trial the same way, and only fixing the workload helps."""
+    if "aten." in error:
+        return "fix the workload, or set memory.estimator: none to start trials without an estimate"
+    return "fix the workload: its trials would fail the same way"
 
 
 def _trainable(spec: SweepSpec, estimates):
@@ -340,6 +351,7 @@ def _tune_config(spec: SweepSpec):
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
     from orchestrator.retry import OomAwareScheduler
+    from orchestrator.space import search_algorithm
 
     if spec.scheduler.type == "asha":
         unit = spec.scheduler.time_attr
@@ -353,7 +365,7 @@ def _tune_config(spec: SweepSpec):
     # metric's name was checked against every workload's declared metrics before Ray started.
     os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")
     return tune.TuneConfig(
-        metric=spec.metric, mode=spec.mode, num_samples=spec.num_samples,
+        metric=spec.metric, mode=spec.mode, num_samples=spec.num_samples, search_alg=search_algorithm(spec),
         scheduler=OomAwareScheduler(inner, max_failures=spec.max_failures), reuse_actors=spec.reuse,
     )
 
@@ -377,7 +389,7 @@ def _run_config(spec: SweepSpec, name: str, storage: str, tracking_uri: str, wai
 def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str) -> list:
     """The driver's Tune callbacks: MLflow, and the final errors Tune's results may lack (outcome.py)."""
     from orchestrator.outcome import FinalErrors
-    from orchestrator.tracking import UNSENT_FILE, MlflowTracking
+    from orchestrator.tracking.callback import UNSENT_FILE, MlflowTracking
 
     return [MlflowTracking(tracking_uri, spec, unsent_file=os.path.join(experiment_path, UNSENT_FILE)), FinalErrors()]
 
@@ -386,33 +398,33 @@ def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str) -> list
 
 
 def _row(result, spec: SweepSpec, record: SweepRecord | None = None) -> TrialRow:
-    metrics = result.metrics or {}
+    report = TrialReport.from_result(result.metrics)
     config = result.config or {}
     record = record or SweepRecord()
     shown = {k: v for k, v in config.items() if k in spec.search_space}  # what differs between trials
     # Tune reads errors back from storage: a trial whose error could not be written there has
     # none in its result, but the driver's callback saw it fail.
     error = exception_line(str(result.error)) if result.error is not None else record.errors.get(str(result.path))
-    status = trial_status(error is not None, metrics)
-    value = metrics.get(spec.metric)
-    note = metrics.get("refusal") or (error or "")[:160]
+    status = trial_status(error is not None, report)
+    value = report.metric(spec.metric)
+    note = report.refusal or (error or "")[:160]
     if status == INTERRUPTED and record.stop_reason:
         note = record.stop_reason
     return TrialRow(
-        name=str(metrics.get("trial_id") or (os.path.basename(result.path) if result.path else "?")),
+        name=str(report.trial_id or (os.path.basename(result.path) if result.path else "?")),
         config=", ".join(f"{k}={_short(v)}" for k, v in shown.items()),
         status=status,
-        epochs=int(metrics.get("epoch", 0) or 0),
-        steps=int(metrics.get("step", 0) or 0),
+        epochs=report.epoch or 0,
+        steps=report.step or 0,
         final_metric=value if isinstance(value, (int, float)) and math.isfinite(value) else None,
-        plan=(f"{metrics['micro_batch']} x {metrics['accum_steps']}"
-              + (f" x {metrics['ranks']} ranks" if metrics.get("ranks", 1) > 1 else "")) if "micro_batch" in metrics else "-",
-        peak_bytes=metrics.get("peak_reserved_bytes", metrics.get("peak_allocated_bytes")),
-        memory_source=metrics.get("memory_source", ""),
-        oom_retries=int(metrics.get("oom_retries", 0) or 0),
+        plan=(f"{report.micro_batch} x {report.accum_steps}"
+              + (f" x {report.ranks} ranks" if report.ranks > 1 else "")) if report.micro_batch is not None else "-",
+        peak_bytes=report.measured_peak,
+        memory_source=report.memory_source or "",
+        oom_retries=report.oom_retries,
         note=note,
-        node=str(metrics.get("node_name") or ""),
-        moves=describe_moves(metrics.get("moves") or []),
+        node=report.node_name or "",
+        moves=describe_moves(report.moves),
     )
 
 

@@ -26,11 +26,20 @@ def tune_param_space(spec: SweepSpec) -> dict[str, Any]:
     return space
 
 
-def trial_configs(spec: SweepSpec) -> list[dict[str, Any]]:
-    """The configs Tune would run: grids expanded, random parameters sampled (seeded).
+def search_algorithm(spec: SweepSpec):
+    """The Tuner's search algorithm: Tune's own grid and random search, seeded by the sweep's
+    ``seed``, so two runs of one YAML train the same configs and :func:`trial_configs` (what
+    ``plan`` shows) is exactly what ``run`` trains."""
+    from ray.tune.search import BasicVariantGenerator
 
-    Used by ``orchestrator plan`` to show every trial's plan before anything runs; the sweep
-    itself lets Tune sample, so random values there may differ from these.
+    return BasicVariantGenerator(random_state=spec.seed)
+
+
+def trial_configs(spec: SweepSpec) -> list[dict[str, Any]]:
+    """The configs the sweep trains, in Tune's order: grids expanded, random parameters sampled.
+
+    The draw is :func:`search_algorithm`'s: a generator seeded by ``seed`` (Tune makes it with
+    ``numpy.random.default_rng``), asked for one variant set per sample, as Tune asks.
     """
     import numpy as np
     from ray.tune.search.variant_generator import generate_variants

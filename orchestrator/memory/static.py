@@ -22,9 +22,9 @@ from __future__ import annotations
 import os
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from orchestrator.device.tensor_tracker import CUDA_BLOCK, StorageTracker
+from orchestrator.device.torch_internals import tree_leaves
 from orchestrator.memory.construction import HostOrMeta
 from orchestrator.memory.failure import summary
 from orchestrator.memory.fake import Untraceable, describe, fake_setup, running
