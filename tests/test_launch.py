@@ -5,6 +5,7 @@ registration line, as the toy one here shows."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from orchestrator.launch import LAUNCHERS, Launcher, get_launcher, launch, regis
 from orchestrator.run_request import RunRequest
 from orchestrator.runner import estimate_before_start
 from tests.conftest import ROOT, command_env, installed_command
+from trainables.mlp import MLPWorkload
 
 SWEEP = """
 experiment: launch
@@ -31,6 +33,14 @@ effective_batch_size: 64
 stop: {epochs: 1}
 resources: {cpu: 1}
 """
+
+
+@dataclasses.dataclass
+class LossFailsWorkload(MLPWorkload):
+    """Its model builds and its data is fine; its loss fails, which only running a step finds."""
+
+    def loss(self, model, batch):
+        raise ValueError("the loss is broken")
 
 
 class ShellLauncher(Launcher):
@@ -89,7 +99,9 @@ def test_every_launcher_is_registered_under_its_name():
     (["--set", "workload.params.train_samples=0"], "error: workload mlp (width=16): train_data has 0 samples"),
     (["--set", "workload.name=tests.workloads:BrokenCollateWorkload"],
      "error: workload tests.workloads:BrokenCollateWorkload (width=16): collate() of two train_data samples failed"),
-], ids=["config", "empty data", "collate"])
+    (["--set", "workload.name=tests.workloads:GroupedMLPWorkload", "--set", "search_space.width=12"],
+     "error: workload tests.workloads:GroupedMLPWorkload (width=12): build_model() failed"),
+], ids=["config", "empty data", "collate", "model"])
 def test_a_sweep_run_refuses_is_refused_in_the_same_line_by_every_launcher(sweep_file, tmp_path, capsys, flags, message):
     said = refusals(capsys, sweep_file, *flags)
     assert said["run"].startswith(message) and said["run"].count("\n") == 1, said
@@ -103,12 +115,13 @@ def test_a_sweep_name_that_is_a_path_is_refused_before_a_job_is_sent(sweep_file,
     assert said["run"].startswith("error: --name: expected a name, not a path") and said["run"].count("\n") == 1
 
 
-def test_a_model_that_does_not_build_is_refused_before_a_job_is_sent(sweep_file, capsys):
-    """``run`` refuses it with its estimate's line (after its Ray started: tests/test_runner.py);
-    the other launchers make the same estimate before sending anything."""
-    flags = ["--set", "workload.name=tests.workloads:GroupedMLPWorkload", "--set", "search_space.width=12"]
+def test_a_model_whose_step_fails_is_refused_before_a_job_is_sent(sweep_file, capsys):
+    """``run`` refuses it with its estimate's line (made while its Ray starts); the other
+    launchers make the same estimate before sending anything."""
+    flags = ["--set", "workload.name=tests.test_launch:LossFailsWorkload"]
     with pytest.raises(UserError) as err:
         estimate_before_start(load_spec(sweep_file, flags[1::2]))
+    assert "the loss is broken" in str(err.value)
     said = refusals(capsys, sweep_file, *flags, only=("run --address", "submit"))
     assert said == {"run --address": f"error: {err.value}\n", "submit": f"error: {err.value}\n"}
 
