@@ -14,6 +14,7 @@ import stat
 import sys
 
 from orchestrator.errors import UserError
+from orchestrator.estimator_registry import names as estimator_names
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="estimate every trial's memory and show its plan, before anything runs")
     _add_config_arguments(plan)
     plan.add_argument("--device-memory", metavar="SIZE", help="plan for a card of this size, e.g. 24GiB")
-    plan.add_argument("--estimator", choices=["static", "trace", "measured"], help="override memory.estimator")
+    plan.add_argument("--estimator", choices=estimator_names(), help="override memory.estimator")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     submit = commands.add_parser("submit", help="submit the sweep to SLURM: a Ray cluster inside the allocation")

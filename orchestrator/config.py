@@ -39,10 +39,11 @@ from pydantic_core import PydanticCustomError
 
 from orchestrator.allocator_conf import parse_alloc_conf
 from orchestrator.errors import ConfigError
+from orchestrator.estimator_registry import NO_ESTIMATE
+from orchestrator.estimator_registry import names as estimator_names
 from orchestrator.units import parse_bytes
 
 SEARCH_KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
-ESTIMATORS = ("static", "trace", "measured", "none")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cuda", "cpu", "emulated")
 SCHEDULERS = ("fifo", "asha")
@@ -78,6 +79,15 @@ def _one_of(values: tuple[str, ...]) -> Any:
     return Annotated[Literal[values], _expect(f"one of {', '.join(values)}")]
 
 
+def _registered_estimator(value: Any) -> str:
+    """Estimators register themselves (``orchestrator.estimator_registry``), so the names a
+    sweep may use are read when it is validated, not fixed here."""
+    known = (*estimator_names(), NO_ESTIMATE)
+    if value not in known:
+        raise _invalid(f"expected one of {', '.join(known)}, got {value!r}")
+    return value
+
+
 PositiveInt = Annotated[int, Field(strict=True, gt=0), _expect("a positive integer")]
 NonNegativeInt = Annotated[int, Field(strict=True, ge=0), _expect("an integer >= 0")]
 Integer = Annotated[int, Field(strict=True), _expect("an integer")]
@@ -87,7 +97,7 @@ Fraction = Annotated[float, Field(strict=True, gt=0, le=1), _expect("a number in
 Flag = Annotated[bool, Field(strict=True), _expect("true or false")]
 Text = Annotated[str, StringConstraints(strict=True, pattern=r"\S"), _expect("a non-empty string")]
 Device = _one_of(DEVICES)
-Estimator = _one_of(ESTIMATORS)
+Estimator = Annotated[str, BeforeValidator(_registered_estimator)]
 Precision = _one_of(PRECISIONS)
 Decay = _one_of(LR_DECAYS)
 Mode = _one_of(("min", "max"))
