@@ -5,7 +5,6 @@ registration line, as the toy one here shows."""
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,6 @@ from orchestrator.launch import LAUNCHERS, Launcher, get_launcher, launch, regis
 from orchestrator.run_request import RunRequest
 from orchestrator.runner import estimate_before_start
 from tests.conftest import ROOT, command_env, installed_command
-from trainables.mlp import MLPWorkload
 
 SWEEP = """
 experiment: launch
@@ -33,14 +31,6 @@ effective_batch_size: 64
 stop: {epochs: 1}
 resources: {cpu: 1}
 """
-
-
-@dataclasses.dataclass
-class LossFailsWorkload(MLPWorkload):
-    """Its model builds and its data is fine; its loss fails, which only running a step finds."""
-
-    def loss(self, model, batch):
-        raise ValueError("the loss is broken")
 
 
 class ShellLauncher(Launcher):
@@ -118,7 +108,7 @@ def test_a_sweep_name_that_is_a_path_is_refused_before_a_job_is_sent(sweep_file,
 def test_a_model_whose_step_fails_is_refused_before_a_job_is_sent(sweep_file, capsys):
     """``run`` refuses it with its estimate's line (made while its Ray starts); the other
     launchers make the same estimate before sending anything."""
-    flags = ["--set", "workload.name=tests.test_launch:LossFailsWorkload"]
+    flags = ["--set", "workload.name=tests.workloads:LossFailsWorkload"]
     with pytest.raises(UserError) as err:
         estimate_before_start(load_spec(sweep_file, flags[1::2]))
     assert "the loss is broken" in str(err.value)
