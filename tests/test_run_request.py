@@ -26,6 +26,11 @@ def test_flags_left_at_their_defaults_are_left_out():
     assert request == RunRequest("sweep.yaml", overrides=("stop.epochs=1",))
 
 
+def test_verbosity_travels_with_the_command():
+    """A Ray Job's driver, or a resumed sweep, prints what the user asked this one to print."""
+    assert RunRequest("sweep.yaml", verbose=True, resume=True).arguments() == ["run", "sweep.yaml", "--verbose", "--resume"]
+
+
 def test_values_the_shell_fills_in_are_written_as_they_are():
     request = RunRequest(Expanded('"$CONFIG"'), overrides=("a=b c",), tracking_uri=Expanded('"$TRACKING_URI"'))
     assert request.command((Expanded('"$PYTHON"'), "-u", "-m", "orchestrator")) == (
