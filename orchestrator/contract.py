@@ -42,6 +42,10 @@ STATE_FILE = "state.pt"
 #: unusable) leaves it behind, which is how the driver knows that death was about memory.
 OOM_EVIDENCE_FILE = "oom_before_death.json"
 
+#: In the trial's folder on the storage path: the full traceback of the error that ended the
+#: trial where its one line names this file instead (a sample its data could not load).
+TRIAL_LOG_FILE = "trial.log"
+
 # -- memory ------------------------------------------------------------------------------------
 
 #: How each kind of device measures the peak a report carries, as the tables label it.

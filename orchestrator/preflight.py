@@ -108,9 +108,11 @@ def check_shared_storage(given: str, resolved: str, nodes: int) -> None:
         )
 
 
-def check_workloads(spec: SweepSpec) -> None:
+def check_workloads(spec: SweepSpec, build_models: bool = True) -> None:
     """:func:`check_workload` for every distinct trial config of the sweep (grids expanded, random
-    parameters sampled, ``lr`` and ``seed`` left out)."""
+    parameters sampled, ``lr`` and ``seed`` left out). ``build_models=False``: the data only, for
+    ``plan``, which shows a model that does not build here (its library is installed only where
+    the trials run, say) as that trial's error and plans the others."""
     from orchestrator.space import trial_configs
     from trainables.workload import build_workload
 
@@ -121,14 +123,15 @@ def check_workloads(spec: SweepSpec) -> None:
             continue
         seen.add(key)
         workload = build_workload(config)
-        check_workload(workload, spec, _label(config, spec))
+        check_workload(workload, spec, _label(config, spec), build_model=build_models)
 
 
-def check_workload(workload, spec: SweepSpec, label: str) -> None:
+def check_workload(workload, spec: SweepSpec, label: str, build_model: bool = True) -> None:
     """The workload's model builds, its training set holds one optimizer step, its eval set a
     sample, and its ``collate`` makes a batch of two of each (a bug there would otherwise show in
     every trial, after Ray started, or not at all before a sweep with ``memory.estimator: none``)."""
-    check_model_builds(workload, label)
+    if build_model:
+        check_model_builds(workload, label)
     train = _call(workload.train_data, label, "train_data()")
     samples = _call(lambda: len(train), label, "len(train_data())")
     if samples < spec.effective_batch_size:

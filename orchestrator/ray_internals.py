@@ -13,6 +13,9 @@ what changed; ``pyproject.toml`` pins Ray to the minor series that test passed o
   (``orchestrator.trial.evidence``).
 * :func:`make_last_failure`: ``Trial.run_metadata.num_failures``, which the OOM-aware scheduler
   raises so that a failure it will not retry is the trial's last (``orchestrator.retry``).
+* :func:`make_next_failure_last`: ``Trial.max_failures`` lowered to ``run_metadata.num_failures``,
+  so that ``Trial.should_recover()`` is false for the failure a trial announced (a data error,
+  ``orchestrator.retry``): Tune handles a trial's results before its error.
 
 The retry also relies on Tune's failure path calling ``TrialScheduler.on_trial_error`` after Tune
 decided to retry and before it requeues the trial, with ``Trial.error_file`` and
@@ -70,6 +73,18 @@ def make_last_failure(trial: Any) -> None:
     try:
         metadata = trial.run_metadata
         metadata.num_failures = max(trial.max_failures, metadata.num_failures)
+    except AttributeError as exc:
+        raise RayChanged(
+            f"Ray changed: Tune's Trial has no {exc.name!r}, so a failure that is not retried cannot be made "
+            "the trial's last (orchestrator/ray_internals.py)"
+        ) from exc
+
+
+def make_next_failure_last(trial: Any) -> None:
+    """Lowers the trial's retry budget to the failures it has had: Tune does not restart it after
+    its next failure (``Trial.should_recover()``: ``num_failures <= max_failures``)."""
+    try:
+        trial.max_failures = trial.run_metadata.num_failures
     except AttributeError as exc:
         raise RayChanged(
             f"Ray changed: Tune's Trial has no {exc.name!r}, so a failure that is not retried cannot be made "

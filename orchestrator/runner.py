@@ -28,7 +28,7 @@ from orchestrator.capacity import (
 from orchestrator.config import SweepSpec
 from orchestrator.contract import MEMORY_LABELS, describe_moves
 from orchestrator.errors import UserError
-from orchestrator.failures import exception_line
+from orchestrator.failures import data_error_tracebacks_silenced, exception_line
 from orchestrator.invocation import shell_command
 from orchestrator.outcome import INTERRUPTED, TERMINATED, SweepRecord, TrackingDelivery, recording, trial_status
 from orchestrator.preflight import check_shared_storage, check_storage, check_workloads, taken_back_if_refused
@@ -161,7 +161,7 @@ def run_sweep(
                 tune_config=_tune_config(spec),
                 run_config=_run_config(spec, name, storage, tracking_uri, wait),
             )
-        with recording() as record, _ray_resume_hint_silenced():
+        with recording() as record, _ray_resume_hint_silenced(), data_error_tracebacks_silenced():
             results = tuner.fit()
         # A restored sweep lists its trials in the order they were restored: the table keeps the sweep's.
         rows = sorted((_row(result, spec, record) for result in results), key=lambda row: row.name)
@@ -406,7 +406,7 @@ def _row(result, spec: SweepSpec, record: SweepRecord | None = None) -> TrialRow
     error = exception_line(str(result.error)) if result.error is not None else record.errors.get(str(result.path))
     status = trial_status(error is not None, report)
     value = report.metric(spec.metric)
-    note = report.refusal or (error or "")[:160]
+    note = report.refusal or error or ""  # in full: the reason is what a person reads the row for
     if status == INTERRUPTED and record.stop_reason:
         note = record.stop_reason
     return TrialRow(

@@ -55,10 +55,11 @@ def trial_configs(spec: SweepSpec) -> list[dict[str, Any]]:
 def memory_configs(spec: SweepSpec, limit: int = 256) -> list[dict[str, Any]]:
     """Configs that cover every memory signature the sweep's trials can have, where that is finite.
 
-    Tune samples random domains itself, so the driver cannot know the trials' values in advance;
-    but only memory-relevant parameters make signatures, and a ``choice`` or ``grid`` of them has
+    Only memory-relevant parameters make signatures, and a ``choice`` or ``grid`` of them has
     finitely many values: every combination is listed (memory-neutral parameters take their first
-    value). A workload with a memory-relevant ``uniform``/``randint`` parameter, or with more than
+    value). A continuous one gives each trial a signature of its own (the seeded draw,
+    :func:`trial_configs`, knows them, but estimating each in the driver would hold the sweep's
+    start for as long as the trials it plans). A workload with a memory-relevant ``uniform``/``randint`` parameter, or with more than
     ``limit`` combinations, is left to its trials' workers to estimate.
     """
     import itertools

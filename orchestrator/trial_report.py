@@ -93,6 +93,9 @@ class TrialReport:
     oom_retries: int = 0  # OOMs recovered in the worker, plus workers that died of one
     oom_events: tuple[OomEvent, ...] = ()
     moves: tuple[Move, ...] = ()
+    #: A sample its data could not load, in one line: reported just before the trial fails of it,
+    #: so that the retry scheduler lets that failure be its last (``orchestrator.retry``).
+    data_error: str | None = None
 
     # -- filled in by Tune on the driver's side; a worker leaves them unset -----------------
     trial_id: str | None = None

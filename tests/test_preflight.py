@@ -169,13 +169,16 @@ class NeedsALibrary(MLPWorkload):
 @pytest.mark.parametrize(
     "workload,message",
     [
-        ("Typo", "error: workload my_models.broken:Typo (width=16): build_model() failed (my_models/broken.py:9: "
-                 "AttributeError: 'Typo' object has no attribute 'widht'"),
-        ("NeedsALibrary", "error: workload my_models.broken:NeedsALibrary (width=16): build_model() failed "
-                          "(my_models/broken.py:15: No module named 'transformers_of_nowhere'); install it in this "
-                          "environment: pip install transformers_of_nowhere"),
+        ("broken:Typo", "error: workload my_models.broken:Typo (width=16): build_model() failed (my_models/broken.py:9: "
+                        "AttributeError: 'Typo' object has no attribute 'widht'"),
+        ("broken:NeedsALibrary", "error: workload my_models.broken:NeedsALibrary (width=16): build_model() failed "
+                                 "(my_models/broken.py:15: No module named 'transformers_of_nowhere'); install it in this "
+                                 "environment: pip install transformers_of_nowhere"),
+        ("broken_import:ImportsALibrary", "error: workload.name: workload 'my_models.broken_import:ImportsALibrary': "
+                                          "cannot import module 'my_models.broken_import' (my_models/broken_import.py:1: No "
+                                          "module named 'transformers_of_nowhere'); install it in this environment: pip install transformers_of_nowhere"),
     ],
-    ids=["constructor typo", "missing library"],
+    ids=["constructor typo", "missing library", "missing library at import"],
 )
 def test_the_installed_run_refuses_a_model_that_does_not_build_before_ray_starts(tmp_path, workload, message):
     """``orchestrator run`` from the user's folder: one line, exit 2, nothing of Ray's printed."""
@@ -186,7 +189,8 @@ def test_the_installed_run_refuses_a_model_that_does_not_build_before_ray_starts
     (tmp_path / "my_models").mkdir()
     (tmp_path / "my_models" / "__init__.py").write_text("")
     (tmp_path / "my_models" / "broken.py").write_text(BROKEN_MODELS)
-    (tmp_path / "sweep.yaml").write_text(SWEEP.replace("name: mlp", f"name: my_models.broken:{workload}"))
+    (tmp_path / "my_models" / "broken_import.py").write_text("import transformers_of_nowhere\n")
+    (tmp_path / "sweep.yaml").write_text(SWEEP.replace("name: mlp", f"name: my_models.{workload}"))
     done = subprocess.run([installed_command(), "run", "sweep.yaml", "--set", "memory.estimator=static"], cwd=tmp_path,
                           env=command_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stdout + done.stderr

@@ -31,6 +31,7 @@ from orchestrator.ray_internals import (
     RayChanged,
     auth_token_loader,
     make_last_failure,
+    make_next_failure_last,
     storage_folder,
     trial_storage_folder,
 )
@@ -120,6 +121,22 @@ def test_the_failure_path_the_oom_retry_relies_on(tmp_path):
     assert not trial.should_recover() and trial.status == Trial.ERROR, (
         "Tune changed: writing trial.run_metadata.num_failures no longer ends the retries"
     )
+
+
+def test_a_data_error_announced_by_a_result_ends_the_trial_without_a_restart(tmp_path):
+    """The trial reports its data error, then fails: Tune does not restart it, and counts one failure."""
+    trial = a_trial(tmp_path, max_failures=3)
+    controller = Controller(Watching())
+    controller.seen_by_scheduler.clear()
+    controller._scheduler_alg.on_trial_result(controller, trial, {"data_error": "train_data sample 13: ..."})
+    controller.fail(trial, RuntimeError("DataError: train_data sample 13: ..."))
+    assert trial.status == Trial.ERROR, "Ray changed: lowering Trial.max_failures no longer ends the retries"
+    assert trial.run_metadata.num_failures == 1 and trial.config == {"lr": 0.1}
+
+
+def test_a_trial_without_a_retry_budget_is_an_error():
+    with pytest.raises(RayChanged, match="Trial has no 'run_metadata'"):
+        make_next_failure_last(SimpleNamespace(max_failures=3))
 
 
 def test_a_trial_finds_its_storage_folder_where_the_driver_looks_for_the_evidence(tmp_path):

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from orchestrator.config import SweepSpec
-from orchestrator.contract import OOM_SHRINKS_KEY, RESTART_REASON_KEY, STATE_FILE, Move, OomEvent
+from orchestrator.contract import OOM_SHRINKS_KEY, RESTART_REASON_KEY, STATE_FILE, TRIAL_LOG_FILE, Move, OomEvent
 from orchestrator.device import Device, configure_allocator, gpu_visible, nvml, open_device, release
 from orchestrator.device.oom import bytes_requested, is_oom
 from orchestrator.device.target import Target, resolve_target
@@ -25,12 +25,13 @@ from orchestrator.memory.cache import ProfileCache
 from orchestrator.planner import Plan, make_plan, next_reduction
 from orchestrator.ray_internals import trial_storage_folder
 from orchestrator.trial.checkpoint import LocalCheckpoints
-from orchestrator.trial.errors import OomRetriesExhausted
+from orchestrator.trial.errors import DataError, OomRetriesExhausted
 from orchestrator.trial.evidence import clear_oom_evidence, write_oom_evidence
 from orchestrator.trial.node import NodeInfo, current_node, left_its_node, restart_reason
 from orchestrator.trial.reuse import HISTORY
 from orchestrator.trial_report import TrialReport
 from orchestrator.units import human
+from trainables.data import SampleError
 from trainables.loop import LoopSettings, Milestone, Trainer
 from trainables.workload import build_workload
 
@@ -87,6 +88,8 @@ class TrialRun:
                 for milestone in trainer.run():
                     self._report(trainer, milestone)
                 return
+            except SampleError as exc:
+                raise self._data_error(trainer, exc) from None
             except Exception as exc:
                 if not is_oom(exc):
                     raise
@@ -215,6 +218,31 @@ class TrialRun:
             "oom_events": [e.to_dict() for e in self.events], "applied_shrinks": self.applied_shrinks,
             "node_id": self.node.node_id, "node_name": self.node.name, "moves": [m.to_dict() for m in self.moves],
         }
+
+    def _data_error(self, trainer: Trainer, exc: SampleError) -> DataError:
+        """A sample that cannot be loaded ends the trial, once: the full traceback goes to the
+        trial's log file, a report tells the driver not to retry (``TrialReport.data_error``), and the
+        error is one line that names the sample, where the trial was, and that file."""
+        import traceback
+
+        from ray import tune
+
+        progress = trainer.progress
+        where = (f"epoch {progress.epoch + 1}, step {progress.step + 1}" if trainer.phase == "train"
+                 else f"evaluating after step {progress.step}")
+        line = f"{exc} ({where})"
+        log = None
+        if self.evidence_folder is not None:
+            try:
+                os.makedirs(self.evidence_folder, exist_ok=True)
+                log = os.path.join(self.evidence_folder, TRIAL_LOG_FILE)
+                with open(log, "a") as f:
+                    f.write(line + "\n" + "".join(traceback.format_exception(exc)) + "\n")
+            except OSError:
+                log = None
+        line += "; not retried (a data error)" + (f"; traceback in {log}" if log else "")
+        tune.report(replace(self._plan_report(), epoch=progress.epoch, step=progress.step, data_error=line).to_metrics())
+        return DataError(line)
 
     def _report_refusal(self) -> None:
         """A refused trial reports once, with its reason, and ends without training."""
