@@ -67,6 +67,8 @@ def build_job_request(args: argparse.Namespace, spec: SweepSpec, cwd: Path) -> J
         command.append("--resume")
     if args.offline_tracking:
         command.append("--offline-tracking")
+    if getattr(args, "verbose", False):
+        command.append("--verbose")
 
     excludes = list(EXCLUDED)
     storage = (cwd / (args.storage_path or spec.storage_path)).resolve()

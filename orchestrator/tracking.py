@@ -42,7 +42,7 @@ import yaml
 from ray import tune
 
 from orchestrator.config import Domain, SweepSpec
-from orchestrator.contract import describe_moves
+from orchestrator.contract import describe_moves, records_from_report
 from orchestrator.errors import UserError
 from orchestrator.failures import exception_line, last_failure
 from orchestrator.outcome import TrackingDelivery, current_record, sweep_run_status, trial_status
@@ -547,13 +547,13 @@ class MlflowTracking(tune.Callback):
             self._put(LogArtifact(log.ref, "plan_history.json", list(log.plans)))
         if refusal := _refusal(result):
             tags["refusal"] = refusal[:MAX_TAG_CHARS]
-        if moves := result.get("moves"):
-            tags["moves"] = describe_moves(moves)[:MAX_TAG_CHARS]
+        if moves := describe_moves(result.get("moves")):
+            tags["moves"] = moves[:MAX_TAG_CHARS]
         changed = {k: v for k, v in tags.items() if log.tags.get(k) != v}
         if changed:
             self._put(SetTags(log.ref, changed))
             log.tags.update(changed)
-        events = result.get("oom_events") or []
+        events = records_from_report(result.get("oom_events"))
         if len(events) > log.oom_events_logged:
             self._put(LogArtifact(log.ref, "oom_events.json", list(events)))
             log.oom_events_logged = len(events)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from orchestrator.config import SweepSpec
-from orchestrator.contract import OOM_SHRINKS_KEY, RESTART_REASON_KEY, STATE_FILE, Move, OomEvent
+from orchestrator.contract import OOM_SHRINKS_KEY, RESTART_REASON_KEY, STATE_FILE, Move, OomEvent, records_in_report
 from orchestrator.device import CudaDevice, Device, configure_allocator, nvml, open_device
 from orchestrator.device.oom import bytes_requested, is_oom, release_memory
 from orchestrator.estimates import Estimates
@@ -169,8 +169,15 @@ class TrialRun:
         return trainer
 
     def _oom_event(self, trainer: Trainer, exc: BaseException) -> OomEvent:
+        """Where it happened, counted from 1 as the tables count: the progress holds the steps and
+        epochs finished, so a train step that runs out is the next one, an evaluation follows the
+        last finished step and, at an epoch's end, belongs to the epoch just finished."""
+        progress, evaluating = trainer.progress, trainer.phase == "eval"
+        in_finished_epoch = evaluating and progress.step_in_epoch == 0 and progress.epoch > 0
         return OomEvent(
-            phase=trainer.phase, epoch=trainer.progress.epoch, step=trainer.position,
+            phase=trainer.phase, epoch=progress.epoch if in_finished_epoch else progress.epoch + 1,
+            step=progress.step if evaluating else progress.step + 1,
+            eval_batch_number=trainer.position + 1 if evaluating else None,
             micro_batch=self.plan.micro_batch, eval_batch=self.plan.eval_batch,
             bytes_requested=bytes_requested(str(exc)),
             bytes_allocated=self.device.allocated(), bytes_reserved=self.device.reserved(),
@@ -234,9 +241,10 @@ class TrialRun:
             "activation_checkpointing": int(plan.activation_checkpointing), "precision": plan.precision,
             "plan_reductions": plan.reductions, "estimator": plan.estimator, "estimated_by": self.estimated_by,
             # Events recovered in this process, plus workers that died of memory (restarted by Tune).
-            "oom_retries": len(self.events) + self.applied_shrinks, "oom_events": [e.to_dict() for e in self.events],
+            "oom_retries": len(self.events) + self.applied_shrinks,
+            "oom_events": records_in_report([e.to_dict() for e in self.events]),
             "node_id": self.node.node_id, "node_name": self.node.name,
-            "moves": [m.to_dict() for m in self.moves], "moved": len(self.moves),
+            "moves": records_in_report([m.to_dict() for m in self.moves]), "moved": len(self.moves),
         }
         if plan.budget_bytes is not None:
             metrics["budget_bytes"] = plan.budget_bytes

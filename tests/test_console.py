@@ -1,0 +1,170 @@
+"""What ``orchestrator run`` prints while a sweep runs (``orchestrator/console.py``).
+
+The lines are checked on synthetic reports and events; the demo sweeps run through the installed
+command, piped as a user pipes them into a file, from a folder outside the repository.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+import subprocess
+
+import pytest
+
+from orchestrator.console import (
+    Failed,
+    Finished,
+    LiveView,
+    Moved,
+    OomSurvived,
+    Planned,
+    Progress,
+    Refused,
+    Seen,
+    Started,
+    config_text,
+    finished_event,
+    format_event,
+    format_progress,
+    report_events,
+    trial_fraction,
+)
+from orchestrator.contract import Move, OomEvent, records_from_report, records_in_report
+from tests.conftest import ROOT, command_env, installed_command
+
+TRAIN_OOM = OomEvent("train", 1, 1, micro_batch=128, eval_batch=128, bytes_requested=2**20, bytes_allocated=7 * 2**20,
+                     bytes_reserved=None, message="emulated device out of memory",
+                     action="micro-batch 128->64 (accumulation 1->2)")
+EVAL_OOM = OomEvent("eval", 1, 8, micro_batch=64, eval_batch=128, bytes_requested=None, bytes_allocated=2**20,
+                    bytes_reserved=None, message="out of memory", action="eval batch 128->64", eval_batch_number=1)
+PLAN = {"micro_batch": 64, "accum_steps": 2, "effective_batch": 128, "estimator": "trace",
+        "predicted_peak_bytes": 5 * 2**20, "predicted_phase": "train"}
+
+
+def test_each_event_is_one_line_naming_the_trial():
+    lines = [
+        format_event(Started("a_00000", "workload=mlp, lr=0.003")),
+        format_event(Planned("a_00000", "64 x 1", "estimated peak 39.2 KiB in train (trace)")),
+        format_event(OomSurvived("a_00000", TRAIN_OOM, "64 x 2")),
+        format_event(OomSurvived("a_00000", EVAL_OOM)),
+        format_event(Moved("a_00000", Move("node-b", "head", 2, "node node-b lost"))),
+        format_event(Finished("a_00000", "3/3 epochs", "eval_loss 0.4609", "peak 36.0 KiB (tensor bytes)")),
+        format_event(Refused("a_00001", "micro-batch 1 needs 9.0 GiB, the budget is 8.0 GiB")),
+        format_event(Failed("a_00002", "ValueError: " + "x" * 300, "/r/t/error.txt")),
+        format_event(Failed("a_00003", "RayActorError: the actor died", retrying=True)),
+    ]
+    assert lines[:2] == [
+        "a_00000 started: workload=mlp, lr=0.003",
+        "a_00000 plan: micro-batch x accumulation 64 x 1, estimated peak 39.2 KiB in train (trace)",
+    ]
+    # An OOM says its phase, step and epoch (from 1), and the plan it resumed with.
+    assert lines[2] == ("a_00000 OOM in train step 1 (epoch 1) at micro-batch 128: resumed with micro-batch 128->64 "
+                        "(accumulation 1->2), plan 64 x 2")
+    assert lines[3] == "a_00000 OOM in eval after step 8 (epoch 1), batch 1 of 128 samples: resumed with eval batch 128->64"
+    assert lines[4] == "a_00000 moved node-b->head after epoch 2: node node-b lost"
+    assert lines[5] == "a_00000 finished: 3/3 epochs, eval_loss 0.4609, peak 36.0 KiB (tensor bytes)"
+    assert lines[6] == "a_00001 refused: micro-batch 1 needs 9.0 GiB, the budget is 8.0 GiB"
+    assert lines[7] == f"a_00002 failed: ValueError: {'x' * 300} (traceback: /r/t/error.txt)"  # the reason in full
+    assert lines[8] == "a_00003 failed, retrying from its last checkpoint: RayActorError: the actor died"
+    assert all("\n" not in line and "\x1b" not in line for line in lines)
+
+
+def test_a_report_tells_the_plan_once_and_each_oom_and_move_once():
+    seen = Seen()
+    first = {**PLAN, "oom_events": records_in_report([TRAIN_OOM.to_dict()]), "moves": records_in_report([])}
+    events = report_events("t", first, seen)
+    # The plan it started with (before the OOM in the same report), then the OOM with the plan now.
+    assert [format_event(e) for e in events] == [
+        "t plan: micro-batch x accumulation 128 x 1, estimated peak 5.0 MiB in train (trace)",
+        ("t OOM in train step 1 (epoch 1) at micro-batch 128: resumed with micro-batch 128->64 (accumulation 1->2), "
+         "plan 64 x 2"),
+    ]
+    assert report_events("t", first, seen) == []  # the next report of the same events adds nothing
+    move = Move("node-b", "node-c", 1, "node node-b lost")
+    later = {**first, "oom_events": records_in_report([TRAIN_OOM.to_dict(), EVAL_OOM.to_dict()]),
+             "moves": records_in_report([move.to_dict()])}
+    assert report_events("t", later, seen) == [OomSurvived("t", EVAL_OOM, "64 x 2"), Moved("t", move)]
+
+
+def test_reports_made_before_lists_were_text_still_read():
+    """A sweep resumed across the change: its old results carry lists."""
+    assert records_from_report([TRAIN_OOM.to_dict()]) == [TRAIN_OOM.to_dict()]
+    assert records_from_report(None) == [] and records_from_report("[]") == []
+    events = report_events("t", {**PLAN, "oom_events": [TRAIN_OOM.to_dict()]}, Seen())
+    assert isinstance(events[1], OomSurvived)
+
+
+def test_a_refused_trial_says_why_instead_of_a_plan():
+    result = {"refused": 1, "refusal": "micro-batch 1 needs 9.0 GiB", "micro_batch": 0, "accum_steps": 0}
+    assert report_events("t", result, Seen()) == [Refused("t", "micro-batch 1 needs 9.0 GiB")]
+    assert finished_event("t", result, "eval_loss", 3) == Refused("t", "micro-batch 1 needs 9.0 GiB")
+
+
+def test_a_finished_trial_says_what_it_trained_its_metric_and_peak():
+    result = {"epoch": 3, "eval_loss": 0.46091, "peak_allocated_bytes": 36 * 1024, "memory_source": "cpu_tensor_tracker"}
+    assert format_event(finished_event("t", result, "eval_loss", 3)) == (
+        "t finished: 3/3 epochs, eval_loss 0.4609, peak 36.0 KiB (tensor bytes)")
+    assert format_event(finished_event("t", {"epoch": 1, "eval_loss": float("nan")}, "eval_loss", None)) == (
+        "t finished: 1 epochs")
+
+
+def test_the_config_shows_what_differs_between_trials_in_the_configs_order():
+    config = {"workload": "mlp", "depth": 2, "lr": 0.0030000001, "width": 16, "seed": 0}
+    assert config_text(config, ["lr", "workload", "width"]) == "workload=mlp, lr=0.003, width=16"
+
+
+def test_the_progress_line_counts_trials_time_left_and_ooms():
+    assert format_progress(Progress(3, 2, 3, 75, 0.5, 2)) == (
+        "3 done, 2 running, 3 pending | 1:15 elapsed | ~1:15 left | 2 OOM(s) survived")
+    assert format_progress(Progress(0, 2, 6, 4000, 0.0, 0)) == "0 done, 2 running, 6 pending | 1:06:40 elapsed"
+    assert trial_fraction("RUNNING", {"epoch": 1, "step": 10}, 4, None) == 0.25
+    assert trial_fraction("RUNNING", {"epoch": 0, "step": 300}, 4, 400) == 0.75  # the nearer budget
+    assert trial_fraction("ERROR", {}, 4, None) == trial_fraction("TERMINATED", {}, 4, None) == 1.0
+
+
+def test_the_view_pickles_without_its_state_for_a_resumed_sweep():
+    """Tune pickles its callbacks with the experiment; ``Tuner.restore`` runs the copies."""
+    view = LiveView(["lr"], "eval_loss", 3, None)
+    view._seen["t"] = Seen(planned=True)
+    copy = pickle.loads(pickle.dumps(view))
+    assert copy._seen == {} and copy.shown_keys == ["lr"] and copy.metric == "eval_loss"
+
+
+def _piped_run(config: str, cwd) -> subprocess.CompletedProcess:
+    """``orchestrator run CONFIG > file``, as a user starts it: stdout and stderr into a pipe."""
+    return subprocess.run([installed_command(), "run", str(ROOT / "configs" / config), "--num-cpus", "2"],
+                          cwd=cwd, env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=600)
+
+
+@pytest.mark.integration
+def test_the_demo_sweep_piped_to_a_file_is_a_short_plain_log(tmp_path):
+    proc = _piped_run("demo_cpu.yaml", tmp_path)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:]
+    assert len(out.splitlines()) <= 60, out
+    assert "\x1b" not in out and "\r" not in out
+    # One line per event of each of the 8 trials, then our table; none of Ray's boxes or chatter.
+    assert len(re.findall(r"^\w+_\d{5} started: workload=", out, re.M)) == 8
+    assert len(re.findall(r"^\w+_\d{5} plan: micro-batch x accumulation 64 x 1, estimated peak", out, re.M)) == 8
+    assert len(re.findall(r"^\w+_\d{5} finished: 3/3 epochs, eval_loss \d", out, re.M)) == 8
+    assert "8/8 trials finished" in out
+    for noise in ("╭", "Trial status", "Checkpoint successfully created", "snapshotting", "Started a local Ray",
+                  "TensorBoard", "mlflow.store"):
+        assert noise not in out, noise
+
+
+@pytest.mark.integration
+def test_the_oom_demo_announces_each_oom_with_its_step_and_new_plan(tmp_path):
+    proc = _piped_run("demo_oom_cpu.yaml", tmp_path)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:]
+    assert "\x1b" not in out and "invalid value" not in out  # no list in Tune's metrics for TensorBoard
+    ooms = re.findall(r"^\w+_\d{5} OOM in (train step|eval after step) (\d+) \(epoch (\d)\).*: resumed with (.*)$", out, re.M)
+    assert ooms, out
+    assert all(int(step) >= 1 and int(epoch) >= 1 for _, step, epoch, _ in ooms)  # counted from 1
+    assert any(change.startswith("micro-batch 128->64 (accumulation 1->2)") for *_, change in ooms)
+    # The staged trial's auxiliary block switches on in its third epoch (aux_start_epoch 2, from 0).
+    assert any(phase == "train step" and epoch == "3" for phase, _, epoch, _ in ooms)
+    assert "6/6 trials finished" in out
