@@ -131,6 +131,15 @@ def test_the_view_pickles_without_its_state_for_a_resumed_sweep():
     assert copy._seen == {} and copy.shown_keys == ["lr"] and copy.metric == "eval_loss"
 
 
+def test_run_help_offers_ray_s_own_output_as_verbose():
+    from orchestrator.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["run", "x.yaml", "-v"]).verbose and not parser.parse_args(["run", "x.yaml"]).verbose
+    run_help = parser._subparsers._group_actions[0].choices["run"].format_help()
+    assert "-v, --verbose" in run_help
+
+
 def _piped_run(config: str, cwd) -> subprocess.CompletedProcess:
     """``orchestrator run CONFIG > file``, as a user starts it: stdout and stderr into a pipe."""
     return subprocess.run([installed_command(), "run", str(ROOT / "configs" / config), "--num-cpus", "2"],
