@@ -27,7 +27,15 @@ from typing import Any
 
 from ray import tune
 
-from orchestrator.contract import MEMORY_LABELS, Move, OomEvent, records_from_report
+from orchestrator.contract import (
+    MEMORY_LABELS,
+    NOT_RETRIED_KEY,
+    OOM_GAVE_UP_KEY,
+    OOM_SHRINKS_KEY,
+    Move,
+    OomEvent,
+    records_from_report,
+)
 from orchestrator.failures import exception_line, last_failure
 from orchestrator.units import human
 
@@ -88,7 +96,7 @@ class Failed:
     trial: str
     reason: str  # the exception line, in full
     log: str = ""  # where its traceback is
-    retrying: bool = False  # Tune restarts it from its last checkpoint
+    retrying: str = ""  # how Tune restarts it: "retrying from its last checkpoint"
 
 
 Event = Started | Planned | OomSurvived | Moved | Finished | Refused | Failed
@@ -118,7 +126,7 @@ def format_event(event: Event) -> str:
         return f"{name} finished: {', '.join(p for p in (event.trained, event.metric, event.peak) if p)}"
     if isinstance(event, Refused):
         return f"{name} refused: {event.reason}"
-    text = f"{name} failed{', retrying from its last checkpoint' if event.retrying else ''}: {event.reason}"
+    text = f"{name} failed{f', {event.retrying}' if event.retrying else ''}: {event.reason}"
     return text + (f" (traceback: {event.log})" if event.log else "")
 
 
@@ -258,6 +266,8 @@ class LiveView(tune.Callback):
         self.stop_epochs, self.stop_steps = stop_epochs, stop_steps
         self._seen: dict[str, Seen] = {}
         self._started: set[str] = set()
+        self._ending: set[str] = set()  # restarted only to fail at once (orchestrator.retry): not told
+        self._shrinks: dict[str, int] = {}
         self._ooms = 0
         self._start = time.monotonic()
         self._drawn = 0.0
@@ -265,13 +275,16 @@ class LiveView(tune.Callback):
         self._total = 0
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_seen": {}, "_started": set(), "_ooms": 0, "_progress_shown": False}
+        return {**self.__dict__, "_seen": {}, "_started": set(), "_ending": set(), "_shrinks": {}, "_ooms": 0,
+                "_progress_shown": False}
 
     def setup(self, stop=None, num_samples=None, total_num_samples=None, **info) -> None:
         self._start = time.monotonic()
         self._total = total_num_samples or 0
 
     def on_trial_start(self, iteration, trials, trial, **info) -> None:
+        if trial.trial_id in self._ending:
+            return
         restarted = trial.trial_id in self._started
         self._started.add(trial.trial_id)
         self._say(Started(trial.trial_id, config_text(trial.config, self.shown_keys), restarted))
@@ -286,12 +299,23 @@ class LiveView(tune.Callback):
         self._say(finished_event(trial.trial_id, trial.last_result or {}, self.metric, self.stop_epochs))
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
-        self._say(self._failure(trial, retrying=False))
+        self._say(self._failure(trial))
 
     def on_trial_recover(self, iteration, trials, trial, **info) -> None:
-        self._say(self._failure(trial, retrying=True))
+        """Tune requeues a failed trial, after the retry scheduler set its config for the restart."""
+        config = trial.config
+        if config.get(NOT_RETRIED_KEY) or config.get(OOM_GAVE_UP_KEY):
+            self._ending.add(trial.trial_id)  # its final failure says why
+            return
+        shrinks = config.get(OOM_SHRINKS_KEY, 0)
+        if shrinks > self._shrinks.get(trial.trial_id, 0):
+            self._shrinks[trial.trial_id] = shrinks
+            self._ooms += 1
+            self._say(self._failure(trial, "its worker died out of memory; restarting from its last checkpoint with a smaller plan"))
+            return
+        self._say(self._failure(trial, "retrying from its last checkpoint"))
 
-    def on_step(self, iteration, trials, **info) -> None:
+    def on_step_end(self, iteration, trials, **info) -> None:
         if _on_terminal() and time.monotonic() - self._drawn >= PROGRESS_EVERY_S:
             self._draw(trials)
 
@@ -299,7 +323,7 @@ class LiveView(tune.Callback):
         self._clear()
 
     # -- output ----------------------------------------------------------------------------
-    def _failure(self, trial, retrying: bool) -> Failed:
+    def _failure(self, trial, retrying: str = "") -> Failed:
         reason = exception_line(last_failure(trial.error_file)) if trial.error_file else ""
         log = os.path.join(str(trial.path), "error.txt") if trial.path else ""
         return Failed(trial.trial_id, reason or "unknown error", log, retrying)

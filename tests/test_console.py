@@ -6,9 +6,12 @@ command, piped as a user pipes them into a file, from a folder outside the repos
 
 from __future__ import annotations
 
+import io
 import pickle
 import re
 import subprocess
+import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -52,7 +55,7 @@ def test_each_event_is_one_line_naming_the_trial():
         format_event(Finished("a_00000", "3/3 epochs", "eval_loss 0.4609", "peak 36.0 KiB (tensor bytes)")),
         format_event(Refused("a_00001", "micro-batch 1 needs 9.0 GiB, the budget is 8.0 GiB")),
         format_event(Failed("a_00002", "ValueError: " + "x" * 300, "/r/t/error.txt")),
-        format_event(Failed("a_00003", "RayActorError: the actor died", retrying=True)),
+        format_event(Failed("a_00003", "RayActorError: the actor died", retrying="retrying from its last checkpoint")),
     ]
     assert lines[:2] == [
         "a_00000 started: workload=mlp, lr=0.003",
@@ -121,6 +124,40 @@ def test_the_progress_line_counts_trials_time_left_and_ooms():
     assert trial_fraction("RUNNING", {"epoch": 1, "step": 10}, 4, None) == 0.25
     assert trial_fraction("RUNNING", {"epoch": 0, "step": 300}, 4, 400) == 0.75  # the nearer budget
     assert trial_fraction("ERROR", {}, 4, None) == trial_fraction("TERMINATED", {}, 4, None) == 1.0
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _trials():
+    return [SimpleNamespace(status="TERMINATED", last_result={"epoch": 3}),
+            SimpleNamespace(status="RUNNING", last_result={"epoch": 1}),
+            SimpleNamespace(status="PENDING", last_result={})]
+
+
+def test_on_a_terminal_the_progress_line_is_redrawn_in_place_and_cleared_for_each_event(monkeypatch):
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stdout", screen)
+    view = LiveView(["lr"], "eval_loss", 3, None)
+    view.setup(total_num_samples=4)
+    view.on_step_end(0, _trials())
+    assert screen.getvalue().startswith("\r\x1b[K1 done, 1 running, 2 pending | 0:00 elapsed | ~")
+    view.on_trial_start(0, _trials(), SimpleNamespace(trial_id="t", config={"lr": 0.1}))
+    assert screen.getvalue().endswith("\r\x1b[Kt started: lr=0.1\n")  # the progress line made way
+    view.on_experiment_end(_trials())
+    assert screen.getvalue().endswith("\n")
+
+
+def test_into_a_file_there_is_no_progress_line(monkeypatch):
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", log)
+    view = LiveView(["lr"], "eval_loss", 3, None)
+    view.on_step_end(0, _trials())
+    view.on_trial_start(0, _trials(), SimpleNamespace(trial_id="t", config={"lr": 0.1}))
+    view.on_experiment_end(_trials())
+    assert log.getvalue() == "t started: lr=0.1\n"
 
 
 def test_the_view_pickles_without_its_state_for_a_resumed_sweep():
