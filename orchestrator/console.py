@@ -39,8 +39,9 @@ from orchestrator.contract import (
 from orchestrator.failures import exception_line, last_failure
 from orchestrator.units import human
 
-#: Tune's ``verbose`` for the sweep: its own reporter off unless ``--verbose``, then its default.
-TUNE_VERBOSE, TUNE_QUIET = 3, 0
+#: Tune's ``verbose`` for the sweep: its own reporter off unless ``--verbose``, then its default
+#: (``RunConfig``'s ``None``: a result box per finished trial and a status table now and then).
+TUNE_VERBOSE, TUNE_QUIET = None, 0
 #: How often the progress line is redrawn, at most (seconds).
 PROGRESS_EVERY_S = 0.5
 
