@@ -4,7 +4,8 @@ terminal a progress line that updates in place.
 Tune's own reporter prints a box of every reported field for every result, and the libraries
 under it log their start-up, snapshots and checkpoints; a person watching a sweep needs what
 happened to each trial: started, its plan, an OOM and the plan it resumed with, a move to
-another node, finished or failed and why. So Tune's reporter is silenced (``RunConfig(verbose=0)``),
+another node, finished or failed and why. So Tune's reporter is silenced (``RunConfig(verbose=0)``
+on its legacy output engine),
 Ray's and MLflow's loggers are held to warnings (:func:`quiet_libraries`), and :class:`LiveView`,
 a ``tune.Callback``, prints the events from what trials report. ``run --verbose`` keeps all of
 Ray's output as it was.
@@ -36,7 +37,7 @@ from orchestrator.contract import (
     OomEvent,
     records_from_report,
 )
-from orchestrator.failures import exception_line, last_failure
+from orchestrator.failures import exception_line, gave_up_message, last_failure
 from orchestrator.units import human
 
 #: Tune's ``verbose`` for the sweep: its own reporter off unless ``--verbose``, then its default
@@ -127,8 +128,9 @@ def format_event(event: Event) -> str:
         return f"{name} finished: {', '.join(p for p in (event.trained, event.metric, event.peak) if p)}"
     if isinstance(event, Refused):
         return f"{name} refused: {event.reason}"
-    text = f"{name} failed{f', {event.retrying}' if event.retrying else ''}: {event.reason}"
-    return text + (f" (traceback: {event.log})" if event.log else "")
+    first, *more = event.reason.splitlines() or [""]  # more: a trial that gave up lists its OOM events
+    text = f"{name} failed{f', {event.retrying}' if event.retrying else ''}: {first}"
+    return "\n".join([text + (f" (traceback: {event.log})" if event.log else ""), *more])
 
 
 def config_text(config: Mapping[str, Any], keys: Sequence[str]) -> str:
@@ -325,7 +327,10 @@ class LiveView(tune.Callback):
 
     # -- output ----------------------------------------------------------------------------
     def _failure(self, trial, retrying: str = "") -> Failed:
-        reason = exception_line(last_failure(trial.error_file)) if trial.error_file else ""
+        """The failure's exception line; for a trial that gave up on OOMs, every event too (those
+        before its first report were never told)."""
+        text = last_failure(trial.error_file)
+        reason = f"OomRetriesExhausted: {gave_up_message(text)}" if "OomRetriesExhausted:" in text else exception_line(text)
         log = os.path.join(str(trial.path), "error.txt") if trial.path else ""
         return Failed(trial.trial_id, reason or "unknown error", log, retrying)
 

@@ -71,6 +71,10 @@ def test_each_event_is_one_line_naming_the_trial():
     assert lines[7] == f"a_00002 failed: ValueError: {'x' * 300} (traceback: /r/t/error.txt)"  # the reason in full
     assert lines[8] == "a_00003 failed, retrying from its last checkpoint: RayActorError: the actor died"
     assert all("\n" not in line and "\x1b" not in line for line in lines)
+    # A trial that gave up on OOMs: its events below the line, as its error lists them.
+    gave_up = Failed("t", "OomRetriesExhausted: out of memory in train; 2 OOM event(s):\n  epoch 1 train step 1: ...", "e.txt")
+    assert format_event(gave_up) == ("t failed: OomRetriesExhausted: out of memory in train; 2 OOM event(s): (traceback: e.txt)\n"
+                                     "  epoch 1 train step 1: ...")
 
 
 def test_a_report_tells_the_plan_once_and_each_oom_and_move_once():
