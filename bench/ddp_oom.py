@@ -51,6 +51,7 @@ def main() -> None:
     from orchestrator.config import parse_spec
     from orchestrator.runner import run_sweep
     from orchestrator.table import format_table
+    from orchestrator.trial_report import TrialReport
 
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     work = tempfile.mkdtemp(prefix="ddp_oom-")
@@ -73,14 +74,14 @@ def main() -> None:
         (trial,) = [p for p in glob.glob(os.path.join(outcome.experiment_path, "train_trial_*")) if os.path.isdir(p)]
         last = sorted(glob.glob(os.path.join(trial, "checkpoint_*")))[-1]
         states[run] = state = torch.load(os.path.join(last, "state.pt"), weights_only=False)
-        report = [json.loads(line) for line in open(os.path.join(trial, "result.json"))][-1]
+        report = TrialReport.from_result([json.loads(line) for line in open(os.path.join(trial, "result.json"))][-1])
         plan = state["plan"]
         events = state["oom_events"]
         rows.append([
             run, f"{plan['micro_batch']} x {plan['accum_steps']} x {plan['ranks']} (eval {plan['eval_batch']})",
             ", ".join(f"r{e['rank']} {e['phase']}" for e in events) or "-", f"{seconds:.1f}",
-            f"{report.get('eval_loss', float('nan')):.4f}",
-            " / ".join(f"{report.get(f'rank{r}_peak_allocated_bytes', 0) / 2**20:.2f}" for r in range(args.workers)),
+            f"{report.measurements.get('eval_loss', float('nan')):.4f}",
+            " / ".join(f"{(peak.allocated or 0) / 2**20:.2f}" for peak in report.rank_peaks),
         ])
     reference = states["planned"]["trainer"]["model"]
     for row, run in zip(rows, ("planned", "surprised")):

@@ -4,7 +4,7 @@
     python bench/estimator_accuracy.py --allocator-conf ""   # on a GPU: PyTorch's default allocator
     python bench/estimator_accuracy.py --cpu      # the CPU zoo even where there is a GPU
     python bench/estimator_accuracy.py --models resnet50,gpt2_bf16_seq1024 --json out.json
-    python bench/estimator_accuracy.py --truth ../shared/gpu-truth/zoo_h100_default.json  # any machine
+    python bench/estimator_accuracy.py --truth $GPU_TRUTH/zoo_h100_default.json  # any machine
     python bench/estimator_accuracy.py --zoo library        # timm, torchvision, transformers, torch.nn
     python bench/estimator_accuracy.py --list [--zoo NAME]  # each model: traced, or why it falls back
 
@@ -30,7 +30,7 @@ Goals: trace and measured within 3 % of true peak allocated; predicted reserved 
 truth and at most 10 % over at the median; static never under.
 
 ``--truth`` needs no GPU: it predicts, with fake CPU tensors and CUDA emulated (the ``trace-cpu``
-path), the H100 measurements of ``/work/shared/gpu-truth`` for the four models of ``GPU_ZOO``
+path), the H100 measurements in the JSON it names for the four models of ``GPU_ZOO``
 that have them, under that file's own protocol (a fresh model, one batch of ``b`` made on the
 GPU, three steps without accumulation, PyTorch's default allocator): peak allocated and reserved
 per batch size, and the largest batch that fits its 24 GiB cap, from the allocator model under
@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allocator-conf", default=None,
                         help="PYTORCH_CUDA_ALLOC_CONF for the GPU run and the predictions ('' = PyTorch's default; "
                              "default: the orchestrator's)")
-    parser.add_argument("--truth", help="a ground-truth JSON of gpu-truth/measure_zoo.py to predict (no GPU needed)")
+    parser.add_argument("--truth", metavar="JSON",
+                        help="a ground-truth JSON written by gpu-truth/measure_zoo.py on a GPU machine, to predict "
+                             "here (no GPU needed), e.g. $GPU_TRUTH/zoo_h100_default.json")
     parser.add_argument("--list", action="store_true",
                         help="only trace each model for a CUDA target and say whether it traced or why it fell back")
     args = parser.parse_args(argv)
@@ -72,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     from orchestrator.device import configure_allocator
 
     if args.truth:
+        if not os.path.isfile(args.truth):
+            parser.error(f"--truth {args.truth}: no such file; expected a ground-truth JSON written by "
+                         "gpu-truth/measure_zoo.py (e.g. zoo_h100_default.json)")
         rows = compare_with_truth(args.truth, set(args.models.split(",")) if args.models else None)
         if args.json:
             with open(args.json, "w") as f:
@@ -396,7 +401,7 @@ def truth_log(entry: Entry):
 
 
 def _ops_seen_mode():
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from orchestrator.device.torch_internals import TorchDispatchMode, op_schema
 
     class OpsSeen(TorchDispatchMode):
         """The names of the aten ops that ran (``aten.addmm.default`` -> ``addmm``)."""
@@ -406,7 +411,7 @@ def _ops_seen_mode():
             self.seen: set[str] = set()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.add(func._overloadpacket.__name__)
+            self.seen.add(op_schema(func).name.split("::")[-1])
             return func(*args, **(kwargs or {}))
 
     return OpsSeen()
@@ -422,20 +427,21 @@ def _setup_from_real_model(workload):
     buffers then made fake (same shapes, no data): for models whose initialisation reads values."""
     import torch
     from torch import nn
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from orchestrator.device.tensor_tracker import CUDA_BLOCK
+    from orchestrator.device.torch_internals import FakeTensorMode, buffer_slots, parameter_slots
     from orchestrator.memory.fake import FakeSetup
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     model, fakes = workload.build_model(), {}
     for module in model.modules():
-        for name, p in list(module._parameters.items()):
+        parameters, buffers = parameter_slots(module), buffer_slots(module)
+        for name, p in list(parameters.items()):
             if p is not None:
-                module._parameters[name] = fakes.setdefault(id(p), nn.Parameter(mode.from_tensor(p.detach()), p.requires_grad))
-        for name, b in list(module._buffers.items()):
+                parameters[name] = fakes.setdefault(id(p), nn.Parameter(mode.from_tensor(p.detach()), p.requires_grad))
+        for name, b in list(buffers.items()):
             if b is not None:
-                module._buffers[name] = mode.from_tensor(b)
+                buffers[name] = mode.from_tensor(b)
     with mode:
         optimizer = workload.build_optimizer(model)
     for group in optimizer.param_groups:  # CUDA's default, as fake_setup asks for it

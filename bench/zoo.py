@@ -13,7 +13,8 @@ Three families:
   (b, 19, 15360) EEG-like input, a GAT (torch_geometric) on batches of small graphs, and GPT-2
   written with plain PyTorch in transformers' ops (a model whose every op we can see, to tell
   the CUDA emulation's error from transformers' specifics). The first four are the models of
-  the H100 ground truth (``/work/shared/gpu-truth``, ``Entry.truth``), built the same way.
+  the H100 ground truth (the JSON given to ``estimator_accuracy.py --truth``, ``Entry.truth``),
+  built the same way.
 * CPU stand-ins (``CPU_ZOO``), hand-written with plain PyTorch so they run where those
   libraries are not installed: a bottleneck ResNet on small images, the same 1-d conv net on
   a shorter signal, a GPT-style causal transformer (``scaled_dot_product_attention`` with

@@ -14,6 +14,7 @@ import stat
 import sys
 
 from orchestrator.errors import UserError
+from orchestrator.estimator_registry import names as estimator_names
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="estimate every trial's memory and show its plan, before anything runs")
     _add_config_arguments(plan)
     plan.add_argument("--device-memory", metavar="SIZE", help="plan for a card of this size, e.g. 24GiB")
-    plan.add_argument("--estimator", choices=["static", "trace", "measured"], help="override memory.estimator")
+    plan.add_argument("--estimator", choices=estimator_names(), help="override memory.estimator")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     submit = commands.add_parser("submit", help="submit the sweep to SLURM: a Ray cluster inside the allocation")
@@ -171,22 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     keep_local_ray_on_loopback(args)
     import_from_working_directory()
     try:
-        if args.command == "run":
-            if args.address:
-                from orchestrator.jobs import run_as_job
+        if args.command in ("run", "submit"):
+            from orchestrator.launch import get_launcher, launch
+            from orchestrator.run_request import RunRequest
 
-                return run_as_job(args)
-            from orchestrator.runner import run_command
-
-            return run_command(args)
+            backend = "slurm" if args.command == "submit" else "ray-job" if args.address else "local"
+            return launch(get_launcher(backend).from_args(args), RunRequest.from_args(args))
         if args.command == "plan":
             from orchestrator.plan_command import plan_command
 
             return plan_command(args)
-        if args.command == "submit":
-            from orchestrator.slurm import submit_command
-
-            return submit_command(args)
         from orchestrator.report import report_command
 
         return report_command(args)

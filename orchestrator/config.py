@@ -3,26 +3,185 @@
 Everything a user can get wrong is caught here, before Ray starts, with one line that names
 the key path and what was expected (``search_space.lr: expected ...``). The rest of the code
 can then trust the spec.
+
+Each YAML section is a frozen dataclass whose fields declare each key's type and default once.
+pydantic validates the YAML against them (an unknown key is a mistake: ``extra="forbid"``) and
+:func:`_describe` words its first error as the project's one line. Code that builds these values
+itself (the loop, tests, benchmarks) gets plain dataclasses: validation guards the YAML's door
+and costs nothing elsewhere.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import os
 import re
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
+from orchestrator.allocator_conf import parse_alloc_conf
 from orchestrator.errors import ConfigError
+from orchestrator.estimator_registry import NO_ESTIMATE
+from orchestrator.estimator_registry import names as estimator_names
 from orchestrator.units import parse_bytes
 
 SEARCH_KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
-ESTIMATORS = ("static", "trace", "measured", "none")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cuda", "cpu", "emulated")
+SCHEDULERS = ("fifo", "asha")
+LR_DECAYS = ("constant", "linear", "cosine")
+EVERY_UNITS = ("epochs", "steps", "minutes")
+
+#: Every section refuses keys it does not declare: a typo is a mistake, not a silent default.
+SECTION = ConfigDict(extra="forbid")
+
+
+# -- value types: what each key accepts, and how the message says what was expected -------------
+
+
+def _invalid(message: str, *under: str | int) -> PydanticCustomError:
+    """A rule's one-line message about the value being validated; ``under`` continues its key path
+    to the key the message is about (a check on ``memory`` that blames ``memory.capacity``)."""
+    return PydanticCustomError("config", "{message}", {"message": message, "under": under})
+
+
+def _expect(what: str) -> WrapValidator:
+    """Whatever pydantic finds wrong with a value, say what was expected in the project's words."""
+
+    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise _invalid(f"expected {what}, got {value!r}") from None
+
+    return WrapValidator(validate)
+
+
+def _one_of(values: tuple[str, ...]) -> Any:
+    return Annotated[Literal[values], _expect(f"one of {', '.join(values)}")]
+
+
+def _registered_estimator(value: Any) -> str:
+    """Estimators register themselves (``orchestrator.estimator_registry``), so the names a
+    sweep may use are read when it is validated, not fixed here."""
+    known = (*estimator_names(), NO_ESTIMATE)
+    if value not in known:
+        raise _invalid(f"expected one of {', '.join(known)}, got {value!r}")
+    return value
+
+
+PositiveInt = Annotated[int, Field(strict=True, gt=0), _expect("a positive integer")]
+NonNegativeInt = Annotated[int, Field(strict=True, ge=0), _expect("an integer >= 0")]
+Integer = Annotated[int, Field(strict=True), _expect("an integer")]
+PositiveNumber = Annotated[float, Field(strict=True, gt=0), _expect("a positive number")]
+NonNegativeNumber = Annotated[float, Field(strict=True, ge=0), _expect("a number >= 0")]
+Fraction = Annotated[float, Field(strict=True, gt=0, le=1), _expect("a number in (0, 1]")]
+Flag = Annotated[bool, Field(strict=True), _expect("true or false")]
+Text = Annotated[str, StringConstraints(strict=True, pattern=r"\S"), _expect("a non-empty string")]
+Device = _one_of(DEVICES)
+Estimator = Annotated[str, BeforeValidator(_registered_estimator)]
+Precision = _one_of(PRECISIONS)
+Decay = _one_of(LR_DECAYS)
+Mode = _one_of(("min", "max"))
+TimeAttr = _one_of(("epoch", "step"))
+SchedulerType = Annotated[_one_of(SCHEDULERS), BeforeValidator(lambda v: "fifo" if v in (None, "none") else v)]
+LrFraction = Annotated[float, Field(strict=True, ge=0, le=1), _expect("a fraction of lr in [0, 1]")]
+
+
+def _bytes(value: Any) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_bytes(value)
+    except ValueError as exc:
+        raise _invalid(str(exc)) from None
+
+
+Size = Annotated[int | None, BeforeValidator(_bytes)]
+Budget = Annotated[Size, BeforeValidator(lambda v: None if v == "auto" else v)]
+
+
+def _whole_above_one(gpu: float | str) -> float | str:
+    if gpu != "auto" and gpu > 1 and gpu != int(gpu):
+        raise _invalid(f"expected a whole number of GPUs above 1, got {gpu!r}")
+    return gpu
+
+
+GpuCount = Annotated[
+    Literal["auto"] | Annotated[int, Field(strict=True, ge=0)] | Annotated[float, Field(strict=True, ge=0)],
+    _expect("a GPU count, a fraction such as 0.25, or 'auto'"),
+    AfterValidator(_whole_above_one),
+]
+
+
+def _checked_alloc_conf(conf: str | None) -> str | None:
+    """``PYTORCH_CUDA_ALLOC_CONF`` for the trials, checked as PyTorch would check it (which only
+    happens when a worker first touches CUDA, minutes into a sweep)."""
+    try:
+        parse_alloc_conf(conf)
+    except ValueError as exc:
+        raise _invalid(str(exc)) from None
+    return conf
+
+
+AllocatorConf = Annotated[Text | None, AfterValidator(_checked_alloc_conf)]
+
+
+def _folder(name: str) -> str:
+    """A name that becomes one folder under the storage path (and an MLflow experiment name).
+
+    A path separator or ``..`` would put the sweep's results somewhere else (``../../x``,
+    ``/tmp/x``), so a name is a name: one path component, not hidden, printable.
+    """
+    if any(c in name for c in "/\\") or ".." in name or name.startswith(".") or not name.isprintable():
+        raise _invalid(f"expected a name, not a path (no '/', '\\', '..' or leading '.'), got {name!r}")
+    return name
+
+
+FolderName = Annotated[Text, AfterValidator(_folder)]
+
+
+def folder_name(value: Any, path: str) -> str:
+    """``value`` as a results folder's name, or a :class:`ConfigError` naming ``path`` (a flag, a key)."""
+    return _validated(FolderName, value, path)
+
+
+#: Metadata of a field that no YAML key sets: it is derived from other keys or from the file.
+DERIVED = {"derived": True}
+
+
+def _keys(section: type) -> list[str]:
+    """The keys a section's YAML may hold."""
+    return sorted(f.name for f in dataclasses.fields(section) if not f.metadata.get("derived"))
+
+
+def _no_derived_keys(section: type, data: dict) -> None:
+    """pydantic accepts every field as a key; a derived one is still not the YAML's to set."""
+    derived = {f.name for f in dataclasses.fields(section) if f.metadata.get("derived")}
+    for key in data:
+        if key in derived:
+            raise PydanticCustomError("unknown_key", "unknown key", {"under": (key,)})
+
+
+# -- sections -----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -33,20 +192,88 @@ class Domain:
     args: tuple
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _domain(value: Any) -> Domain | Any:
+    """A constant, or a one-key mapping naming a Tune search primitive."""
+    if not isinstance(value, dict):
+        return value
+    if len(value) != 1 or next(iter(value)) not in SEARCH_KINDS:
+        raise _invalid(f"expected a constant or one of {{{', '.join(k + ': ...' for k in SEARCH_KINDS)}}}, got {value!r}")
+    kind, args = next(iter(value.items()))
+    if kind in ("choice", "grid"):
+        if not isinstance(args, list) or not args:
+            raise _invalid(f"expected a non-empty list of values, got {args!r}", kind)
+        return Domain(kind, (tuple(args),))
+    if not (isinstance(args, list) and len(args) == 2 and all(_is_number(a) for a in args)):
+        raise _invalid(f"expected [low, high] (two numbers), got {args!r}", kind)
+    low, high = (float(a) for a in args)
+    if not low < high:
+        raise _invalid(f"expected low < high, got [{args[0]}, {args[1]}]", kind)
+    if kind == "loguniform" and low <= 0:
+        raise _invalid(f"expected a positive low bound, got {args[0]}", kind)
+    if kind == "randint":
+        if not all(isinstance(a, int) for a in args):
+            raise _invalid(f"expected two integers [low, high), got {args!r}", kind)
+        return Domain(kind, (int(args[0]), int(args[1])))
+    return Domain(kind, (low, high))
+
+
+def _not_empty(space: dict) -> dict:
+    if not space:
+        raise _invalid("expected at least one hyper-parameter to search, got an empty mapping")
+    return space
+
+
+SearchSpace = Annotated[dict[str, Annotated[Any, AfterValidator(_domain)]], AfterValidator(_not_empty)]
+
+
+@dataclass(frozen=True)
+class WorkloadRef:
+    """The YAML's ``workload: {name, params}``: the workload and the parameters every trial shares."""
+
+    __pydantic_config__ = SECTION
+
+    name: Text
+    params: Annotated[dict[str, Any], BeforeValidator(lambda v: {} if v is None else v)] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class SchedulerSpec:
-    type: str = "fifo"  # fifo | asha
-    grace_period: int = 1
-    reduction_factor: int = 2
-    time_attr: str = "epoch"  # what ASHA's rungs count: "epoch" or "step" (optimizer steps)
+    __pydantic_config__ = SECTION
+
+    type: SchedulerType = "fifo"  # fifo | asha
+    grace_period: PositiveInt = 1
+    reduction_factor: PositiveInt = 2
+    time_attr: TimeAttr = "epoch"  # what ASHA's rungs count: "epoch" or "step" (optimizer steps)
+
+
+def _scheduler_by_name(value: Any) -> Any:
+    """``scheduler: asha`` (or nothing) is short for ``scheduler: {type: asha}``."""
+    if value is None or isinstance(value, str):
+        return SchedulerSpec(_nested(SchedulerType, value))
+    return value
+
+
+Scheduler = Annotated[SchedulerSpec, BeforeValidator(_scheduler_by_name)]
 
 
 @dataclass(frozen=True)
 class Stop:
     """A trial's training budget: whichever of the two comes first (at least one is set)."""
 
-    epochs: int | None = None
-    steps: int | None = None  # optimizer steps
+    __pydantic_config__ = SECTION
+
+    epochs: PositiveInt | None = None
+    steps: PositiveInt | None = None  # optimizer steps
+
+    @model_validator(mode="after")
+    def _some_budget(self) -> Stop:
+        if self.epochs is None and self.steps is None:
+            raise _invalid("expected epochs, steps or both (training ends at whichever comes first)")
+        return self
 
 
 @dataclass(frozen=True)
@@ -60,29 +287,57 @@ class Every:
         return f"every {self.count:g} {self.unit}"
 
 
+def _cadence(value: Any) -> Every:
+    """``{steps: 500}``, ``{minutes: 10}`` or ``{epochs: 1}``; a bare number means steps."""
+    if _is_number(value):
+        value = {"steps": value}
+    if not isinstance(value, dict):
+        raise _invalid(f"expected a mapping, got {value!r}")
+    if not (len(value) == 1 and next(iter(value)) in EVERY_UNITS):
+        raise _invalid(f"expected one of {{steps: N}}, {{minutes: N}}, {{epochs: N}}, got {value!r}")
+    ((unit, count),) = value.items()
+    return Every(unit, _nested(PositiveNumber if unit == "minutes" else PositiveInt, count, unit))
+
+
+Cadence = Annotated[Every, BeforeValidator(_cadence)]
+
+
 @dataclass(frozen=True)
 class CheckpointPolicy:
-    every: Every | None = None  # None: at every evaluation
-    keep: int = 2  # checkpoints Tune keeps per trial (the newest)
+    __pydantic_config__ = SECTION
+
+    every: Cadence | None = None  # None: at every evaluation
+    keep: PositiveInt = 2  # checkpoints Tune keeps per trial (the newest)
 
 
 @dataclass(frozen=True)
 class DataLoading:
     """``torch.utils.data.DataLoader`` settings for the trials' training and eval data."""
 
-    num_workers: int = 0
-    pin_memory: bool | None = None  # None: when the trial trains on a GPU
-    prefetch_factor: int | None = None  # batches each worker loads ahead (DataLoader's default 2)
-    persistent_workers: bool = False
+    __pydantic_config__ = SECTION
+
+    num_workers: NonNegativeInt = 0
+    pin_memory: Flag | None = None  # None: when the trial trains on a GPU
+    prefetch_factor: PositiveInt | None = None  # batches each worker loads ahead (DataLoader's default 2)
+    persistent_workers: Flag = False
+
+    @model_validator(mode="after")
+    def _settings_of_workers(self) -> DataLoading:
+        for key, given in (("prefetch_factor", self.prefetch_factor is not None), ("persistent_workers", self.persistent_workers)):
+            if given and self.num_workers == 0:
+                raise _invalid("needs worker processes (data.num_workers > 0), got num_workers 0", key)
+        return self
 
 
 @dataclass(frozen=True)
 class LrSchedule:
     """The learning rate over a trial's optimizer steps: linear warm-up, then a decay to ``final_lr``."""
 
-    warmup_steps: int = 0
-    decay: str = "constant"  # constant | linear | cosine
-    final_lr: float = 0.0  # as a fraction of the workload's lr, reached at the last step
+    __pydantic_config__ = SECTION
+
+    warmup_steps: NonNegativeInt = 0
+    decay: Decay = "constant"  # constant | linear | cosine
+    final_lr: LrFraction = 0.0  # as a fraction of the workload's lr, reached at the last step
 
 
 @dataclass(frozen=True)
@@ -90,64 +345,99 @@ class Resources:
     """What one trial asks Ray for. With ``workers: N`` (Ray Train's ``num_workers``) a trial is a
     data-parallel group of N ranks and ``cpu``/``gpu`` are what each worker asks for."""
 
-    cpu: float = 1.0
-    gpu: float | str = 0.0  # a count, a fraction, or "auto" (the fraction the plan needs)
-    workers: int = 1  # ranks of a data-parallel trial (trainables.distributed)
+    __pydantic_config__ = SECTION
+
+    cpu: PositiveNumber = 1.0
+    gpu: GpuCount = 0  # a count, a fraction, or "auto" (the fraction the plan needs)
+    workers: PositiveInt = 1  # ranks of a data-parallel trial (trainables.distributed)
     #: How long a sweep waits for a node that can hold one trial (an autoscaling cluster adds it);
     #: 0: a request no node can hold fails before the sweep starts.
-    wait_minutes: float = 0.0
+    wait_minutes: NonNegativeNumber = 0.0
+
+    @model_validator(mode="after")
+    def _one_gpu_per_rank(self) -> Resources:
+        if self.workers > 1 and self.gpu not in (0, 1):
+            raise _invalid(
+                f"with resources.workers: {self.workers} each worker is one rank on one GPU; expected 0 or 1 "
+                f"(per worker), got {self.gpu!r}", "gpu",
+            )
+        return self
 
 
 @dataclass(frozen=True)
 class MemoryPolicy:
     """How trials' memory is estimated, budgeted and recovered when an estimate was wrong."""
 
-    device: str = "auto"
-    capacity: int | None = None  # bytes of the emulated device (the smallest rank's, when given per rank)
-    budget: int | None = None  # bytes a plan may use per GPU; None = auto (NVML free - context)
-    safety_margin: float = 0.98  # from the allocator model's measured error: docs/ARCHITECTURE.md
-    estimator: str = "trace"
-    fragmentation: float = 0.10
-    allocator_conf: str | None = "expandable_segments:True"
-    max_oom_retries: int = 3
-    gpu_granularity: float = 0.125
-    allow_activation_checkpointing: bool = True
-    precision: str = "fp32"
-    lower_precision: str | None = "bf16"
+    __pydantic_config__ = SECTION
+
+    device: Device = "auto"
+    capacity: Size = None  # bytes of the emulated device (the smallest rank's, when given per rank)
+    budget: Budget = None  # bytes a plan may use per GPU; None = auto (NVML free - context)
+    safety_margin: Fraction = 0.98  # from the allocator model's measured error: docs/ARCHITECTURE.md
+    estimator: Estimator = "trace"
+    fragmentation: NonNegativeNumber = 0.10
+    allocator_conf: AllocatorConf = "expandable_segments:True"
+    max_oom_retries: NonNegativeInt = 3
+    gpu_granularity: Fraction = 0.125
+    allow_activation_checkpointing: Flag = True
+    precision: Precision = "fp32"
+    lower_precision: Precision | None = "bf16"
     #: ``capacity: [64MiB, 8MiB]``: each rank of a data-parallel trial opens an emulated device of
     #: its own size (a group whose cards differ); empty when one capacity serves every rank.
-    rank_capacities: tuple[int, ...] = ()
+    rank_capacities: tuple[int, ...] = field(default=(), metadata=DERIVED)
 
     def capacity_of(self, rank: int) -> int | None:
         return self.rank_capacities[rank] if self.rank_capacities else self.capacity
 
+    @model_validator(mode="before")
+    @classmethod
+    def _capacity_per_rank(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        _no_derived_keys(cls, data)
+        capacity = data.get("capacity")
+        if not isinstance(capacity, list):
+            return data
+        if not capacity:
+            raise _invalid("expected a size, or a list of one size per worker, got []", "capacity")
+        sizes = tuple(_nested(Size, c, "capacity", i) for i, c in enumerate(capacity))
+        return {**data, "capacity": min(sizes), "rank_capacities": sizes}
+
+    @model_validator(mode="after")
+    def _emulated_has_capacity(self) -> MemoryPolicy:
+        if self.device == "emulated" and self.capacity is None:
+            raise _invalid("memory.device 'emulated' needs a capacity, e.g. capacity: 8MiB", "capacity")
+        return self
+
 
 @dataclass(frozen=True)
 class SweepSpec:
-    experiment: str
-    workload: str
-    params: dict[str, Any]
-    search_space: dict[str, Domain | Any]
-    effective_batch_size: int
+    __pydantic_config__ = SECTION
+
+    experiment: FolderName
+    workload: Text
+    params: dict[str, Any] = field(metadata=DERIVED)  # written as workload.params
+    search_space: SearchSpace
+    effective_batch_size: PositiveInt
     stop: Stop
-    num_samples: int = 1
-    metric: str = "eval_loss"
-    mode: str = "min"
-    scheduler: SchedulerSpec = SchedulerSpec()
+    num_samples: PositiveInt = 1
+    metric: Text = "eval_loss"
+    mode: Mode = "min"
+    scheduler: Scheduler = SchedulerSpec()
     resources: Resources = Resources()
     memory: MemoryPolicy = MemoryPolicy()
-    storage_path: str = "./orchestrator_results"
-    tracking_uri: str | None = None
-    seed: int = 0
-    max_failures: int = 0
-    reuse: bool = True  # Tune's reuse_actors: a finished trial's worker runs the next (trainables.reuse)
-    eval_every: Every = Every("epochs", 1)
+    storage_path: Text = "./orchestrator_results"
+    tracking_uri: Text | None = None
+    seed: Integer = 0
+    max_failures: NonNegativeInt = 0
+    reuse: Flag = True  # Tune's reuse_actors: a finished trial's worker runs the next (trainables.reuse)
+    eval_every: Cadence = Every("epochs", 1)
     checkpoint: CheckpointPolicy = CheckpointPolicy()
     data: DataLoading = DataLoading()
     schedule: LrSchedule | None = None  # None: a workload's build_scheduler, else a constant lr
-    max_grad_norm: float | None = None
-    source: str | None = field(default=None, compare=False)
-    raw: dict = field(default_factory=dict, compare=False)
+    max_grad_norm: PositiveNumber | None = None
+    source: str | None = field(default=None, compare=False, metadata=DERIVED)
+    raw: dict = field(default_factory=dict, compare=False, metadata=DERIVED)  # the YAML as given
 
     def workload_names(self) -> list[str]:
         """Every workload the sweep may run: the default, or those its search space names."""
@@ -156,8 +446,113 @@ class SweepSpec:
             return list(searched.args[0])
         return [searched if isinstance(searched, str) else self.workload]
 
+    @model_validator(mode="before")
+    @classmethod
+    def _from_yaml(cls, data: Any) -> Any:
+        """The YAML names the workload and its params in one section (or the workload alone)."""
+        if not isinstance(data, dict):
+            return data
+        _no_derived_keys(cls, data)
+        fields = {**data, "raw": data}
+        workload = data.get("workload")
+        if isinstance(workload, str) or "workload" not in data:
+            fields["params"] = {}
+        else:
+            ref = _nested(WorkloadRef, workload, "workload")
+            fields.update(workload=ref.name, params=ref.params)
+        return fields
 
-# -- loading --------------------------------------------------------------------------------
+    @model_validator(mode="after")
+    def _sections_agree(self) -> SweepSpec:
+        """Rules across sections: ASHA's rungs need a budget in the unit they count; a group's ranks
+        share every optimizer step exactly and agree on every milestone without a clock."""
+        if self.scheduler.type == "asha":
+            unit = self.scheduler.time_attr
+            if (self.stop.epochs if unit == "epoch" else self.stop.steps) is None:
+                raise _invalid(f"{unit} needs stop.{unit}s (ASHA's last rung), which is not set", "scheduler", "time_attr")
+        workers = self.resources.workers
+        rank_capacities = self.memory.rank_capacities
+        if rank_capacities and len(rank_capacities) != workers:
+            raise _invalid(
+                f"expected one capacity per worker (resources.workers: {workers}), got {len(rank_capacities)}",
+                "memory", "capacity",
+            )
+        if workers == 1:
+            return self
+        batch = self.effective_batch_size
+        if batch % workers:
+            below, above = batch - batch % workers, batch + workers - batch % workers
+            fits = [n for n in range(workers - 1, 0, -1) if batch % n == 0][:1]
+            raise _invalid(
+                f"{batch} does not split evenly over resources.workers: {workers}; "
+                f"use {below or above} or {above}" + (f", or workers: {fits[0]}" if fits and fits[0] > 1 else ""),
+                "effective_batch_size",
+            )
+        for path, every in (("eval_every",), self.eval_every), (("checkpoint", "every"), self.checkpoint.every):
+            if every is not None and every.unit == "minutes":
+                raise _invalid(
+                    "minutes are not supported with resources.workers > 1 (ranks' clocks differ); use steps or epochs",
+                    *path,
+                )
+        return self
+
+
+# -- pydantic's errors -> one line --------------------------------------------------------------
+
+
+@functools.cache
+def _adapter(kind: Any) -> TypeAdapter:
+    """Built on first use: a ``plan`` or ``run`` pays for the schema once, an import does not."""
+    return TypeAdapter(kind)
+
+
+def _validated(kind: Any, value: Any, path: str = "") -> Any:
+    """``value`` as ``kind``, or a :class:`ConfigError` whose one line starts with the key path."""
+    try:
+        return _adapter(kind).validate_python(value)
+    except ValidationError as exc:
+        where, message = _describe(exc, kind)
+        raise ConfigError(f"{_path((path, *where) if path else where) or 'config'}: {message}") from None
+
+
+def _nested(kind: Any, value: Any, *under: str | int) -> Any:
+    """``value`` as ``kind`` from inside a validator, its error kept under the key path ``under``."""
+    try:
+        return _adapter(kind).validate_python(value)
+    except ValidationError as exc:
+        where, message = _describe(exc, kind)
+        raise _invalid(message, *under, *where) from None
+
+
+def _describe(exc: ValidationError, kind: Any) -> tuple[tuple, str]:
+    """pydantic's first error -> (key path below ``kind``, what was expected, in the project's words)."""
+    error = exc.errors(include_url=False)[0]
+    where = (*error["loc"], *error.get("ctx", {}).get("under", ()))
+    if error["type"] in ("unexpected_keyword_argument", "unknown_key"):
+        return where, f"unknown key (expected one of: {', '.join(_keys(_section_at(kind, where[:-1])))})"
+    if error["type"] in ("missing", "missing_argument"):
+        return where, "required key is missing"
+    if error["type"] in ("dataclass_type", "dict_type"):
+        return where, f"expected a mapping, got {error['input']!r}"
+    return where, error["msg"]
+
+
+def _section_at(kind: type, where: tuple) -> type:
+    """The section dataclass a key path leads to from ``kind`` (``memory`` -> MemoryPolicy)."""
+    for key in where:
+        hint = typing.get_type_hints(kind)[key]
+        kind = next(t for t in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(t))
+    return kind
+
+
+def _path(where: tuple) -> str:
+    text = ""
+    for part in where:
+        text += f"[{part}]" if isinstance(part, int) else f".{part}" if text else str(part)
+    return text
+
+
+# -- loading ------------------------------------------------------------------------------------
 
 
 class SweepLoader(yaml.SafeLoader):
@@ -173,13 +568,6 @@ SweepLoader.add_implicit_resolver(
     re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
     list("-+0123456789"),
 )
-
-TOP_LEVEL_KEYS = {
-    "experiment", "workload", "search_space", "effective_batch_size", "stop", "num_samples",
-    "metric", "mode", "scheduler", "resources", "memory", "storage_path", "tracking_uri", "seed",
-    "max_failures", "reuse", "eval_every", "checkpoint", "data", "schedule", "max_grad_norm",
-}
-LR_DECAYS = ("constant", "linear", "cosine")
 
 
 def load_spec(path: str, overrides: list[str] | tuple[str, ...] = ()) -> SweepSpec:
@@ -220,278 +608,13 @@ def apply_override(raw: dict, override: str) -> None:
 
 
 def parse_spec(raw: dict) -> SweepSpec:
-    raw = copy.deepcopy(raw)
-    _no_unknown(raw, TOP_LEVEL_KEYS, "")
-    workload, params = _workload(_require(raw, "workload", ""))
-    search_space = _search_space(_require(raw, "search_space", ""))
-    spec = SweepSpec(
-        experiment=folder_name(_require(raw, "experiment", ""), "experiment"),
-        workload=workload,
-        params=params,
-        search_space=search_space,
-        effective_batch_size=_positive_int(_require(raw, "effective_batch_size", ""), "effective_batch_size"),
-        stop=_stop(_require(raw, "stop", "")),
-        num_samples=_positive_int(raw.get("num_samples", 1), "num_samples"),
-        metric=_string(raw.get("metric", "eval_loss"), "metric"),
-        mode=_one_of(raw.get("mode", "min"), ("min", "max"), "mode"),
-        scheduler=_scheduler(raw.get("scheduler", "fifo")),
-        resources=_resources(raw.get("resources", {})),
-        memory=_memory(raw.get("memory", {})),
-        storage_path=_string(raw.get("storage_path", "./orchestrator_results"), "storage_path"),
-        tracking_uri=_optional_string(raw.get("tracking_uri"), "tracking_uri"),
-        seed=_int(raw.get("seed", 0), "seed"),
-        max_failures=_non_negative_int(raw.get("max_failures", 0), "max_failures"),
-        reuse=_bool(raw.get("reuse", True), "reuse"),
-        eval_every=_every(raw.get("eval_every", {"epochs": 1}), "eval_every"),
-        checkpoint=_checkpoint(raw.get("checkpoint", {})),
-        data=_data(raw.get("data", {})),
-        schedule=None if raw.get("schedule") is None else _schedule(raw["schedule"]),
-        max_grad_norm=None if raw.get("max_grad_norm") is None
-        else _positive_number(raw["max_grad_norm"], "max_grad_norm"),
-        raw=raw,
-    )
-    _check_scheduler_time(spec)
-    _check_data_parallel(spec)
+    """The sweep's sections, each validated against its dataclass, then its parameters against its workloads."""
+    spec = _validated(SweepSpec, copy.deepcopy(raw))  # the spec keeps the YAML as given (raw)
     _check_workload_parameters(spec)
     return spec
 
 
-# -- sections -------------------------------------------------------------------------------
-
-
-def _workload(value: Any) -> tuple[str, dict]:
-    if isinstance(value, str):
-        return _string(value, "workload"), {}
-    section = _mapping(value, "workload")
-    _no_unknown(section, {"name", "params"}, "workload")
-    name = _string(_require(section, "name", "workload"), "workload.name")
-    params = _mapping(section.get("params") or {}, "workload.params")
-    return name, params
-
-
-def _search_space(value: Any) -> dict[str, Domain | Any]:
-    section = _mapping(value, "search_space")
-    if not section:
-        raise ConfigError("search_space: expected at least one hyper-parameter to search, got an empty mapping")
-    return {str(key): _domain(val, f"search_space.{key}") for key, val in section.items()}
-
-
-def _domain(value: Any, path: str) -> Domain | Any:
-    """A constant, or a one-key mapping naming a Tune search primitive."""
-    if not isinstance(value, dict):
-        return value
-    if len(value) != 1 or next(iter(value)) not in SEARCH_KINDS:
-        raise ConfigError(
-            f"{path}: expected a constant or one of {{{', '.join(k + ': ...' for k in SEARCH_KINDS)}}}, "
-            f"got {value!r}"
-        )
-    kind, args = next(iter(value.items()))
-    if kind in ("choice", "grid"):
-        if not isinstance(args, list) or not args:
-            raise ConfigError(f"{path}.{kind}: expected a non-empty list of values, got {args!r}")
-        return Domain(kind, (tuple(args),))
-    if not (isinstance(args, list) and len(args) == 2 and all(_is_number(a) for a in args)):
-        raise ConfigError(f"{path}.{kind}: expected [low, high] (two numbers), got {args!r}")
-    low, high = (float(a) for a in args)
-    if not low < high:
-        raise ConfigError(f"{path}.{kind}: expected low < high, got [{args[0]}, {args[1]}]")
-    if kind == "loguniform" and low <= 0:
-        raise ConfigError(f"{path}.loguniform: expected a positive low bound, got {args[0]}")
-    if kind == "randint":
-        if not all(isinstance(a, int) for a in args):
-            raise ConfigError(f"{path}.randint: expected two integers [low, high), got {args!r}")
-        return Domain(kind, (int(args[0]), int(args[1])))
-    return Domain(kind, (low, high))
-
-
-def _scheduler(value: Any) -> SchedulerSpec:
-    if value is None or isinstance(value, str):
-        kind = "fifo" if value in (None, "none") else value
-        return SchedulerSpec(_one_of(kind, ("fifo", "asha"), "scheduler"))
-    section = _mapping(value, "scheduler")
-    _no_unknown(section, {"type", "grace_period", "reduction_factor", "time_attr"}, "scheduler")
-    kind = section.get("type", "fifo")
-    return SchedulerSpec(
-        type=_one_of("fifo" if kind == "none" else kind, ("fifo", "asha"), "scheduler.type"),
-        grace_period=_positive_int(section.get("grace_period", 1), "scheduler.grace_period"),
-        reduction_factor=_positive_int(section.get("reduction_factor", 2), "scheduler.reduction_factor"),
-        time_attr=_one_of(section.get("time_attr", "epoch"), ("epoch", "step"), "scheduler.time_attr"),
-    )
-
-
-def _check_scheduler_time(spec: SweepSpec) -> None:
-    """ASHA's rungs need the budget in the unit they count."""
-    if spec.scheduler.type != "asha":
-        return
-    unit = spec.scheduler.time_attr
-    budget = spec.stop.epochs if unit == "epoch" else spec.stop.steps
-    if budget is None:
-        raise ConfigError(f"scheduler.time_attr: {unit} needs stop.{unit}s (ASHA's last rung), which is not set")
-
-
-def _check_data_parallel(spec: SweepSpec) -> None:
-    """A group's ranks share every optimizer step exactly, and agree on every milestone without a clock."""
-    workers = spec.resources.workers
-    rank_capacities = spec.memory.rank_capacities
-    if rank_capacities and len(rank_capacities) != workers:
-        raise ConfigError(
-            f"memory.capacity: expected one capacity per worker (resources.workers: {workers}), got {len(rank_capacities)}"
-        )
-    if workers == 1:
-        return
-    batch = spec.effective_batch_size
-    if batch % workers:
-        below, above = batch - batch % workers, batch + workers - batch % workers
-        fits = [n for n in range(workers - 1, 0, -1) if batch % n == 0][:1]
-        raise ConfigError(
-            f"effective_batch_size: {batch} does not split evenly over resources.workers: {workers}; "
-            f"use {below or above} or {above}" + (f", or workers: {fits[0]}" if fits and fits[0] > 1 else "")
-        )
-    for path, every in (("eval_every", spec.eval_every), ("checkpoint.every", spec.checkpoint.every)):
-        if every is not None and every.unit == "minutes":
-            raise ConfigError(f"{path}: minutes are not supported with resources.workers > 1 (ranks' clocks differ); use steps or epochs")
-
-
-def _stop(value: Any) -> Stop:
-    section = _mapping(value, "stop")
-    _no_unknown(section, {"epochs", "steps"}, "stop")
-    if not section:
-        raise ConfigError("stop: expected epochs, steps or both (training ends at whichever comes first)")
-    return Stop(
-        epochs=None if section.get("epochs") is None else _positive_int(section["epochs"], "stop.epochs"),
-        steps=None if section.get("steps") is None else _positive_int(section["steps"], "stop.steps"),
-    )
-
-
-EVERY_UNITS = ("epochs", "steps", "minutes")
-
-
-def _every(value: Any, path: str) -> Every:
-    """``{steps: 500}``, ``{minutes: 10}`` or ``{epochs: 1}``; a bare number means steps."""
-    if _is_number(value):
-        value = {"steps": value}
-    section = _mapping(value, path)
-    if len(section) != 1 or next(iter(section)) not in EVERY_UNITS:
-        raise ConfigError(f"{path}: expected one of {{steps: N}}, {{minutes: N}}, {{epochs: N}}, got {value!r}")
-    unit, count = next(iter(section.items()))
-    if unit == "minutes":
-        return Every(unit, _positive_number(count, f"{path}.minutes"))
-    return Every(unit, _positive_int(count, f"{path}.{unit}"))
-
-
-def _checkpoint(value: Any) -> CheckpointPolicy:
-    section = _mapping(value, "checkpoint")
-    _no_unknown(section, {"every", "keep"}, "checkpoint")
-    return CheckpointPolicy(
-        every=None if section.get("every") is None else _every(section["every"], "checkpoint.every"),
-        keep=_positive_int(section.get("keep", 2), "checkpoint.keep"),
-    )
-
-
-def _data(value: Any) -> DataLoading:
-    section = _mapping(value, "data")
-    _no_unknown(section, {f.name for f in dataclasses.fields(DataLoading)}, "data")
-    workers = _non_negative_int(section.get("num_workers", 0), "data.num_workers")
-    prefetch = section.get("prefetch_factor")
-    persistent = _bool(section.get("persistent_workers", False), "data.persistent_workers")
-    for key, given in (("prefetch_factor", prefetch is not None), ("persistent_workers", persistent)):
-        if given and workers == 0:
-            raise ConfigError(f"data.{key}: needs worker processes (data.num_workers > 0), got num_workers 0")
-    pin = section.get("pin_memory")
-    return DataLoading(
-        num_workers=workers,
-        pin_memory=None if pin is None else _bool(pin, "data.pin_memory"),
-        prefetch_factor=None if prefetch is None else _positive_int(prefetch, "data.prefetch_factor"),
-        persistent_workers=persistent,
-    )
-
-
-def _schedule(value: Any) -> LrSchedule:
-    section = _mapping(value, "schedule")
-    _no_unknown(section, {f.name for f in dataclasses.fields(LrSchedule)}, "schedule")
-    final = section.get("final_lr", 0.0)
-    if not _is_number(final) or not 0 <= final <= 1:
-        raise ConfigError(f"schedule.final_lr: expected a fraction of lr in [0, 1], got {final!r}")
-    return LrSchedule(
-        warmup_steps=_non_negative_int(section.get("warmup_steps", 0), "schedule.warmup_steps"),
-        decay=_one_of(section.get("decay", "constant"), LR_DECAYS, "schedule.decay"),
-        final_lr=float(final),
-    )
-
-
-def _resources(value: Any) -> Resources:
-    section = _mapping(value, "resources")
-    _no_unknown(section, {"cpu", "gpu", "workers", "wait_minutes"}, "resources")
-    cpu = _positive_number(section.get("cpu", 1), "resources.cpu")
-    gpu = section.get("gpu", 0)
-    workers = _positive_int(section.get("workers", 1), "resources.workers")
-    if gpu != "auto":
-        if not _is_number(gpu) or gpu < 0:
-            raise ConfigError(f"resources.gpu: expected a GPU count, a fraction such as 0.25, or 'auto', got {gpu!r}")
-        if gpu > 1 and gpu != int(gpu):
-            raise ConfigError(f"resources.gpu: expected a whole number of GPUs above 1, got {gpu!r}")
-    if workers > 1 and gpu not in (0, 1):
-        raise ConfigError(
-            f"resources.gpu: with resources.workers: {workers} each worker is one rank on one GPU; expected 0 or 1 "
-            f"(per worker), got {gpu!r}"
-        )
-    return Resources(cpu=cpu, gpu=gpu, workers=workers,
-                     wait_minutes=_non_negative_number(section.get("wait_minutes", 0), "resources.wait_minutes"))
-
-
-MEMORY_KEYS = {f.name for f in dataclasses.fields(MemoryPolicy)} - {"rank_capacities"}
-
-
-def _memory(value: Any) -> MemoryPolicy:
-    section = _mapping(value, "memory")
-    _no_unknown(section, MEMORY_KEYS, "memory")
-    defaults = MemoryPolicy()
-
-    def get(key):
-        return section.get(key, getattr(defaults, key))
-
-    budget = get("budget")
-    capacity = get("capacity")
-    rank_capacities: tuple[int, ...] = ()
-    if isinstance(capacity, list):
-        if not capacity:
-            raise ConfigError("memory.capacity: expected a size, or a list of one size per worker, got []")
-        rank_capacities = tuple(_size(c, f"memory.capacity[{i}]") for i, c in enumerate(capacity))
-        capacity = min(rank_capacities)
-    else:
-        capacity = _size(capacity, "memory.capacity")
-    policy = MemoryPolicy(
-        device=_one_of(get("device"), DEVICES, "memory.device"),
-        capacity=capacity,
-        rank_capacities=rank_capacities,
-        budget=None if budget in (None, "auto") else _size(budget, "memory.budget"),
-        safety_margin=_fraction(get("safety_margin"), "memory.safety_margin"),
-        estimator=_one_of(get("estimator"), ESTIMATORS, "memory.estimator"),
-        fragmentation=_non_negative_number(get("fragmentation"), "memory.fragmentation"),
-        allocator_conf=_allocator_conf(get("allocator_conf")),
-        max_oom_retries=_non_negative_int(get("max_oom_retries"), "memory.max_oom_retries"),
-        gpu_granularity=_fraction(get("gpu_granularity"), "memory.gpu_granularity"),
-        allow_activation_checkpointing=_bool(get("allow_activation_checkpointing"), "memory.allow_activation_checkpointing"),
-        precision=_one_of(get("precision"), PRECISIONS, "memory.precision"),
-        lower_precision=None if get("lower_precision") is None
-        else _one_of(get("lower_precision"), PRECISIONS, "memory.lower_precision"),
-    )
-    if policy.device == "emulated" and policy.capacity is None:
-        raise ConfigError("memory.capacity: memory.device 'emulated' needs a capacity, e.g. capacity: 8MiB")
-    return policy
-
-
-def _allocator_conf(value: Any) -> str | None:
-    """``PYTORCH_CUDA_ALLOC_CONF`` for the trials, checked as PyTorch would check it (which only
-    happens when a worker first touches CUDA, minutes into a sweep)."""
-    from orchestrator.allocator_conf import parse_alloc_conf
-
-    conf = _optional_string(value, "memory.allocator_conf")
-    try:
-        parse_alloc_conf(conf)
-    except ValueError as exc:
-        raise ConfigError(f"memory.allocator_conf: {exc}") from None
-    return conf
+# -- the sweep against its workloads -----------------------------------------------------------
 
 
 def _check_workload_parameters(spec: SweepSpec) -> None:
@@ -541,109 +664,3 @@ def _check_parameter_values(classes: dict, path: str, key: str, value: Domain | 
             expected = cls.parameter_error(key, candidate)
             if expected is not None:
                 raise ConfigError(f"{where}: workload {name}'s {key} expects {expected}, {got}")
-
-
-# -- scalar checks --------------------------------------------------------------------------
-
-
-def _require(section: dict, key: str, path: str) -> Any:
-    if key not in section:
-        where = f"{path}.{key}" if path else key
-        raise ConfigError(f"{where}: required key is missing")
-    return section[key]
-
-
-def _no_unknown(section: dict, allowed: set[str], path: str) -> None:
-    for key in section:
-        if key not in allowed:
-            where = f"{path}.{key}" if path else str(key)
-            raise ConfigError(f"{where}: unknown key (expected one of: {', '.join(sorted(allowed))})")
-
-
-def _mapping(value: Any, path: str) -> dict:
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path}: expected a mapping, got {value!r}")
-    return value
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _string(value: Any, path: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{path}: expected a non-empty string, got {value!r}")
-    return value
-
-
-def folder_name(value: Any, path: str) -> str:
-    """A name that becomes one folder under the storage path (and an MLflow experiment name).
-
-    A path separator or ``..`` would put the sweep's results somewhere else (``../../x``,
-    ``/tmp/x``), so a name is a name: one path component, not hidden, printable.
-    """
-    name = _string(value, path)
-    if any(c in name for c in "/\\") or ".." in name or name.startswith(".") or not name.isprintable():
-        raise ConfigError(f"{path}: expected a name, not a path (no '/', '\\', '..' or leading '.'), got {name!r}")
-    return name
-
-
-def _optional_string(value: Any, path: str) -> str | None:
-    return None if value is None else _string(value, path)
-
-
-def _one_of(value: Any, allowed: tuple[str, ...], path: str) -> str:
-    if value not in allowed:
-        raise ConfigError(f"{path}: expected one of {', '.join(allowed)}, got {value!r}")
-    return value
-
-
-def _bool(value: Any, path: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{path}: expected true or false, got {value!r}")
-    return value
-
-
-def _int(value: Any, path: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ConfigError(f"{path}: expected an integer, got {value!r}")
-    return value
-
-
-def _positive_int(value: Any, path: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"{path}: expected a positive integer, got {value!r}")
-    return value
-
-
-def _non_negative_int(value: Any, path: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ConfigError(f"{path}: expected an integer >= 0, got {value!r}")
-    return value
-
-
-def _positive_number(value: Any, path: str) -> float:
-    if not _is_number(value) or value <= 0:
-        raise ConfigError(f"{path}: expected a positive number, got {value!r}")
-    return float(value)
-
-
-def _non_negative_number(value: Any, path: str) -> float:
-    if not _is_number(value) or value < 0:
-        raise ConfigError(f"{path}: expected a number >= 0, got {value!r}")
-    return float(value)
-
-
-def _fraction(value: Any, path: str) -> float:
-    if not _is_number(value) or not 0 < value <= 1:
-        raise ConfigError(f"{path}: expected a number in (0, 1], got {value!r}")
-    return float(value)
-
-
-def _size(value: Any, path: str) -> int | None:
-    if value is None:
-        return None
-    try:
-        return parse_bytes(value)
-    except ValueError as exc:
-        raise ConfigError(f"{path}: {exc}") from None

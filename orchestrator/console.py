@@ -28,16 +28,9 @@ from typing import Any
 
 from ray import tune
 
-from orchestrator.contract import (
-    MEMORY_LABELS,
-    NOT_RETRIED_KEY,
-    OOM_GAVE_UP_KEY,
-    OOM_SHRINKS_KEY,
-    Move,
-    OomEvent,
-    records_from_report,
-)
+from orchestrator.contract import MEMORY_LABELS, NOT_RETRIED_KEY, OOM_GAVE_UP_KEY, OOM_SHRINKS_KEY, Move, OomEvent
 from orchestrator.failures import exception_line, gave_up_message, last_failure
+from orchestrator.trial_report import TrialReport
 from orchestrator.units import human
 
 #: Tune's ``verbose`` for the sweep: its own reporter off unless ``--verbose``, then its default
@@ -142,12 +135,15 @@ def _short(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def plan_text(result: Mapping[str, Any]) -> str:
+def plan_text(report: TrialReport) -> str:
     """``64 x 1`` (micro-batch x accumulation), ``x 2 ranks`` for a data-parallel trial."""
-    if "micro_batch" not in result:
+    if report.micro_batch is None:
         return "-"
-    ranks = result.get("ranks", 1) or 1
-    return f"{result['micro_batch']} x {result['accum_steps']}" + (f" x {ranks} ranks" if ranks > 1 else "")
+    return _plan(report.micro_batch, report.accum_steps, report.ranks)
+
+
+def _plan(micro_batch: int, accum_steps: int | None, ranks: int) -> str:
+    return f"{micro_batch} x {accum_steps}" + (f" x {ranks} ranks" if ranks > 1 else "")
 
 
 # -- events out of a trial's reports -----------------------------------------------------------
@@ -162,56 +158,49 @@ class Seen:
     moves: int = 0
 
 
-def report_events(trial: str, result: Mapping[str, Any], seen: Seen) -> list[Event]:
-    """The events a trial's report adds to what was already told (``seen``, updated).
-
-    The one place that reads the report's fields, so a typed report changes only this.
-    """
+def report_events(trial: str, report: TrialReport, seen: Seen) -> list[Event]:
+    """The events a trial's report adds to what was already told (``seen``, updated)."""
     events: list[Event] = []
-    if result.get("refused"):
+    if report.refused:
         seen.planned = True
-        return [Refused(trial, str(result.get("refusal") or "nothing fits"))]
-    plan = plan_text(result)
-    oom_events = [OomEvent.from_dict(e) for e in records_from_report(result.get("oom_events"))]
-    new_events = oom_events[seen.oom_events:]
+        return [Refused(trial, report.refusal or "nothing fits")]
+    plan = plan_text(report)
+    new_events = report.oom_events[seen.oom_events:]
     for i, event in enumerate(new_events, 1):
         events.append(OomSurvived(trial, event, plan if i == len(new_events) else ""))
-    seen.oom_events = max(seen.oom_events, len(oom_events))
-    moves = [Move.from_dict(m) for m in records_from_report(result.get("moves"))]
-    for move in moves[seen.moves:]:
+    seen.oom_events = max(seen.oom_events, len(report.oom_events))
+    for move in report.moves[seen.moves:]:
         events.append(Moved(trial, move))
-    seen.moves = max(seen.moves, len(moves))
-    if not seen.planned and "micro_batch" in result:
+    seen.moves = max(seen.moves, len(report.moves))
+    if not seen.planned and report.micro_batch is not None:
         seen.planned = True
-        started_with = _plan_before(new_events[0], result) if new_events else plan
-        events.insert(0, Planned(trial, started_with, _estimate(result)))
+        started_with = _plan_before(new_events[0], report) if new_events else plan
+        events.insert(0, Planned(trial, started_with, _estimate(report)))
     return events
 
 
-def _plan_before(event: OomEvent, result: Mapping[str, Any]) -> str:
+def _plan_before(event: OomEvent, report: TrialReport) -> str:
     """The plan a trial ran before its first OOM: the event's micro-batch, at the same effective batch."""
-    ranks = result.get("ranks", 1) or 1
-    accumulation = max(int(result.get("effective_batch") or 0) // (event.micro_batch * ranks), 1)
-    return plan_text({"micro_batch": event.micro_batch, "accum_steps": accumulation, "ranks": ranks})
+    accumulation = max((report.effective_batch or 0) // (event.micro_batch * report.ranks), 1)
+    return _plan(event.micro_batch, accumulation, report.ranks)
 
 
-def _estimate(result: Mapping[str, Any]) -> str:
-    predicted, estimator = result.get("predicted_peak_bytes"), result.get("estimator") or "none"
-    if predicted:
-        phase = result.get("predicted_phase")
-        return f"estimated peak {human(predicted)}{f' in {phase}' if phase else ''} ({estimator})"
+def _estimate(report: TrialReport) -> str:
+    estimator = report.estimator or "none"
+    if report.predicted_peak_bytes:
+        phase = f" in {report.predicted_phase}" if report.predicted_phase else ""
+        return f"estimated peak {human(report.predicted_peak_bytes)}{phase} ({estimator})"
     return "no estimate (memory.estimator: none)" if estimator == "none" else f"no estimate ({estimator})"
 
 
-def finished_event(trial: str, result: Mapping[str, Any], metric: str, stop_epochs: int | None) -> Event:
-    if result.get("refused"):
-        return Refused(trial, str(result.get("refusal") or "nothing fits"))
-    epochs = int(result.get("epoch", 0) or 0)
+def finished_event(trial: str, report: TrialReport, metric: str, stop_epochs: int | None) -> Event:
+    if report.refused:
+        return Refused(trial, report.refusal or "nothing fits")
+    epochs = report.epoch or 0
     trained = f"{epochs}/{stop_epochs} epochs" if stop_epochs else f"{epochs} epochs"
-    value = result.get(metric)
+    value = report.metric(metric)
     shown = f"{metric} {value:.4f}" if isinstance(value, (int, float)) and math.isfinite(value) else ""
-    peak = result.get("peak_reserved_bytes", result.get("peak_allocated_bytes"))
-    source = result.get("memory_source", "")
+    peak, source = report.measured_peak, report.memory_source or ""
     peak_text = f"peak {human(peak)} ({MEMORY_LABELS.get(source, source)})" if peak else ""
     return Finished(trial, trained, shown, peak_text)
 
@@ -248,8 +237,8 @@ def trial_fraction(status: str, result: Mapping[str, Any], stop_epochs: int | No
     """How much of its budget a trial has trained: its epochs or steps, whichever budget is nearer."""
     if status in ("TERMINATED", "ERROR"):
         return 1.0
-    shares = [result.get("epoch", 0) / stop_epochs if stop_epochs else 0.0,
-              result.get("step", 0) / stop_steps if stop_steps else 0.0]
+    shares = [(result.get("epoch") or 0) / stop_epochs if stop_epochs else 0.0,
+              (result.get("step") or 0) / stop_steps if stop_steps else 0.0]
     return min(max(shares), 1.0)
 
 
@@ -294,12 +283,12 @@ class LiveView(tune.Callback):
 
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
         seen = self._seen.setdefault(trial.trial_id, Seen())
-        for event in report_events(trial.trial_id, result, seen):
+        for event in report_events(trial.trial_id, TrialReport.from_result(result), seen):
             self._ooms += isinstance(event, OomSurvived) and event.event.action != "gave up"
             self._say(event)
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
-        self._say(finished_event(trial.trial_id, trial.last_result or {}, self.metric, self.stop_epochs))
+        self._say(finished_event(trial.trial_id, TrialReport.from_result(trial.last_result), self.metric, self.stop_epochs))
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
         self._say(self._failure(trial))

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 # -- the trial's config keys that the retry scheduler sets before Tune restarts a trial ---------
 
@@ -42,6 +42,10 @@ STATE_FILE = "state.pt"
 #: removed once the recovery reports; a worker that dies in between (a CUDA context an OOM left
 #: unusable) leaves it behind, which is how the driver knows that death was about memory.
 OOM_EVIDENCE_FILE = "oom_before_death.json"
+
+#: In the trial's folder on the storage path: the full traceback of the error that ended the
+#: trial where its one line names this file instead (a sample its data could not load).
+TRIAL_LOG_FILE = "trial.log"
 
 # -- memory ------------------------------------------------------------------------------------
 
@@ -113,9 +117,9 @@ class Move:
         return text + (f"; re-planned {self.replanned}" if self.replanned else "")
 
 
-def describe_moves(moves: Any) -> str:
-    """The moves a trial's last result lists, for the final table and MLflow."""
-    return "; ".join(Move.from_dict(m).describe() for m in records_from_report(moves))
+def describe_moves(moves: Iterable[Move]) -> str:
+    """The moves a trial's last report lists, for the final table and MLflow."""
+    return "; ".join(m.describe() for m in moves)
 
 
 # -- lists in a trial's reports ----------------------------------------------------------------

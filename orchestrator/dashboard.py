@@ -12,16 +12,16 @@ from __future__ import annotations
 import requests
 
 from orchestrator.errors import UserError
+from orchestrator.ray_internals import auth_token_loader
 
 TOKEN_SOURCES = "RAY_AUTH_TOKEN, the file named by RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token"
 
 
 def auth_headers() -> dict[str, str]:
     """``{"authorization": "Bearer <token>"}`` from Ray's token lookup, or ``{}`` with no token."""
-    from ray._raylet import AuthenticationTokenLoader
     from ray.exceptions import AuthenticationError
 
-    loader = AuthenticationTokenLoader.instance()
+    loader = auth_token_loader()
     loader.reset_cache()  # the token may have been written since Ray last looked
     try:
         return dict(loader.get_token_for_http_header(ignore_auth_mode=True))

@@ -8,8 +8,8 @@ so a trial never spends its start-up on an estimate it could have been given; ``
 plan`` shares the same code.
 
 A trial re-estimates on its worker only where the driver could not stand in for it: its device
-is not the one the driver planned for (a CPU-only worker in a GPU sweep), the estimator is
-``measured`` (it probes the worker's device), or the driver's trace fell back to ``static``
+is not the one the driver planned for (a CPU-only worker in a GPU sweep), the estimator
+probes the worker's device (``measured``; ``probes_device`` in its registration), or the driver's trace fell back to ``static``
 (the worker can fall back to ``measured`` instead).
 """
 
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from orchestrator.config import MemoryPolicy, SweepSpec
+from orchestrator.estimator_registry import NO_ESTIMATE, registered
 from orchestrator.memory import MemoryProfile, Settings
 from orchestrator.memory.cache import ProfileCache
 
@@ -86,7 +87,7 @@ def estimate_trials(
     raised is recorded in ``errors`` (the worker will meet the same error and report it).
     """
     estimates = Estimates(target, policy)
-    if policy.estimator in ("none", "measured"):
+    if policy.estimator == NO_ESTIMATE or registered(policy.estimator).probes_device:
         return estimates  # nothing to estimate, or only the worker's device can
     groups: dict[str, list[int]] = {}
     for index, config in enumerate(configs):

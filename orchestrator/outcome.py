@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Iterable, Iterator
 
 from ray import tune
 
 from orchestrator.failures import exception_line, last_failure
+from orchestrator.trial_report import TrialReport
 
 #: A trial's final status, as the summary table shows it.
 TERMINATED = "TERMINATED"  # finished: completed, stopped early by the scheduler, or its budget spent
@@ -28,15 +29,15 @@ REFUSED = "REFUSED"  # not even micro-batch 1 fits: it never trained
 INTERRUPTED = "INTERRUPTED"  # Ctrl-C, a SLURM time limit, a sweep stopped: `run --resume` continues it
 
 
-def trial_status(errored: bool, last_result: Mapping[str, Any]) -> str:
+def trial_status(errored: bool, report: TrialReport) -> str:
     """Tune marks a trial's last result ``done`` when it completes or its scheduler stops it; a
     trial whose last report says it spent its budget (``training_done``) finished just before
     an interruption, and is finished all the same."""
     if errored:
         return ERROR
-    if last_result.get("refused"):
+    if report.refused:
         return REFUSED
-    if not last_result.get("done") and not last_result.get("training_done"):
+    if not report.done and not report.training_done:
         return INTERRUPTED
     return TERMINATED
 

@@ -28,6 +28,8 @@ import sys
 from dataclasses import replace
 
 from orchestrator.errors import UserError
+from orchestrator.estimator_registry import NO_ESTIMATE
+from orchestrator.estimator_registry import names as estimator_names
 from orchestrator.units import parse_bytes
 
 
@@ -43,11 +45,13 @@ def plan_command(args) -> int:
 
     spec = load_spec(args.config, list(args.overrides or []))
     policy = spec.memory if not args.estimator else replace(spec.memory, estimator=args.estimator)
-    if policy.estimator == "none":
-        raise UserError("memory.estimator is 'none': there is nothing to plan; pass --estimator static|trace|measured")
+    if policy.estimator == NO_ESTIMATE:
+        raise UserError(f"memory.estimator is 'none': there is nothing to plan; pass --estimator {'|'.join(estimator_names())}")
     target, budget = _target_and_budget(spec, policy, args.device_memory)
     configs = trial_configs(spec)
-    check_workloads(spec)  # data for one step and an eval set, as `run` checks: one line, not an estimator's crash
+    # Data for one step and an eval set, as `run` checks: one line, not an estimator's crash. A model
+    # that does not build here is shown as its trials' error, the others still planned.
+    check_workloads(spec, build_models=False)
 
     done = [0]
 

@@ -4,11 +4,12 @@
 The config layer already checked every key and value (``config.py``); these look at what the
 config points to. The storage folder must take files. Each workload must have data for one
 optimizer step and an eval set (a 0-row dataset otherwise fails deep inside an estimator or a
-trial). Memory-neutral hyper-parameters (``lr``, ``seed``) are left out, so a sweep over
-learning rates reads each workload's data once. Building the model is not repeated here: the
-driver's estimates (``estimates.py``, made before Ray starts too) build every model the trace and
-static estimators plan, and a model that fails there stops the sweep in one line naming the
-user's file and line.
+trial). Each distinct model is built, its large tensors on ``meta`` (``HostOrMeta``, as the
+estimators build it), so a constructor with a typo or a library that is not installed stops the
+sweep here, in one line naming the user's file and line, before Ray's first line, and also under
+``memory.estimator: none`` or ``measured`` (the driver's estimates, which overlap Ray's start,
+would find it only after Ray started). Memory-neutral hyper-parameters (``lr``, ``seed``) are
+left out, so a sweep over learning rates reads each workload's data and builds its model once.
 """
 
 from __future__ import annotations
@@ -107,9 +108,11 @@ def check_shared_storage(given: str, resolved: str, nodes: int) -> None:
         )
 
 
-def check_workloads(spec: SweepSpec) -> None:
+def check_workloads(spec: SweepSpec, build_models: bool = True) -> None:
     """:func:`check_workload` for every distinct trial config of the sweep (grids expanded, random
-    parameters sampled, ``lr`` and ``seed`` left out)."""
+    parameters sampled, ``lr`` and ``seed`` left out). ``build_models=False``: the data only, for
+    ``plan``, which shows a model that does not build here (its library is installed only where
+    the trials run, say) as that trial's error and plans the others."""
     from orchestrator.space import trial_configs
     from trainables.workload import build_workload
 
@@ -120,13 +123,15 @@ def check_workloads(spec: SweepSpec) -> None:
             continue
         seen.add(key)
         workload = build_workload(config)
-        check_workload(workload, spec, _label(config, spec))
+        check_workload(workload, spec, _label(config, spec), build_model=build_models)
 
 
-def check_workload(workload, spec: SweepSpec, label: str) -> None:
-    """The workload's training set holds one optimizer step, its eval set a sample, and its
-    ``collate`` makes a batch of two of each (a bug there would otherwise show in every trial,
-    after Ray started, or not at all before a sweep with ``memory.estimator: none``)."""
+def check_workload(workload, spec: SweepSpec, label: str, build_model: bool = True) -> None:
+    """The workload's model builds, its training set holds one optimizer step, its eval set a
+    sample, and its ``collate`` makes a batch of two of each (a bug there would otherwise show in
+    every trial, after Ray started, or not at all before a sweep with ``memory.estimator: none``)."""
+    if build_model:
+        check_model_builds(workload, label)
     train = _call(workload.train_data, label, "train_data()")
     samples = _call(lambda: len(train), label, "len(train_data())")
     if samples < spec.effective_batch_size:
@@ -143,13 +148,38 @@ def check_workload(workload, spec: SweepSpec, label: str) -> None:
         _call(lambda: workload.collate(pair), label, f"collate() of two {name} samples")
 
 
+def check_model_builds(workload, label: str) -> None:
+    """``build_model()`` runs, its large tensors on ``meta``: seconds and no memory even for a
+    model of billions of parameters. An error of the ``meta`` device itself (a constructor that
+    reads a large tensor's values) is not the user's mistake: the estimators say what they make of
+    such a model, and its trials build it for real."""
+    from orchestrator.memory.construction import HostOrMeta
+
+    try:
+        with HostOrMeta():
+            workload.build_model()
+    except Exception as exc:  # noqa: BLE001 - the user's code: one line naming where it failed
+        if _is_meta_limitation(exc):
+            return
+        _refuse(exc, label, "build_model()")
+
+
+def _is_meta_limitation(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's refusal to compute on a ``meta`` tensor, not a bug of the model."""
+    return isinstance(exc, (RuntimeError, NotImplementedError)) and "meta" in str(exc).lower()
+
+
 def _call(function, label: str, what: str) -> Any:
     try:
         return function()
     except Exception as exc:  # noqa: BLE001 - the user's code: one line naming where it failed
-        from trainables.workload import failure_line
+        _refuse(exc, label, what)
 
-        raise UserError(f"{label}: {what} failed ({failure_line(exc)})") from None
+
+def _refuse(exc: BaseException, label: str, what: str):
+    from trainables.workload import failure_line, install_advice
+
+    raise UserError(f"{label}: {what} failed ({failure_line(exc)}){install_advice(exc)}") from None
 
 
 def _label(config: dict[str, Any], spec: SweepSpec) -> str:

@@ -20,17 +20,14 @@ from typing import Any
 from orchestrator.contract import MEMORY_LABELS
 from orchestrator.errors import UserError
 from orchestrator.table import format_table
-from orchestrator.tracking import ROLE_TAG, STEP_METRIC, SWEEP_ID_TAG, sqlite_path
+from orchestrator.tracking.runs import ROLE_TAG, STEP_METRIC, SWEEP_ID_TAG, sqlite_path
+from orchestrator.trial_report import TrialReport
 from orchestrator.units import binary_unit, human
 
 #: The report reads many histories: retry a little, but never for minutes against a dead server.
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
 #: Metrics that are counts or bytes: integers in the Parquet file (MLflow stores every metric as a double).
-INT_METRICS = frozenset({
-    STEP_METRIC, "epoch", "micro_batch", "accum_steps", "effective_batch", "eval_batch", "activation_checkpointing",
-    "plan_reductions", "oom_retries", "peak_allocated_bytes", "peak_reserved_bytes", "device_used_bytes",
-    "predicted_peak_bytes", "budget_bytes", "gpu_total_bytes",
-})
+INT_METRICS = TrialReport.integer_keys() | {STEP_METRIC}
 #: Column order of the measurements of each result; any other metric a workload reports follows, sorted.
 METRIC_ORDER = (
     "epoch", "train_loss", "eval_loss", "peak_allocated_bytes", "peak_reserved_bytes", "device_used_bytes",
@@ -60,30 +57,30 @@ class TrialRecord:
     def shown_status(self) -> str:
         return "REFUSED" if self.tags.get("refusal") else self.status
 
-    def last(self, key: str) -> float | None:
-        for step in sorted(self.results, reverse=True):
-            if key in self.results[step]:
-                return self.results[step][key]
-        return None
+    def latest(self) -> TrialReport:
+        """The trial's report as of its last result: each metric's value at the last step that has it."""
+        merged: dict[str, float] = {}
+        for step in sorted(self.results):
+            merged.update(self.results[step])
+        return TrialReport.from_result(merged)
 
     def peak(self) -> tuple[float | None, float | None, float | None]:
         """(predicted, measured, error) at the result whose measured peak was highest.
 
-        Measured is what the prediction is compared with: reserved bytes on a GPU (the plan
-        budgets reserved memory), tensor bytes elsewhere - the same rule the trainable uses for
-        ``prediction_error``. A refused trial has a prediction and no measurement."""
-        best: dict[str, float] | None = None
+        Measured is what the prediction is compared with (:attr:`TrialReport.measured_peak`, the
+        same rule the trainable uses for ``prediction_error``). A refused trial has a prediction
+        and no measurement."""
+        best: TrialReport | None = None
         for metrics in self.results.values():
-            measured = metrics.get("peak_reserved_bytes", metrics.get("peak_allocated_bytes"))
-            if measured is not None and (best is None or measured > best["measured"]):
-                best = {**metrics, "measured": measured}
+            report = TrialReport.from_result(metrics)
+            if report.measured_peak is not None and (best is None or report.measured_peak > best.measured_peak):
+                best = report
         if best is None:
-            return self.last("predicted_peak_bytes"), None, None
-        predicted = best.get("predicted_peak_bytes")
-        error = best.get("prediction_error")
+            return self.latest().predicted_peak_bytes, None, None
+        predicted, error = best.predicted_peak_bytes, best.prediction_error
         if error is None and predicted:
-            error = (best["measured"] - predicted) / predicted
-        return predicted, best["measured"], error
+            error = (best.measured_peak - predicted) / predicted
+        return predicted, best.measured_peak, error
 
     def gpus(self) -> float:
         try:
@@ -193,7 +190,7 @@ def _trial_record(client, run) -> TrialRecord:
         for point in client.get_metric_history(run.info.run_id, key):
             results.setdefault(int(point.step), {})[key] = point.value
     events: list[dict] = []
-    if run.data.metrics.get("oom_retries", 0) > 0:
+    if TrialReport.from_result(run.data.metrics).oom_retries > 0:
         try:
             events = json.loads(Path(client.download_artifacts(run.info.run_id, "oom_events.json")).read_text())
         except Exception:  # noqa: BLE001 - the count is still in the metrics
@@ -211,17 +208,19 @@ def _trial_record(client, run) -> TrialRecord:
 
 def plan_text(trial: TrialRecord) -> str:
     """``16x4, eval 64, ckpt, bf16``: micro-batch x accumulation, eval batch, checkpointing, precision."""
-    def value(key: str) -> str | None:
+    latest = trial.latest()
+
+    def value(key: str, number: int | None) -> str | None:
         if f"plan.{key}" in trial.params:
             return trial.params[f"plan.{key}"]
-        number = trial.last(key)
         return None if number is None else str(int(number))
 
-    micro, accum, eval_batch = value("micro_batch"), value("accum_steps"), value("eval_batch")
+    micro = value("micro_batch", latest.micro_batch)
+    accum, eval_batch = value("accum_steps", latest.accum_steps), value("eval_batch", latest.eval_batch)
     if micro is None:
         return "-"
     parts = [f"{micro}x{accum}", f"eval {eval_batch}"]
-    checkpointing = trial.params.get("plan.activation_checkpointing") or str(int(trial.last("activation_checkpointing") or 0))
+    checkpointing = trial.params.get("plan.activation_checkpointing") or str(int(latest.activation_checkpointing or 0))
     if checkpointing in ("True", "1"):
         parts.append("ckpt")
     precision = trial.params.get("plan.precision") or trial.tags.get("precision")
@@ -234,12 +233,12 @@ def trial_table(sweep: SweepRecord) -> str:
     rows = []
     for trial in sweep.trials:
         predicted, measured, error = trial.peak()
-        final = trial.last(sweep.metric)
+        final = trial.latest().metric(sweep.metric)
         rows.append((
             trial.name, trial.shown_status, plan_text(trial),
             human(predicted) if predicted else "-", human(measured) if measured is not None else "-",
             f"{error:+.1%}" if error is not None else "-",
-            int(trial.last("oom_retries") or 0),
+            trial.latest().oom_retries,
             f"{final:.4f}" if final is not None and math.isfinite(final) else "-",
         ))
     headers = ["trial", "status", "plan", "predicted peak", "measured peak", "error", "OOM retries", sweep.metric]
@@ -255,8 +254,8 @@ def summary(sweep: SweepRecord) -> str:
     for trial in sweep.trials:
         counts[trial.shown_status.lower()] = counts.get(trial.shown_status.lower(), 0) + 1
     finished = [t for t in sweep.trials if t.status == "FINISHED"]
-    survived = sum(int(t.last("oom_retries") or 0) for t in finished)
-    with_ooms = sum(1 for t in finished if (t.last("oom_retries") or 0) > 0)
+    survived = sum(t.latest().oom_retries for t in finished)
+    with_ooms = sum(1 for t in finished if t.latest().oom_retries > 0)
     lines = [
         f"Trials: {len(sweep.trials)} ({', '.join(f'{n} {s}' for s, n in sorted(counts.items()))})",
         f"OOMs survived: {survived} (in {with_ooms} of {len(finished)} finished trials)",
@@ -274,7 +273,7 @@ def summary(sweep: SweepRecord) -> str:
     for trial in sweep.trials:
         if trial.tags.get("moves"):
             lines.append(f"{trial.name}: {trial.tags['moves']}")
-    gpu_hours = sum(t.gpus() * (t.last("time_total_s") or t.duration_s or 0) for t in sweep.trials) / 3600
+    gpu_hours = sum(t.gpus() * (t.latest().time_total_s or t.duration_s or 0) for t in sweep.trials) / 3600
     note = "" if any(t.gpus() for t in sweep.trials) else " (no trial had a GPU)"
     lines.append(f"GPU hours: {gpu_hours:.3f}{note}")
     return "\n".join(lines)

@@ -16,6 +16,11 @@ Tune decides whether to retry before this hook runs, from ``FailureConfig.max_fa
 trial whose in-process retries ran out, or that failed for another reason more often than the
 sweep's ``max_failures`` allows, is therefore restarted once more, and told here to fail at
 once, with its failure count raised so that this failure is its last.
+
+A data error (a sample that cannot be loaded) is known before Tune decides: the trial reports
+it (``TrialReport.data_error``) just before it raises, and Tune handles a trial's results before its
+error, so ``on_trial_result`` lowers that trial's retry budget to what it has spent and the
+failure that follows is its last: it is not restarted at all.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ from orchestrator.contract import (
     RESTART_REASON_KEY,
 )
 from orchestrator.failures import classify, exception_line, gave_up_message, last_failure, pickled_failure
+from orchestrator.ray_internals import make_last_failure, make_next_failure_last
 from orchestrator.trial.evidence import take_oom_evidence
+from orchestrator.trial_report import TrialReport
 
 
 class OomAwareScheduler(TrialScheduler):
@@ -46,8 +53,12 @@ class OomAwareScheduler(TrialScheduler):
         super().__init__()
         self.inner = inner
         self.max_failures = max_failures
+        self.data_errors: set[str] = set()  # trials whose next failure is a data error
 
     def on_trial_error(self, tune_controller, trial) -> None:
+        if trial.trial_id in self.data_errors:  # not retried (see the module): nothing to prepare
+            self.inner.on_trial_error(tune_controller, trial)
+            return
         failure = last_failure(trial.error_file)
         evidence = take_oom_evidence(str(trial.path) if trial.path else None)
         kind = classify(failure, pickled_failure(trial.pickled_error_file, failure), oom_evidence=evidence is not None)
@@ -60,23 +71,17 @@ class OomAwareScheduler(TrialScheduler):
             config[RESTART_REASON_KEY] = kind
         elif kind == "gave_up" and not config.get(OOM_GAVE_UP_KEY):
             config[OOM_GAVE_UP_KEY] = gave_up_message(failure)
-            self._make_final(trial)
+            make_last_failure(trial)  # its restart fails at once, from the key above
         elif kind == "other" and not config.get(NOT_RETRIED_KEY):
             config[OTHER_FAILURES_KEY] = config.get(OTHER_FAILURES_KEY, 0) + 1
             if config[OTHER_FAILURES_KEY] > self.max_failures:
                 config[NOT_RETRIED_KEY] = exception_line(failure)
-                self._make_final(trial)
+                make_last_failure(trial)  # its restart fails at once, from the key above
         if config != trial.config:
             trial.set_config(config)
         self.inner.on_trial_error(tune_controller, trial)
 
-    @staticmethod
-    def _make_final(trial) -> None:
-        """Tune restarts the trial anyway (it decided before this hook ran); that restart fails
-        at once from the key set in its config, and this count makes its failure the last."""
-        trial.run_metadata.num_failures = max(trial.max_failures, trial.run_metadata.num_failures)
-
-    # -- everything else is the wrapped scheduler's decision ---------------------------------
+    # -- everything else is the wrapped scheduler's decision (save a data error's report) -----
     @property
     def metric(self):
         return self.inner.metric
@@ -92,6 +97,10 @@ class OomAwareScheduler(TrialScheduler):
         return self.inner.on_trial_add(tune_controller, trial)
 
     def on_trial_result(self, tune_controller, trial, result):
+        if TrialReport.from_result(result).data_error:  # the trial fails next, of a data error: no retry
+            self.data_errors.add(trial.trial_id)
+            make_next_failure_last(trial)
+            return TrialScheduler.CONTINUE
         return self.inner.on_trial_result(tune_controller, trial, result)
 
     def on_trial_complete(self, tune_controller, trial, result):

@@ -12,7 +12,6 @@ import contextlib
 import glob
 import math
 import os
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,16 +25,18 @@ from orchestrator.capacity import (
     local_node,
     trial_request,
 )
-from orchestrator.config import SweepSpec, folder_name, load_spec
+from orchestrator.config import SweepSpec
 from orchestrator.console import TUNE_QUIET, TUNE_VERBOSE, config_text, plan_text, quiet_libraries, ray_logging_config
 from orchestrator.contract import MEMORY_LABELS, describe_moves
 from orchestrator.errors import UserError
-from orchestrator.failures import exception_line
+from orchestrator.failures import data_error_tracebacks_silenced, exception_line
 from orchestrator.invocation import shell_command
 from orchestrator.outcome import INTERRUPTED, TERMINATED, SweepRecord, TrackingDelivery, recording, trial_status
 from orchestrator.preflight import check_shared_storage, check_storage, check_workloads, taken_back_if_refused
 from orchestrator.ray_token import secure_token_files
+from orchestrator.run_request import RunRequest
 from orchestrator.table import format_table
+from orchestrator.trial_report import TrialReport
 from orchestrator.units import human
 
 DEFAULT_TRACKING_DB = "mlflow.db"
@@ -57,7 +58,7 @@ class TrialRow:
     oom_retries: int
     note: str = ""
     node: str = ""  # the node of its last attempt (``ray start --node-name``, else its IP)
-    moves: str = ""  # "moved node-b->node-c after epoch 2: node node-b lost" (orchestrator.contract.Move)
+    moves: str = ""  # "moved node-b->node-c at epoch 2: node node-b lost" (orchestrator.contract.Move)
 
 
 @dataclass(frozen=True)
@@ -75,36 +76,7 @@ class SweepOutcome:
         return trained and (self.tracking is None or self.tracking.complete)
 
 
-def run_command(args) -> int:
-    spec = load_spec(args.config, args.overrides)
-    if args.name is not None:
-        folder_name(args.name, "--name")
-    try:
-        outcome = run_sweep(
-            spec,
-            tracking_uri=args.tracking_uri,
-            storage_path=args.storage_path,
-            ray_address=args.ray_address,
-            name=args.name,
-            resume=args.resume,
-            num_cpus=args.num_cpus,
-            num_gpus=args.num_gpus,
-            dashboard=args.dashboard,
-            dashboard_host=args.dashboard_host,
-            offline_tracking=args.offline_tracking,
-            verbose=args.verbose,
-        )
-    except KeyboardInterrupt:
-        print(f"\nInterrupted. Continue the sweep with: {resume_command(args)}", file=sys.stderr)
-        raise
-    print()
-    print(summary_table(outcome.rows, spec))
-    print()
-    print("\n".join(summary_lines(outcome, spec, args)))
-    return 0 if outcome.ok else 1
-
-
-def summary_lines(outcome: SweepOutcome, spec: SweepSpec, args) -> list[str]:
+def summary_lines(outcome: SweepOutcome, spec: SweepSpec, request: RunRequest) -> list[str]:
     """Below the table: what finished, what did not and why, what MLflow lacks and how to fix it."""
     rows = outcome.rows
     name = os.path.basename(outcome.experiment_path)
@@ -113,7 +85,7 @@ def summary_lines(outcome: SweepOutcome, spec: SweepSpec, args) -> list[str]:
     if outcome.stop_reason:
         lines.append(f"Stopped: {outcome.stop_reason}")
     if any(r.status == INTERRUPTED for r in rows):
-        lines.append(f"Interrupted trials continue from their last checkpoints with: {resume_command(args, name)}")
+        lines.append(f"Interrupted trials continue from their last checkpoints with: {resume_command(request, name)}")
     delivery = outcome.tracking
     if delivery and delivery.dropped:
         lines.append(
@@ -124,33 +96,22 @@ def summary_lines(outcome: SweepOutcome, spec: SweepSpec, args) -> list[str]:
         where = f"kept in {delivery.kept_at}" if delivery.kept_at else "they could not be kept"
         lines.append(f"MLflow at {delivery.tracking_uri} did not take {delivery.unsent} write(s) by the end; {where}.")
         if delivery.kept_at:
-            lines.append(f"  Send them once MLflow is back with: {resume_command(args, name)}")
-    lines.append(f"MLflow: {outcome.tracking_uri} (experiment {spec.experiment!r}); see `{report_command(outcome, spec, args)}`")
+            lines.append(f"  Send them once MLflow is back with: {resume_command(request, name)}")
+    lines.append(f"MLflow: {outcome.tracking_uri} (experiment {spec.experiment!r}); see `{report_command(outcome, spec, request)}`")
     return lines
 
 
-def resume_command(args, name: str | None = None) -> str:
+def resume_command(request: RunRequest, name: str | None = None) -> str:
     """The command that continues this sweep (``--resume`` without a name takes the newest of the
     experiment), on the same resources: the embedded Ray's CPUs and GPUs decide how many trials
     run at once."""
-    words = ["run", args.config]
-    for override in args.overrides:
-        words += ["--set", override]
-    for flag, value in (("--storage-path", args.storage_path), ("--tracking-uri", args.tracking_uri),
-                        ("--ray-address", args.ray_address), ("--num-cpus", args.num_cpus),
-                        ("--num-gpus", args.num_gpus)):
-        if value is not None:
-            words += [flag, str(value)]
-    if args.offline_tracking:
-        words.append("--offline-tracking")
-    name = name or args.name
-    return shell_command(*words, *(["--name", name] if name else []), "--resume")
+    return request.replace(name=name or request.name, resume=True).command()
 
 
-def report_command(outcome: SweepOutcome, spec: SweepSpec, args) -> str:
+def report_command(outcome: SweepOutcome, spec: SweepSpec, request: RunRequest) -> str:
     """``orchestrator report EXPERIMENT``, with the tracking URI where it is not the one ``report``
     reads by default (the working directory's ``mlflow.db``, which is also ``run``'s)."""
-    chosen = args.tracking_uri or spec.tracking_uri
+    chosen = request.tracking_uri or spec.tracking_uri
     return shell_command("report", spec.experiment, *(["--tracking-uri", outcome.tracking_uri] if chosen else []))
 
 
@@ -204,7 +165,7 @@ def run_sweep(
                 tune_config=_tune_config(spec),
                 run_config=_run_config(spec, name, storage, tracking_uri, wait, verbose),
             )
-        with recording() as record, _ray_resume_hint_silenced():
+        with recording() as record, _ray_resume_hint_silenced(), data_error_tracebacks_silenced():
             results = tuner.fit()
         # A restored sweep lists its trials in the order they were restored: the table keeps the sweep's.
         rows = sorted((_row(result, spec, record) for result in results), key=lambda row: row.name)
@@ -242,7 +203,7 @@ def _check_before_ray(spec: SweepSpec, storage: str, tracking_uri: str, offline_
     check_workloads(spec)
     check_storage(storage)
     if not offline_tracking:
-        from orchestrator.tracking import check_tracking
+        from orchestrator.tracking.check import check_tracking
 
         check_tracking(tracking_uri, spec.experiment)
 
@@ -352,12 +313,22 @@ def estimate_before_start(spec: SweepSpec):
     estimates = estimate_trials(memory_configs(spec), policy, target, budget, rank_batch)
     if estimates.errors:
         signature, error = next(iter(estimates.errors.items()))
-        raise UserError(f"workload {describe_signature(signature, spec.search_space)}: the {policy.estimator} estimate failed ({error}); "
-                        "fix the workload, or set memory.estimator: none to start trials without an estimate")
+        raise UserError(f"workload {describe_signature(signature, spec.search_space)}: the {policy.estimator} estimate failed "
+                        f"({error}); {_estimate_advice(error)}")
     if estimates.by_signature:
         print(f"Estimated the memory of {len(estimates.by_signature)} distinct trial configuration(s) for a "
               f"{target} device in {time.perf_counter() - started:.1f}s ({policy.estimator})", flush=True)
     return estimates
+
+
+def _estimate_advice(error: str) -> str:
+    """What helps with an estimate that failed. An op that failed on the estimator's fake tensors
+    (``aten.nonzero ...``) may run on real ones, so starting without an estimate can help; any
+    other error (the model's own code raised: the pre-flight already built it) would stop every
+    trial the same way, and only fixing the workload helps."""
+    if "aten." in error:
+        return "fix the workload, or set memory.estimator: none to start trials without an estimate"
+    return "fix the workload: its trials would fail the same way"
 
 
 def _trainable(spec: SweepSpec, estimates):
@@ -386,6 +357,7 @@ def _tune_config(spec: SweepSpec):
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
     from orchestrator.retry import OomAwareScheduler
+    from orchestrator.space import search_algorithm
 
     if spec.scheduler.type == "asha":
         unit = spec.scheduler.time_attr
@@ -399,7 +371,7 @@ def _tune_config(spec: SweepSpec):
     # metric's name was checked against every workload's declared metrics before Ray started.
     os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")
     return tune.TuneConfig(
-        metric=spec.metric, mode=spec.mode, num_samples=spec.num_samples,
+        metric=spec.metric, mode=spec.mode, num_samples=spec.num_samples, search_alg=search_algorithm(spec),
         scheduler=OomAwareScheduler(inner, max_failures=spec.max_failures), reuse_actors=spec.reuse,
     )
 
@@ -427,7 +399,7 @@ def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str) -> list
     and the live view of the trials' events (console.py)."""
     from orchestrator.console import LiveView
     from orchestrator.outcome import FinalErrors
-    from orchestrator.tracking import UNSENT_FILE, MlflowTracking
+    from orchestrator.tracking.callback import UNSENT_FILE, MlflowTracking
 
     view = LiveView(list(spec.search_space), spec.metric, spec.stop.epochs, spec.stop.steps)
     return [MlflowTracking(tracking_uri, spec, unsent_file=os.path.join(experiment_path, UNSENT_FILE)), FinalErrors(), view]
@@ -437,31 +409,31 @@ def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str) -> list
 
 
 def _row(result, spec: SweepSpec, record: SweepRecord | None = None) -> TrialRow:
-    metrics = result.metrics or {}
+    report = TrialReport.from_result(result.metrics)
     config = result.config or {}
     record = record or SweepRecord()
     # Tune reads errors back from storage: a trial whose error could not be written there has
     # none in its result, but the driver's callback saw it fail.
     error = exception_line(str(result.error)) if result.error is not None else record.errors.get(str(result.path))
-    status = trial_status(error is not None, metrics)
-    value = metrics.get(spec.metric)
-    note = metrics.get("refusal") or (error or "")[:160]
+    status = trial_status(error is not None, report)
+    value = report.metric(spec.metric)
+    note = report.refusal or error or ""  # in full: the reason is what a person reads the row for
     if status == INTERRUPTED and record.stop_reason:
         note = record.stop_reason
     return TrialRow(
-        name=str(metrics.get("trial_id") or (os.path.basename(result.path) if result.path else "?")),
+        name=str(report.trial_id or (os.path.basename(result.path) if result.path else "?")),
         config=config_text(config, list(spec.search_space)),  # what differs between trials
         status=status,
-        epochs=int(metrics.get("epoch", 0) or 0),
-        steps=int(metrics.get("step", 0) or 0),
+        epochs=report.epoch or 0,
+        steps=report.step or 0,
         final_metric=value if isinstance(value, (int, float)) and math.isfinite(value) else None,
-        plan=plan_text(metrics),
-        peak_bytes=metrics.get("peak_reserved_bytes", metrics.get("peak_allocated_bytes")),
-        memory_source=metrics.get("memory_source", ""),
-        oom_retries=int(metrics.get("oom_retries", 0) or 0),
+        plan=plan_text(report),
+        peak_bytes=report.measured_peak,
+        memory_source=report.memory_source or "",
+        oom_retries=report.oom_retries,
         note=note,
-        node=str(metrics.get("node_name") or ""),
-        moves=describe_moves(metrics.get("moves")),
+        node=report.node_name or "",
+        moves=describe_moves(report.moves),
     )
 
 

@@ -26,11 +26,20 @@ def tune_param_space(spec: SweepSpec) -> dict[str, Any]:
     return space
 
 
-def trial_configs(spec: SweepSpec) -> list[dict[str, Any]]:
-    """The configs Tune would run: grids expanded, random parameters sampled (seeded).
+def search_algorithm(spec: SweepSpec):
+    """The Tuner's search algorithm: Tune's own grid and random search, seeded by the sweep's
+    ``seed``, so two runs of one YAML train the same configs and :func:`trial_configs` (what
+    ``plan`` shows) is exactly what ``run`` trains."""
+    from ray.tune.search import BasicVariantGenerator
 
-    Used by ``orchestrator plan`` to show every trial's plan before anything runs; the sweep
-    itself lets Tune sample, so random values there may differ from these.
+    return BasicVariantGenerator(random_state=spec.seed)
+
+
+def trial_configs(spec: SweepSpec) -> list[dict[str, Any]]:
+    """The configs the sweep trains, in Tune's order: grids expanded, random parameters sampled.
+
+    The draw is :func:`search_algorithm`'s: a generator seeded by ``seed`` (Tune makes it with
+    ``numpy.random.default_rng``), asked for one variant set per sample, as Tune asks.
     """
     import numpy as np
     from ray.tune.search.variant_generator import generate_variants
@@ -46,10 +55,11 @@ def trial_configs(spec: SweepSpec) -> list[dict[str, Any]]:
 def memory_configs(spec: SweepSpec, limit: int = 256) -> list[dict[str, Any]]:
     """Configs that cover every memory signature the sweep's trials can have, where that is finite.
 
-    Tune samples random domains itself, so the driver cannot know the trials' values in advance;
-    but only memory-relevant parameters make signatures, and a ``choice`` or ``grid`` of them has
+    Only memory-relevant parameters make signatures, and a ``choice`` or ``grid`` of them has
     finitely many values: every combination is listed (memory-neutral parameters take their first
-    value). A workload with a memory-relevant ``uniform``/``randint`` parameter, or with more than
+    value). A continuous one gives each trial a signature of its own (the seeded draw,
+    :func:`trial_configs`, knows them, but estimating each in the driver would hold the sweep's
+    start for as long as the trials it plans). A workload with a memory-relevant ``uniform``/``randint`` parameter, or with more than
     ``limit`` combinations, is left to its trials' workers to estimate.
     """
     import itertools

@@ -11,11 +11,14 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 from orchestrator.config import parse_spec
-from orchestrator.tracking import MlflowTracking
+from orchestrator.contract import OomEvent
+from orchestrator.tracking.callback import MlflowTracking
+from orchestrator.trial_report import TrialReport
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 2**30
@@ -47,19 +50,25 @@ def plan_dict(micro_batch: int, reductions: int, refusal: str | None = None) -> 
     }
 
 
-def result_for(plan: dict, epoch: int, oom_events: list[dict]) -> dict:
+def report_for(plan: dict, epoch: int, oom_events: list[dict]) -> TrialReport:
     """A report at the end of an epoch as ``orchestrator.trial.run`` builds it (emulated device: no
     reserved/NVML), for a trial of one optimizer step per epoch."""
     measured = int(plan["predicted_peak_bytes"] * 1.05)
-    return {
-        "epoch": epoch, "step": epoch, "train_loss": 1.0 / max(epoch, 1), "eval_loss": 1.5 / max(epoch, 1), "plan": plan,
-        "micro_batch": plan["micro_batch"], "accum_steps": plan["accum_steps"], "effective_batch": 64,
-        "eval_batch": plan["eval_batch"], "activation_checkpointing": 0, "precision": "fp32",
-        "plan_reductions": plan["reductions"], "estimator": "static", "memory_source": "emulated",
-        "peak_allocated_bytes": measured, "predicted_peak_bytes": plan["predicted_peak_bytes"],
-        "predicted_phase": "train", "prediction_error": (measured - plan["predicted_peak_bytes"]) / plan["predicted_peak_bytes"],
-        "budget_bytes": plan["budget_bytes"], "oom_retries": len(oom_events), "oom_events": oom_events,
-    }
+    return TrialReport(
+        epoch=epoch, step=epoch, train_loss=1.0 / max(epoch, 1), measurements={"eval_loss": 1.5 / max(epoch, 1)},
+        plan=plan, micro_batch=plan["micro_batch"], accum_steps=plan["accum_steps"], effective_batch=64,
+        eval_batch=plan["eval_batch"], activation_checkpointing=False, precision="fp32",
+        plan_reductions=plan["reductions"], estimator="static", memory_source="emulated",
+        peak_allocated_bytes=measured, predicted_peak_bytes=plan["predicted_peak_bytes"], predicted_phase="train",
+        prediction_error=(measured - plan["predicted_peak_bytes"]) / plan["predicted_peak_bytes"],
+        budget_bytes=plan["budget_bytes"], oom_retries=len(oom_events),
+        oom_events=tuple(OomEvent.from_dict(e) for e in oom_events),
+    )
+
+
+def result_for(plan: dict, epoch: int, oom_events: list[dict]) -> dict:
+    """What Tune gets from :func:`report_for`."""
+    return report_for(plan, epoch, oom_events).to_metrics()
 
 
 def fake_trial(config: dict) -> None:
@@ -73,11 +82,10 @@ def fake_trial(config: dict) -> None:
     case = config["cases"][str(config["lr"])]
     if case.get("refuse"):
         plan = plan_dict(64, 0, refusal="needs 8.0 GiB at micro-batch 1; the budget is 6.0 GiB")
-        report = {**result_for(plan, 0, []), "train_loss": float("nan"), "eval_loss": float("nan"),
-                  "refused": 1, "refusal": plan["refusal"]}
-        for measured in ("memory_source", "peak_allocated_bytes", "prediction_error"):  # nothing ran
-            del report[measured]
-        tune.report(report)
+        nothing_ran = {"memory_source": None, "peak_allocated_bytes": None, "prediction_error": None}
+        report = replace(report_for(plan, 0, []), train_loss=float("nan"), measurements={"eval_loss": float("nan")},
+                         refusal=plan["refusal"], **nothing_ran)
+        tune.report(report.to_metrics())
         return
     state = {"epoch": 0, "micro_batch": 32, "reductions": 0, "events": []}
     checkpoint = tune.get_checkpoint()

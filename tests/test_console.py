@@ -6,6 +6,7 @@ command, piped as a user pipes them into a file, from a folder outside the repos
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 import re
@@ -33,7 +34,8 @@ from orchestrator.console import (
     report_events,
     trial_fraction,
 )
-from orchestrator.contract import Move, OomEvent, records_from_report, records_in_report
+from orchestrator.contract import Move, OomEvent
+from orchestrator.trial_report import TrialReport
 from tests.conftest import ROOT, command_env, installed_command
 
 TRAIN_OOM = OomEvent("train", 1, 1, micro_batch=128, eval_batch=128, bytes_requested=2**20, bytes_allocated=7 * 2**20,
@@ -41,8 +43,8 @@ TRAIN_OOM = OomEvent("train", 1, 1, micro_batch=128, eval_batch=128, bytes_reque
                      action="micro-batch 128->64 (accumulation 1->2)")
 EVAL_OOM = OomEvent("eval", 1, 8, micro_batch=64, eval_batch=128, bytes_requested=None, bytes_allocated=2**20,
                     bytes_reserved=None, message="out of memory", action="eval batch 128->64", eval_batch_number=1)
-PLAN = {"micro_batch": 64, "accum_steps": 2, "effective_batch": 128, "estimator": "trace",
-        "predicted_peak_bytes": 5 * 2**20, "predicted_phase": "train"}
+PLANNED = TrialReport(micro_batch=64, accum_steps=2, effective_batch=128, estimator="trace",
+                      predicted_peak_bytes=5 * 2**20, predicted_phase="train")
 
 
 def test_each_event_is_one_line_naming_the_trial():
@@ -79,7 +81,7 @@ def test_each_event_is_one_line_naming_the_trial():
 
 def test_a_report_tells_the_plan_once_and_each_oom_and_move_once():
     seen = Seen()
-    first = {**PLAN, "oom_events": records_in_report([TRAIN_OOM.to_dict()]), "moves": records_in_report([])}
+    first = dataclasses.replace(PLANNED, oom_events=(TRAIN_OOM,))
     events = report_events("t", first, seen)
     # The plan it started with (before the OOM in the same report), then the OOM with the plan now.
     assert [format_event(e) for e in events] == [
@@ -89,31 +91,26 @@ def test_a_report_tells_the_plan_once_and_each_oom_and_move_once():
     ]
     assert report_events("t", first, seen) == []  # the next report of the same events adds nothing
     move = Move("node-b", "node-c", 1, "node node-b lost")
-    later = {**first, "oom_events": records_in_report([TRAIN_OOM.to_dict(), EVAL_OOM.to_dict()]),
-             "moves": records_in_report([move.to_dict()])}
+    later = dataclasses.replace(first, oom_events=(TRAIN_OOM, EVAL_OOM), moves=(move,))
     assert report_events("t", later, seen) == [OomSurvived("t", EVAL_OOM, "64 x 2"), Moved("t", move)]
-
-
-def test_reports_made_before_lists_were_text_still_read():
-    """A sweep resumed across the change: its old results carry lists."""
-    assert records_from_report([TRAIN_OOM.to_dict()]) == [TRAIN_OOM.to_dict()]
-    assert records_from_report(None) == [] and records_from_report("[]") == []
-    events = report_events("t", {**PLAN, "oom_events": [TRAIN_OOM.to_dict()]}, Seen())
-    assert isinstance(events[1], OomSurvived)
+    # As Tune hands it over: the report's flat form, read back.
+    assert report_events("t", TrialReport.from_result(later.to_metrics()), Seen())[1:] == [
+        OomSurvived("t", TRAIN_OOM), OomSurvived("t", EVAL_OOM, "64 x 2"), Moved("t", move)]
 
 
 def test_a_refused_trial_says_why_instead_of_a_plan():
-    result = {"refused": 1, "refusal": "micro-batch 1 needs 9.0 GiB", "micro_batch": 0, "accum_steps": 0}
+    result = TrialReport(refusal="micro-batch 1 needs 9.0 GiB", micro_batch=0, accum_steps=0)
     assert report_events("t", result, Seen()) == [Refused("t", "micro-batch 1 needs 9.0 GiB")]
     assert finished_event("t", result, "eval_loss", 3) == Refused("t", "micro-batch 1 needs 9.0 GiB")
 
 
 def test_a_finished_trial_says_what_it_trained_its_metric_and_peak():
-    result = {"epoch": 3, "eval_loss": 0.46091, "peak_allocated_bytes": 36 * 1024, "memory_source": "cpu_tensor_tracker"}
+    result = TrialReport(epoch=3, measurements={"eval_loss": 0.46091}, peak_allocated_bytes=36 * 1024,
+                         memory_source="cpu_tensor_tracker")
     assert format_event(finished_event("t", result, "eval_loss", 3)) == (
         "t finished: 3/3 epochs, eval_loss 0.4609, peak 36.0 KiB (tensor bytes)")
-    assert format_event(finished_event("t", {"epoch": 1, "eval_loss": float("nan")}, "eval_loss", None)) == (
-        "t finished: 1 epochs")
+    unfinished = TrialReport(epoch=1, measurements={"eval_loss": float("nan")})
+    assert format_event(finished_event("t", unfinished, "eval_loss", None)) == "t finished: 1 epochs"
 
 
 def test_the_config_shows_what_differs_between_trials_in_the_configs_order():

@@ -19,7 +19,8 @@ from system_packages import left_out
 
 from orchestrator.cli import build_parser
 from orchestrator.config import load_spec
-from orchestrator.jobs import build_job_request, connect
+from orchestrator.launch.ray_job import build_job_request, connect
+from orchestrator.run_request import RunRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -77,7 +78,7 @@ def test_dashboard_shows_the_sweep_job_after_token_login(browser, ray_head, arti
 
     monkeypatch.chdir(ROOT)
     args = build_parser().parse_args(SWEEP)
-    request = build_job_request(args, load_spec(args.config, args.overrides), ROOT)
+    request = build_job_request(RunRequest.from_args(args), load_spec(args.config, args.overrides), ROOT)
     client = connect(ray_head.dashboard_url)
     submission_id = client.submit_job(entrypoint=request.entrypoint, runtime_env=request.runtime_env,
                                       metadata=request.metadata)

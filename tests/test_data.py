@@ -6,7 +6,7 @@ import torch
 from torch.utils.data import Dataset
 
 from orchestrator.config import DataLoading
-from trainables.data import DatasetTooSmall, Shard, StepCut, StepSampler, eval_batch_sizes, eval_loader, train_loader
+from trainables.data import Batches, DatasetTooSmall, SampleError, Shard, StepCut, StepSampler, eval_batch_sizes, eval_loader, train_loader
 from trainables.mlp import MLPWorkload
 
 
@@ -97,3 +97,61 @@ def test_an_eval_set_smaller_than_the_ranks_is_refused_by_name():
     few = torch.utils.data.TensorDataset(torch.zeros(1, 4))
     with pytest.raises(DatasetTooSmall, match="MLPWorkload: eval_data has 1 samples, fewer than the 2 ranks that share it"):
         eval_loader(MLPWorkload(), few, 16, DataLoading(), on_gpu=False, shard=Shard(0, 2))
+
+
+class CorruptAt(Dataset):
+    """Ragged samples, one of which cannot be loaded."""
+
+    def __init__(self, bad: int):
+        self.bad = bad
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            raise ValueError(f"cannot decode sample {i}")
+        return torch.arange(i % 7 + 1, dtype=torch.float32), i % 2
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sample_that_cannot_be_loaded_is_named_with_the_users_line(workers):
+    """In a DataLoader worker too: the sample is found again in this process, with its frames."""
+    settings = DataLoading(num_workers=workers, prefetch_factor=2 if workers else None)
+    loader, sampler = train_loader(PaddedWorkload(), CorruptAt(bad=13), StepCut(8, 4), seed=0, settings=settings,
+                                   on_gpu=False)
+    batches = Batches(loader, "train_data")
+    with pytest.raises(SampleError) as err:
+        for _ in batches:
+            pass
+    assert str(err.value).startswith("train_data sample 13: tests/test_data.py:")
+    assert str(err.value).endswith(": ValueError: cannot decode sample 13")
+    assert isinstance(err.value.__cause__, ValueError)  # the user's exception, with its traceback
+    assert 13 in list(sampler)[batches.taken]  # the batch it was asked for
+
+
+def test_a_collate_that_fails_names_the_batchs_samples():
+    class BrokenCollate(PaddedWorkload):
+        def collate(self, samples):
+            raise RuntimeError("ragged")
+
+    batches = Batches(eval_loader(BrokenCollate(), Ragged(), 16, DataLoading(), on_gpu=False), "eval_data")
+    with pytest.raises(SampleError, match=r"^collate of eval_data samples 0, 1, 2, 3, 4, 5, 6, 7, \.\.\. "
+                                          r"\(16 in all\): tests/test_data.py:\d+: RuntimeError: ragged$"):
+        next(batches)
+
+
+def test_a_failure_that_does_not_happen_again_is_raised_as_it_came():
+    """Not pinned on the data: a DataLoader worker that died, say (here: the first fetch only)."""
+    class FlakyOnce(Ragged):
+        failed = False
+
+        def __getitem__(self, i):
+            if not FlakyOnce.failed:
+                FlakyOnce.failed = True
+                raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed.")
+            return super().__getitem__(i)
+
+    batches = Batches(eval_loader(PaddedWorkload(), FlakyOnce(), 16, DataLoading(), on_gpu=False), "eval_data")
+    with pytest.raises(RuntimeError, match="is killed by signal"):
+        next(batches)

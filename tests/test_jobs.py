@@ -21,7 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from orchestrator.cli import build_parser, main
 from orchestrator.config import load_spec
 from orchestrator.errors import UserError
-from orchestrator.jobs import build_job_request, connect, results_notes
+from orchestrator.launch.ray_job import build_job_request, connect, results_notes
+from orchestrator.run_request import RunRequest
 from ports import free_port
 from tests.conftest import command_env, trial_results
 
@@ -34,7 +35,8 @@ SMALL_CUT = ["--set", "search_space.workload=mlp", "--set", "search_space.lr=0.0
 
 def request_for(argv: list[str], cwd: Path = ROOT):
     args = build_parser().parse_args(["run", *argv])
-    return build_job_request(args, load_spec(args.config, args.overrides), cwd), args
+    request = RunRequest.from_args(args)
+    return build_job_request(request, load_spec(args.config, args.overrides), cwd), request
 
 
 # -- the request, without Ray ------------------------------------------------------------------
@@ -159,7 +161,7 @@ def test_the_readmes_own_model_as_a_job(ray_head, own_model_project, tmp_path):
     assert info.status == "SUCCEEDED"
     assert info.metadata["job_name"] == "orchestrator wide"
     assert info.entrypoint == "python -m orchestrator run wide.yaml --set stop.epochs=1 " \
-        f"--tracking-uri sqlite:///{tmp_path}/mlflow.db --storage-path {tmp_path}/results"
+        f"--storage-path {tmp_path}/results --tracking-uri sqlite:///{tmp_path}/mlflow.db"
     assert (tmp_path / "mlflow.db").exists()  # the paths we passed reached the runner
 
     # Both trials' gauges reach the node's Prometheus endpoint with the values Tune recorded last.

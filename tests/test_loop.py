@@ -192,6 +192,8 @@ def test_the_cpu_measures_the_first_steps_of_each_window_and_then_one_a_second(m
 
     workload = WatchedMLP(width=64, train_samples=64 * 32, eval_samples=64)
     settings = epochs(2)  # a report window per epoch, 32 steps each
+    # Sampled once an hour, so how fast a loaded machine runs the steps does not change the count.
+    monkeypatch.setattr(devices, "CPU_SAMPLE_EVERY_S", 3600.0)
     _, sampled = train(workload, LoopPlan(32, 64, 64), settings)  # two micro-batches a step
     assert workload.watched[:4] == [True] * 4  # a window's first two steps, two micro-batches each
     assert workload.watched[64:68] == [True] * 4  # the next window's too

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils.data import TensorDataset
 
+from orchestrator.device.torch_internals import FakeTensor, FakeTensorMode
 from orchestrator.memory import Settings, estimate
 from orchestrator.memory.construction import build_fake
 from trainables.workload import Workload

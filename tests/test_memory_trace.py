@@ -277,7 +277,7 @@ def test_cuda_autocast_policy_matches_cuda_autocast():
     """
     script = textwrap.dedent("""
         import torch, torch.nn.functional as F
-        from torch._subclasses.fake_tensor import FakeTensorMode
+        from orchestrator.device.torch_internals import FakeTensorMode
         from orchestrator.memory.cuda_emulation import cuda_autocast_policy
 
         def ops(x, w, wn, y):

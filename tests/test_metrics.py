@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,11 +14,12 @@ from ports import free_ports
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.trial.metrics import TrialMetrics
+from orchestrator.trial_report import RankPeak, TrialReport
 
-EPOCH = {
-    "predicted_peak_bytes": 1_000_000, "peak_allocated_bytes": 800_000, "peak_reserved_bytes": 900_000,
-    "micro_batch": 16, "eval_batch": 32, "oom_retries": 0,
-}
+EPOCH = TrialReport(
+    predicted_peak_bytes=1_000_000, peak_allocated_bytes=800_000, peak_reserved_bytes=900_000,
+    micro_batch=16, eval_batch=32, oom_retries=0,
+)
 
 
 def test_outside_ray_every_call_is_a_no_op():
@@ -46,10 +48,10 @@ def test_actor_metrics_reach_the_prometheus_endpoint(isolated_environment, tmp_p
         class Trial:
             def run(self):
                 metrics = TrialMetrics("exp_m", "trial_a", "mlp")
-                metrics.record_result({**EPOCH, "peak_allocated_bytes": 1})
-                metrics.record_result({**EPOCH, "peak_reserved_bytes": None})  # a gauge keeps the last value
+                metrics.record_result(replace(EPOCH, peak_allocated_bytes=1))
+                metrics.record_result(replace(EPOCH, peak_reserved_bytes=None))  # a gauge keeps the last value
                 # A data-parallel trial: its worst rank above, each rank here.
-                metrics.record_result({"ranks": 2, "rank0_peak_allocated_bytes": 700_000, "rank1_peak_allocated_bytes": 800_000})
+                metrics.record_result(TrialReport(rank_peaks=(RankPeak(700_000), RankPeak(800_000))))
                 metrics.record_oom("train")
                 metrics.record_oom("train")
                 metrics.record_oom("eval")

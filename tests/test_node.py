@@ -18,7 +18,7 @@ def test_a_node_declares_its_emulated_capacity_with_a_label():
 def test_a_move_says_where_from_where_to_and_why():
     move = Move("node-b", "node-c", 2, "node node-b lost", "256 x 1 -> 178 x 2 (budget 4.0 MiB -> 2.0 MiB)")
     assert Move.from_dict(move.to_dict()) == move
-    assert describe_moves([move.to_dict(), Move("node-c", "head", 4, "its worker died on node node-c").to_dict()]) == (
+    assert describe_moves([move, Move("node-c", "head", 4, "its worker died on node node-c")]) == (
         "moved node-b->node-c after epoch 2: node node-b lost; re-planned 256 x 1 -> 178 x 2 (budget 4.0 MiB -> 2.0 MiB); "
         "moved node-c->head after epoch 4: its worker died on node node-c"
     )

@@ -53,18 +53,24 @@ def test_a_workload_without_data_is_one_line(sweep_file, overrides, message):
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
-def test_a_model_that_does_not_build_stops_the_driver_estimate_naming_the_users_line(sweep_file):
-    """The driver's estimates (before Ray starts) build each model; preflight does not build it again."""
-    from orchestrator.runner import estimate_before_start
-
-    grouped = spec(sweep_file, "workload.name=tests.workloads:GroupedMLPWorkload", "search_space.width=12")
-    check_workloads(grouped)  # its data is fine
+def test_a_model_that_does_not_build_is_one_line_naming_the_users_line(sweep_file):
+    """Each distinct model is built (on ``meta``) before Ray starts, the estimator set or not."""
+    grouped = spec(sweep_file, "workload.name=tests.workloads:GroupedMLPWorkload", "search_space.width=12",
+                   "memory.estimator=none")
     with pytest.raises(UserError) as err:
-        estimate_before_start(grouped)
+        check_workloads(grouped)
     message = str(err.value)
-    assert message.startswith("workload tests.workloads:GroupedMLPWorkload width=12: the trace estimate failed "
-                              "(ValueError: width must be a multiple of 8, got 12 (in tests/workloads.py:"), message
-    assert "\n" not in message
+    assert message.startswith("workload tests.workloads:GroupedMLPWorkload (width=12): build_model() failed "
+                              "(tests/workloads.py:"), message
+    assert "ValueError: width must be a multiple of 8, got 12" in message and "\n" not in message
+    assert "estimator" not in message  # no setting of the sweep builds this model
+
+
+def test_an_estimate_that_fails_in_the_models_code_says_only_fixing_it_helps():
+    from orchestrator.runner import _estimate_advice
+
+    assert "memory.estimator: none" not in _estimate_advice("AttributeError: 'Net' has no 'widht' (in my/net.py:3)")
+    assert "memory.estimator: none" in _estimate_advice("RuntimeError: x (aten.nonzero.default in my/net.py:9 (loss))")
 
 
 def test_a_collate_that_fails_is_one_line_naming_the_users_line(sweep_file):
@@ -135,3 +141,59 @@ def test_a_refusal_takes_back_the_folders_its_checks_made(tmp_path):
     with taken_back_if_refused(str(tmp_path / "kept")):
         check_storage(str(tmp_path / "kept"))
     assert (tmp_path / "kept").is_dir()
+
+
+# A user's package, beside the sweep file in a folder outside the repository: one workload whose
+# constructor has a typo, one that needs a library that is not installed.
+BROKEN_MODELS = """\
+import dataclasses
+
+from trainables.mlp import MLPWorkload
+
+
+@dataclasses.dataclass
+class Typo(MLPWorkload):
+    def build_model(self):
+        return self.widht
+
+
+@dataclasses.dataclass
+class NeedsALibrary(MLPWorkload):
+    def build_model(self):
+        from transformers_of_nowhere import AutoModel
+
+        return AutoModel()
+"""
+
+
+@pytest.mark.parametrize(
+    "workload,message",
+    [
+        ("broken:Typo", "error: workload my_models.broken:Typo (width=16): build_model() failed (my_models/broken.py:9: "
+                        "AttributeError: 'Typo' object has no attribute 'widht'"),
+        ("broken:NeedsALibrary", "error: workload my_models.broken:NeedsALibrary (width=16): build_model() failed "
+                                 "(my_models/broken.py:15: No module named 'transformers_of_nowhere'); install it in this "
+                                 "environment: pip install transformers_of_nowhere"),
+        ("broken_import:ImportsALibrary", "error: workload.name: workload 'my_models.broken_import:ImportsALibrary': "
+                                          "cannot import module 'my_models.broken_import' (my_models/broken_import.py:1: No "
+                                          "module named 'transformers_of_nowhere'); install it in this environment: pip install transformers_of_nowhere"),
+    ],
+    ids=["constructor typo", "missing library", "missing library at import"],
+)
+def test_the_installed_run_refuses_a_model_that_does_not_build_before_ray_starts(tmp_path, workload, message):
+    """``orchestrator run`` from the user's folder: one line, exit 2, nothing of Ray's printed."""
+    import subprocess
+
+    from tests.conftest import command_env, installed_command
+
+    (tmp_path / "my_models").mkdir()
+    (tmp_path / "my_models" / "__init__.py").write_text("")
+    (tmp_path / "my_models" / "broken.py").write_text(BROKEN_MODELS)
+    (tmp_path / "my_models" / "broken_import.py").write_text("import transformers_of_nowhere\n")
+    (tmp_path / "sweep.yaml").write_text(SWEEP.replace("name: mlp", f"name: my_models.{workload}"))
+    done = subprocess.run([installed_command(), "run", "sweep.yaml", "--set", "memory.estimator=static"], cwd=tmp_path,
+                          env=command_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == "" and done.stderr.startswith(message) and done.stderr.count("\n") == 1, done.stderr
+    assert "estimator" not in done.stderr
+    assert not (tmp_path / "orchestrator_results").exists() and not (tmp_path / "mlflow.db").exists()

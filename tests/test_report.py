@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -165,6 +167,14 @@ def test_real_sweep_with_ooms_reported_from_mlflow(local_ray, tmp_path, capsys):
         last = max((r for r in rows if r["run_id"] == run.info.run_id), key=lambda r: r["epoch"])
         assert last["oom_retries"] == run.data.metrics["oom_retries"]
         assert last["peak_allocated_bytes"] == run.data.metrics["peak_allocated_bytes"]
+
+
+def test_report_loads_neither_torch_nor_ray():
+    """A report is made wherever MLflow can be reached: reading it must not pay for (or need) torch and Ray."""
+    check = "import orchestrator.report, sys; print('torch' in sys.modules, 'ray' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "False"]
 
 
 # -- the plot, from records made here -------------------------------------------------------------

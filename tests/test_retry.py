@@ -3,6 +3,7 @@
 from types import SimpleNamespace
 
 import cloudpickle
+import pytest
 from ray.exceptions import ActorDiedError
 from ray.tune.schedulers import FIFOScheduler
 
@@ -30,7 +31,7 @@ def _trial(tmp_path, text, config=None, failures=1, max_failures=3, error=None):
         pickled.write_bytes(cloudpickle.dumps(error))
     trial = SimpleNamespace(
         error_file=str(error_file), pickled_error_file=str(pickled) if error is not None else None,
-        path=str(tmp_path), config=dict(config or {"lr": 0.1}), max_failures=max_failures,
+        trial_id="t1", path=str(tmp_path), config=dict(config or {"lr": 0.1}), max_failures=max_failures,
         run_metadata=SimpleNamespace(num_failures=failures),
     )
     trial.set_config = lambda c: setattr(trial, "config", c)
@@ -148,6 +149,19 @@ def test_other_errors_are_retried_up_to_max_failures(tmp_path):
     assert trial.config[NOT_RETRIED_KEY] == "OSError: stale file handle"
 
 
+def test_a_data_error_is_not_retried(tmp_path):
+    """The trial reports its data error before it raises it: its retry budget is what it has
+    spent, so Tune does not restart it, and the failure needs no restart keys."""
+    scheduler = OomAwareScheduler(FIFOScheduler(), max_failures=2)
+    trial = _trial(tmp_path, "DataError: train_data sample 13: ...", failures=0, max_failures=5)
+    decision = scheduler.on_trial_result(None, trial, {"data_error": "train_data sample 13: ..."})
+    assert decision == FIFOScheduler.CONTINUE
+    trial.run_metadata.num_failures += 1  # Tune counts the failure, then asks whether to recover
+    assert trial.run_metadata.num_failures > trial.max_failures  # Trial.should_recover() is False
+    scheduler.on_trial_error(None, trial)
+    assert trial.config == {"lr": 0.1}
+
+
 def test_the_exception_line_is_the_innermost_without_its_module():
     text = (
         "ray.exceptions.RayTaskError(OomRetriesExhausted): \x1b[36mray::ImplicitFunc.train()\x1b[39m\n"
@@ -156,3 +170,70 @@ def test_the_exception_line_is_the_innermost_without_its_module():
     )
     assert exception_line(text) == "OomRetriesExhausted: out of memory in train; 2 OOM event(s):"
     assert exception_line("Traceback\n  File x\nKeyboardInterrupt\n") == "KeyboardInterrupt"
+
+
+CORRUPT_DATA = """\
+import dataclasses
+
+from trainables.mlp import MLPWorkload
+
+
+class Corrupt:
+    def __init__(self, data, bad):
+        self.data, self.bad = data, bad
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        if index == self.bad:
+            raise ValueError(f"cannot decode sample {index}")
+        return self.data[index]
+
+
+@dataclasses.dataclass
+class CorruptAt(MLPWorkload):
+    bad_index: int = 200
+
+    def train_data(self):
+        return Corrupt(super().train_data(), self.bad_index)
+"""
+
+CORRUPT_SWEEP = """
+experiment: corrupt
+workload: {name: "my_data.corrupt:CorruptAt", params: {depth: 1, width: 16, train_samples: 512, eval_samples: 64}}
+search_space:
+  lr: {grid: [0.01]}
+effective_batch_size: 64
+stop: {epochs: 2}
+memory: {estimator: static}
+"""
+
+
+@pytest.mark.integration
+def test_a_sample_that_cannot_be_loaded_ends_its_trial_once_in_one_line(tmp_path):
+    """The installed command, from the user's folder: exit 1, the sample and the user's line named
+    in the table, no traceback on the console (it is in the trial's log file the line names), and
+    the trial not restarted (Tune's error file holds one failure)."""
+    import glob
+    import re
+    import subprocess
+
+    from tests.conftest import command_env, installed_command
+
+    (tmp_path / "my_data").mkdir()
+    (tmp_path / "my_data" / "__init__.py").write_text("")
+    (tmp_path / "my_data" / "corrupt.py").write_text(CORRUPT_DATA)
+    (tmp_path / "sweep.yaml").write_text(CORRUPT_SWEEP)
+    done = subprocess.run([installed_command(), "run", "sweep.yaml", "--num-cpus", "1"], cwd=tmp_path,
+                          env=command_env(), capture_output=True, text=True, timeout=600)
+    console = done.stdout + done.stderr
+    assert done.returncode == 1, console[-3000:]
+    assert "Traceback" not in console, console[-3000:]
+    [row] = [line for line in done.stdout.splitlines() if "ERROR: " in line]
+    assert re.search(r"ERROR: DataError: train_data sample 200: \S*my_data/corrupt\.py:15: ValueError: cannot decode "
+                     r"sample 200 \(epoch 1, step \d+\); not retried \(a data error\); traceback in (\S+trial\.log)$", row), row
+    log = row.rsplit("traceback in ", 1)[1]
+    assert "Traceback" in open(log).read()
+    [error_file] = glob.glob(str(tmp_path / "orchestrator_results" / "corrupt_*" / "*" / "error.txt"))
+    assert open(error_file).read().count("Failure # ") == 1

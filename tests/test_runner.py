@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from orchestrator.config import parse_spec
+from orchestrator.run_request import RunRequest
 from orchestrator.runner import SweepOutcome, _experiment_name, _row, summary_table
 
 SPEC = parse_spec({
@@ -94,9 +95,8 @@ def typed(monkeypatch):
 
 
 def run_args(**changes):
-    return SimpleNamespace(**{"config": "sweep.yaml", "overrides": ["stop.epochs=2"], "storage_path": None,
-                              "tracking_uri": "http://127.0.0.1:5000", "ray_address": None, "offline_tracking": False,
-                              "name": None, "num_cpus": None, "num_gpus": None, **changes})
+    return RunRequest(**{"config": "sweep.yaml", "overrides": ("stop.epochs=2",),
+                         "tracking_uri": "http://127.0.0.1:5000", **changes})
 
 
 def test_what_mlflow_lacks_fails_the_run_and_says_how_to_send_it(typed):
@@ -143,18 +143,20 @@ def test_the_report_command_names_the_tracking_uri_the_user_chose(typed):
 
 @pytest.mark.integration
 def test_a_model_whose_estimate_fails_stops_the_sweep_and_the_ray_started_for_it(tmp_path):
-    """The driver estimates while Ray starts; a model that does not build ends the sweep in the
-    estimate's one line, before any trial, and the Ray it started is shut down again."""
+    """The driver estimates while Ray starts; a model whose loss fails (it builds: the pre-flight
+    passes it) ends the sweep in the estimate's one line, before any trial, and the Ray it started
+    is shut down again."""
     import ray
 
     from orchestrator.errors import UserError
     from orchestrator.runner import run_sweep
 
     spec = parse_spec({
-        "experiment": "broken", "workload": {"name": "tests.workloads:GroupedMLPWorkload", "params": {"width": 12}},
+        "experiment": "broken", "workload": {"name": "tests.workloads:BuggyWorkload"},
         "search_space": {"lr": 0.01}, "effective_batch_size": 32, "stop": {"epochs": 1}, "resources": {"cpu": 1},
     })
-    with pytest.raises(UserError, match="the trace estimate failed .*width must be a multiple of 8"):
+    with pytest.raises(UserError, match=r"the trace estimate failed \(ValueError: mat1 and mat2 shapes cannot be "
+                                        r"multiplied .*\); fix the workload: its trials would fail the same way$"):
         run_sweep(spec, tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", storage_path=str(tmp_path / "results"),
                   num_cpus=1)
     assert not ray.is_initialized()

@@ -35,7 +35,7 @@ import yaml
 from orchestrator.cli import build_parser, main
 from orchestrator.config import load_spec
 from orchestrator.errors import UserError
-from orchestrator.slurm import (
+from orchestrator.launch.slurm import (
     DEFAULT_TEMPLATE, PORT_BLOCK_SIZE, PORT_BLOCKS, PORT_MIN, expected_dashboard_port, parse_time_limit, plan_job, render,
     shared_tracking_uri,
 )
@@ -83,7 +83,9 @@ def test_one_node_cpu_script(tmp_path):
     assert "--requeue" in d and d["--open-mode"] == "append"
     assert d["--signal"] == "B:USR1@300"  # the batch shell is told 5 minutes before the limit
     assert d["--output"] == f"{tmp_path}/slurm_logs/orch-demo_cpu-%j.out"
-    assert "NUM_NODES=1" in script and "GPUS_PER_NODE=0" in script and "OVERRIDES=(--set stop.epochs=1)" in script
+    assert "NUM_NODES=1" in script and "GPUS_PER_NODE=0" in script
+    [driver] = command_lines(script, "-m orchestrator run")
+    assert driver.count('"$CONFIG" --set stop.epochs=1 ') == 2  # the first attempt's command and the resumed one's
     assert "{{" not in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
 
@@ -430,8 +432,8 @@ def test_three_node_run_issues_head_and_worker_commands(tmp_path, fakes):
     assert driver_call["env"]["MLFLOW_TRACKING_PASSWORD"] == settings["admin_password"]
     assert settings["admin_password"] not in out  # never printed
     assert driver_call["argv"] == ["-u", "-m", "orchestrator", "run", f"{job_dir}/config.yaml", "--set", "stop.epochs=1",
-                                   "--ray-address", f"127.0.0.1:{gcs}", "--storage-path", str(storage),
-                                   "--tracking-uri", f"http://127.0.0.1:{gcs + 9}", "--name", job_dir.name]
+                                   "--storage-path", str(storage), "--tracking-uri", f"http://127.0.0.1:{gcs + 9}",
+                                   "--ray-address", f"127.0.0.1:{gcs}", "--name", job_dir.name]
     # Ray's token: created under the script's umask, private to its owner.
     token = tmp_path / "home" / ".ray" / "auth_token"
     assert stat.S_IMODE(token.stat().st_mode) == 0o600 and stat.S_IMODE(token.parent.stat().st_mode) == 0o700

@@ -27,9 +27,11 @@ from ports import free_port
 
 from orchestrator.errors import UserError
 from orchestrator.outcome import recording
-from orchestrator.tracking import (
-    UNSENT_FILE, MlflowTracking, check_tracking, is_outage, plan_params, result_metrics, spec_params,
-)
+from orchestrator.tracking.callback import UNSENT_FILE, MlflowTracking
+from orchestrator.tracking.check import check_tracking
+from orchestrator.tracking.flatten import plan_params, result_metrics, spec_params
+from orchestrator.tracking.outbox import is_outage
+from orchestrator.trial_report import TrialReport
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:
@@ -58,8 +60,9 @@ def test_spec_and_plan_become_flat_params():
     assert staged["plan.predicted_phases.train:epoch2"] == "5"  # MLflow refuses '@' in a param name
     assert "plan.refusal" not in plan  # None is not a value worth a param
 
-    metrics = result_metrics({**result_for(plan_dict(32, 0), 2, []), "training_iteration": 2, "done": False,
-                              "time_total_s": 3.5, "trial_id": "x", "refused": 1, "training_done": 0})
+    metrics = result_metrics(TrialReport.from_result({
+        **result_for(plan_dict(32, 0), 2, []), "training_iteration": 2, "done": False, "time_total_s": 3.5,
+        "trial_id": "x", "refused": 1, "training_done": 0}))
     assert metrics["peak_allocated_bytes"] == int(4 * GiB * 1.05) and metrics["time_total_s"] == 3.5
     assert metrics["epoch"] == 2  # the step is MLflow's step; the epoch is a metric
     assert not {"step", "training_iteration", "done", "refused", "training_done", "plan", "precision", "trial_id"} & set(metrics)

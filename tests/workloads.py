@@ -56,14 +56,17 @@ class DiesOnOomWorkload(CNNWorkload):
 
 @dataclasses.dataclass
 class BuggyWorkload(MLPWorkload):
-    """A model with a bug that no retry fixes; every attempt leaves a line in ``attempts_file``."""
+    """A model with a bug that no retry fixes; every attempt to train it leaves a line in
+    ``attempts_file`` (counted where a trial builds its optimizer: the pre-flight and the
+    estimators build the model, and are no attempt)."""
 
     attempts_file: str = ""
 
-    def build_model(self):
-        with open(self.attempts_file, "a") as f:
-            f.write("attempt\n")
-        return super().build_model()
+    def build_optimizer(self, model):
+        if self.attempts_file:
+            with open(self.attempts_file, "a") as f:
+                f.write("attempt\n")
+        return super().build_optimizer(model)
 
     def loss(self, model, batch):
         raise ValueError("mat1 and mat2 shapes cannot be multiplied (64x32 and 31x16)")

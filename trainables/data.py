@@ -12,23 +12,92 @@ The sampler is what keeps training reproducible whatever the plan:
 
 The sampler runs in the training process and hands index lists to the DataLoader, whose
 workers (``data.num_workers``) fetch and collate them with the workload's ``collate``.
+
+A sample that cannot be loaded is a bug in the workload's data, not something a retry fixes:
+:class:`Batches` knows which index list each batch was asked for, fetches those samples again
+in this process to find the one that fails (a DataLoader worker's exception arrives as text,
+without its frames), and raises :class:`SampleError` naming it. A failure that does not happen
+again there (a DataLoader worker killed, say) is not pinned on the data: it is raised as it came.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from orchestrator.config import DataLoading
-from trainables.workload import Workload
+from trainables.workload import Workload, failure_line
 
 
 class DatasetTooSmall(ValueError):
     """The training set holds fewer samples than one optimizer step needs."""
+
+
+class SampleError(Exception):
+    """A sample (or the batch of them) could not be loaded: ``train_data sample 4000:
+    my_data.py:12: ValueError: ...``. Its cause, when the failure was found again in this
+    process, is the user's exception with its frames. One message, as Ray rebuilds exceptions
+    from their ``args``."""
+
+
+class Batches:
+    """The batches of a DataLoader, counted, so that a batch that fails to load is named by the
+    sample indices it was asked for (``phase``: ``train_data`` or ``eval_data``)."""
+
+    def __init__(self, loader: DataLoader, phase: str):
+        self.loader, self.phase = loader, phase
+        self.iterator = iter(loader)
+        self.taken = 0
+
+    def __iter__(self) -> "Batches":
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            batch = next(self.iterator)
+        except StopIteration:
+            raise
+        except (MemoryError, torch.OutOfMemoryError):  # memory, not data: the trial's OOM handling decides
+            raise
+        except Exception:  # noqa: BLE001 - the workload's dataset or collate: named if found again
+            error = self._sample_error()
+            if error is None:  # not the data (a DataLoader worker killed, say): as it came
+                raise
+            raise error  # noqa: B904 - its cause is set: the failure found again
+        self.taken += 1
+        return batch
+
+    def _sample_error(self) -> SampleError | None:
+        """The sample that fails when the failed batch's samples are fetched again here, one by
+        one, or its ``collate``; None where neither fails again."""
+        indices = next(itertools.islice(iter(self.loader.batch_sampler), self.taken, None), None)
+        if indices is None:
+            return None
+        samples = []
+        for index in indices:
+            try:
+                samples.append(self.loader.dataset[index])
+            except Exception as again:  # noqa: BLE001 - the user's dataset
+                return _caused(SampleError(f"{self.phase} sample {index}: {failure_line(again)}"), again)
+        try:
+            self.loader.collate_fn(samples)
+        except Exception as again:  # noqa: BLE001 - the user's collate
+            return _caused(SampleError(f"collate of {self.phase} samples {_listed(indices)}: {failure_line(again)}"), again)
+        return None
+
+
+def _caused(error: SampleError, cause: BaseException) -> SampleError:
+    error.__cause__ = cause
+    return error
+
+
+def _listed(indices: list[int], shown: int = 8) -> str:
+    return ", ".join(map(str, indices[:shown])) + (f", ... ({len(indices)} in all)" if len(indices) > shown else "")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import torch
 
 from orchestrator.config import DataLoading, Every, LrSchedule, Stop, SweepSpec
 from orchestrator.device import Device, MemoryReading
-from trainables.data import Shard, StepCut, eval_batch_sizes, eval_loader, eval_slice, train_loader
+from trainables.data import Batches, Shard, StepCut, eval_batch_sizes, eval_loader, eval_slice, train_loader
 from trainables.schedule import build_lr_scheduler
 from trainables.step import eval_step, make_grad_scaler, train_step
 from trainables.workload import Workload
@@ -146,7 +146,7 @@ class Trainer:
         self.sampler.set_position(self.progress.epoch, self.progress.step_in_epoch)
         self.train_loader.generator.manual_seed(step_seed(self.seed, self.progress.step))  # workers' seeds
         with self.device.host():
-            return iter(self.train_loader)
+            return Batches(self.train_loader, "train_data")
 
     def _train_step(self, batches) -> None:
         self.model.train()
@@ -227,7 +227,7 @@ class Trainer:
         """The workload's eval sums over this process's eval samples."""
         totals: dict[str, torch.Tensor] = {}
         with self.device.host():
-            batches = iter(self.eval_loader)
+            batches = Batches(self.eval_loader, "eval_data")
         for self.position, samples in enumerate(eval_batch_sizes(self.shard_eval_samples, self.plan.eval_batch)):
             with self.device.step("eval", self.state_tensors):
                 sums = eval_step(

@@ -208,7 +208,10 @@ def resolve_workload(name: str) -> type[Workload]:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # the user's module runs here: a syntax error, a missing dependency, a bug
-        raise WorkloadNotFound(f"workload {name!r}: cannot import module {module_name!r} ({_import_failure(exc)})") from None
+        advice = "" if _missing_root(exc) == module_name.split(".")[0] else install_advice(exc)
+        raise WorkloadNotFound(
+            f"workload {name!r}: cannot import module {module_name!r} ({_import_failure(exc)}){advice}"
+        ) from None
     if not hasattr(module, attr):
         found = sorted(k for k, v in vars(module).items()
                        if isinstance(v, type) and issubclass(v, Workload) and v.__module__ == module.__name__)
@@ -227,6 +230,27 @@ def _import_failure(exc: Exception) -> str:
     module that does not exist ran no code: its message stands alone, ``No module named 'my_models'``.
     """
     return failure_line(exc, skip=1)
+
+
+#: Import names whose package on PyPI is named otherwise.
+_PIP_NAMES = {"PIL": "pillow", "cv2": "opencv-python", "sklearn": "scikit-learn", "yaml": "pyyaml",
+              "skimage": "scikit-image", "google.protobuf": "protobuf", "attr": "attrs"}
+
+
+def _missing_root(exc: BaseException) -> str | None:
+    """The top-level name of the module a ``ModuleNotFoundError`` did not find, else None."""
+    name = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+    return name.split(".")[0] if name else None
+
+
+def install_advice(exc: BaseException) -> str:
+    """``; install it: pip install transformers`` for a library that is not installed, else ''.
+
+    What fits a missing library: no setting of the sweep makes a model build without it."""
+    root = _missing_root(exc)
+    if root is None:
+        return ""
+    return f"; install it in this environment: pip install {_PIP_NAMES.get(root, root)}"
 
 
 def failure_line(exc: BaseException, skip: int = 0) -> str:

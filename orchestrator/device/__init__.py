@@ -17,11 +17,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_leaves
-
 from orchestrator.allocator_conf import ALLOC_CONF_VARIABLES
 from orchestrator.device.tensor_tracker import StorageTracker
+from orchestrator.device.torch_internals import disable_current_modes, tree_leaves
 from orchestrator.units import human
 
 #: How tables and plots name each kind of reading (``MemoryReading.source``).
@@ -157,7 +155,7 @@ class CpuDevice(Device):
 
     def host(self):
         # Host and device are one memory here: what is made outside the tracker is not counted.
-        return _disable_current_modes()
+        return disable_current_modes()
 
     def admit(self, batch):
         if self._measuring_step:
@@ -176,7 +174,7 @@ class CpuDevice(Device):
             return
         self._measuring_step = False
         try:
-            with _disable_current_modes():
+            with disable_current_modes():
                 yield
         finally:
             self._measuring_step = True

@@ -21,8 +21,8 @@ import weakref
 from typing import Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from orchestrator.device.torch_internals import TorchDispatchMode, tree_leaves
 
 #: The CUDA caching allocator's smallest block; every allocation is rounded up to a multiple.
 CUDA_BLOCK = 512

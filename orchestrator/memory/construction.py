@@ -20,9 +20,16 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
+
+from orchestrator.device.torch_internals import (
+    FakeTensorMode,
+    TorchDispatchMode,
+    buffer_slots,
+    op_schema,
+    parameter_slots,
+    tree_leaves,
+    tree_map,
+)
 
 #: Factory tensors up to this size are real during construction (host arithmetic works on
 #: them); larger ones go to ``meta``. A model's real part is its small tensors only.
@@ -34,7 +41,7 @@ _CPU, _META = torch.device("cpu"), torch.device("meta")
 def _is_factory(func) -> bool:
     """An op that makes a tensor from sizes alone (``empty``, ``arange``, ``randn``, ...), or from
     sizes and a tensor whose options it takes (``new_empty``, ``new_zeros``, ...)."""
-    schema = func._schema
+    schema = op_schema(func)
     if not any(a.name == "device" for a in schema.arguments):
         return False
     if schema.name.startswith("aten::new_"):
@@ -94,12 +101,10 @@ def to_fake(model: nn.Module, mode: FakeTensorMode, device: torch.device) -> nn.
         return fakes[id(t)]
 
     for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is not None and not isinstance(param, nn.parameter.UninitializedTensorMixin):
-                module._parameters[name] = fake(param, device)
-        for name, buffer in module._buffers.items():
-            if buffer is not None and not isinstance(buffer, nn.parameter.UninitializedTensorMixin):
-                module._buffers[name] = fake(buffer, device)
+        for slots in (parameter_slots(module), buffer_slots(module)):
+            for name, tensor in slots.items():
+                if tensor is not None and not isinstance(tensor, nn.parameter.UninitializedTensorMixin):
+                    slots[name] = fake(tensor, device)
         for name, value in list(vars(module).items()):
             if isinstance(value, torch.Tensor) and value.is_meta:
                 setattr(module, name, fake(value, _CPU))

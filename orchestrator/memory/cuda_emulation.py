@@ -40,7 +40,17 @@ import threading
 import warnings
 
 import torch
-from torch.utils._pytree import tree_map
+
+from orchestrator.device.torch_internals import (
+    cpu_flash_attention,
+    excluding_dispatch_key,
+    math_attention,
+    op_schema,
+    ops_with_kernel,
+    remove_library,
+    tree_leaves,
+    tree_map,
+)
 
 LOWER, FP32, FP32_SET_OPT_DTYPE, FP32_APPEND_DTYPE, PROMOTE = "lower", "fp32", "fp32_set_opt_dtype", "fp32_append_dtype", "promote"
 
@@ -109,18 +119,17 @@ def _first_tensor(args):
 def _kernel(name: str, policy: str):
     """A Python kernel for the AutocastCPU key applying CUDA's ``policy`` to ``name``."""
     op = _op(name)
-    dtype_index = next((i for i, a in enumerate(op._schema.arguments) if a.name == "dtype"), None)
-    autocast_key = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+    dtype_index = next((i for i, a in enumerate(op_schema(op).arguments) if a.name == "dtype"), None)
 
     def kernel(*args, **kwargs):
-        with torch._C._ExcludeDispatchKeyGuard(autocast_key):
+        with excluding_dispatch_key("AutocastCPU"):
             lower = torch.get_autocast_dtype("cpu")
             if policy == LOWER:
                 args, kwargs = _cast(args, kwargs, lower)
             elif policy == FP32:
                 args, kwargs = _cast(args, kwargs, torch.float32)
             elif policy == PROMOTE:
-                flat = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if _eligible(t)]
+                flat = [t for t in tree_leaves((args, kwargs)) if _eligible(t)]
                 widest = torch.float32 if any(t.dtype == torch.float32 for t in flat) else lower
                 args, kwargs = _cast(args, kwargs, widest)
             elif _eligible(_first_tensor(args)):  # FP32_SET_OPT_DTYPE / FP32_APPEND_DTYPE
@@ -146,11 +155,7 @@ def _norm_with_dtype(name: str, args, kwargs):
 @functools.lru_cache(maxsize=1)
 def _cpu_autocast_ops() -> frozenset[str]:
     """Ops with an explicit AutocastCPU kernel in this build (``conv2d``, ``pow.Scalar``, ...)."""
-    found = set()
-    for qualified in torch._C._dispatch_get_all_op_names():
-        if qualified.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "AutocastCPU"):
-            found.add(qualified[len("aten::"):])
-    return frozenset(found)
+    return ops_with_kernel("AutocastCPU")
 
 
 class _Registrations:
@@ -178,7 +183,7 @@ class _Registrations:
             with self._lock:
                 self._active -= 1
                 if self._active == 0 and self._library is not None:
-                    self._library._destroy()
+                    remove_library(self._library)
                     self._library = None
 
 
@@ -223,18 +228,14 @@ def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     try:
         if query.dim() != 4:
             raise RuntimeError(f"{query.dim()}-d inputs")
-        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale
-        )[0]
+        out = cpu_flash_attention(query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
     except RuntimeError as exc:
         for notes in _collectors:
             notes.add(
                 "attention traced on CPU's math kernel, which materialises the score matrix CUDA's "
                 f"flash/efficient kernels do not: over-estimates ({str(exc).splitlines()[0][:120]})"
             )
-        out = torch.ops.aten._scaled_dot_product_attention_math(
-            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
-        )[0]
+        out = math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
     return out.squeeze(0) if unbatched else out
 
 

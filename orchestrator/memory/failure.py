@@ -18,6 +18,7 @@ import torch
 
 import orchestrator
 import trainables
+from orchestrator.device.torch_internals import OpOverload
 
 #: Ops whose failure on fake tensors means "a value was read on the host".
 _READS_A_VALUE = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.item.default"}
@@ -63,13 +64,13 @@ def failed_op(exc: BaseException) -> str | None:
     seen: BaseException | None = exc
     while seen is not None:
         func = getattr(seen, "func", None)
-        if isinstance(func, torch._ops.OpOverload):
+        if isinstance(func, OpOverload):
             return str(func)
         seen = seen.__cause__
     tb, op = _innermost_traceback(exc), None
     while tb is not None:
         func = tb.tb_frame.f_locals.get("func")
-        if isinstance(func, torch._ops.OpOverload):
+        if isinstance(func, OpOverload):
             op = str(func)  # the innermost wins
         tb = tb.tb_next
     return op

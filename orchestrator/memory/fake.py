@@ -12,17 +12,18 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-from torch._subclasses.fake_tensor import (
+
+from orchestrator.device.tensor_tracker import CUDA_BLOCK, StorageTracker
+from orchestrator.device.torch_internals import (
+    FAKE_TENSOR_LOGGER,
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensorMode,
     UnsupportedFakeTensorException,
+    disable_current_modes,
+    tree_map,
     unset_fake_temporarily,
 )
-from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_map
-
-from orchestrator.device.tensor_tracker import CUDA_BLOCK, StorageTracker
 from orchestrator.memory.construction import build_fake
 from orchestrator.memory.cuda_emulation import cuda_semantics, mha_fast_path
 from orchestrator.memory.failure import where
@@ -64,7 +65,7 @@ class FakeSetup:
         its batch's tensors become fake host tensors of the same shapes.
         """
         if size not in self._host_batches:
-            with _disable_current_modes():  # the host's work, not the step's: no tracker sees it
+            with disable_current_modes():  # the host's work, not the step's: no tracker sees it
                 try:
                     with self.mode:
                         batch = self.workload.collate([_host_fakes(self.mode, self.sample)] * size)
@@ -180,7 +181,7 @@ class _MetaFailureQuiet(logging.Filter):
         return not record.getMessage().startswith("failed while attempting to run meta")
 
 
-_FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+_FAKE_TENSOR_LOG = logging.getLogger(FAKE_TENSOR_LOGGER)
 _META_FAILURE_QUIET = _MetaFailureQuiet()
 
 

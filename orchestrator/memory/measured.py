@@ -23,7 +23,15 @@ import torch
 
 from orchestrator.device import CpuDevice, CudaDevice, Device
 from orchestrator.memory.phases import enter_phase, phases_of
-from orchestrator.memory.profile import CUBLAS_WORKSPACE_BYTES, MemoryProfile, PhaseProfile, Settings, overheads
+from orchestrator.memory.profile import (
+    CUBLAS_WORKSPACE_BYTES,
+    EstimateRequest,
+    EstimationError,
+    MemoryProfile,
+    PhaseProfile,
+    Settings,
+    overheads,
+)
 from trainables.step import eval_step, make_grad_scaler, train_step
 from trainables.workload import Workload, sample_batch
 
@@ -123,10 +131,11 @@ def default_device(target: str) -> Device:
     return CpuDevice()
 
 
-def measured_profile(
-    workload: Workload, settings: Settings, *, target: str, fragmentation: float, device: Device | None = None
-) -> MemoryProfile:
-    device = device or default_device(target)
+def measured_profile(workload: Workload, request: EstimateRequest) -> MemoryProfile:
+    """The ``measured`` estimator: probe steps on the worker's device (``request.device``, else
+    this process's own for the target). Raises :class:`MeasurementFailed` where too few fit."""
+    settings, target, fragmentation = request.settings, request.target, request.fragmentation
+    device = request.device or default_device(target)
     on_gpu = isinstance(device, CudaDevice)
     notes = []
     if target == "cuda" and not on_gpu:
@@ -175,8 +184,8 @@ def measured_profile(
     return MemoryProfile("measured", settings, target, profiles, tuple(notes))
 
 
-class MeasurementFailed(Exception):
-    pass
+class MeasurementFailed(EstimationError):
+    """Fewer than two probe batch sizes fit on the device."""
 
 
 def _doubling(probe: _Probe, device: Device, seen: dict[int, tuple]):

@@ -21,12 +21,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
+from orchestrator.allocator_conf import DEFAULT_ALLOC_CONF
 from orchestrator.memory.allocator import AllocatorConfig, Replay
 from orchestrator.memory.sequence import TrialSequence
 
+if TYPE_CHECKING:
+    from orchestrator.device import Device
+
 TARGETS = ("cuda", "cpu", "emulated")
-ESTIMATORS = ("static", "trace", "measured")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 #: cuBLAS handles' workspace (~65 MiB measured, FACTS.md) plus an allowance for cuDNN's
@@ -49,6 +53,22 @@ class Settings:
 
     def describe(self) -> str:
         return self.precision + (" +ckpt" if self.activation_checkpointing else "")
+
+
+@dataclass(frozen=True)
+class EstimateRequest:
+    """What every estimator is asked (``orchestrator/estimator_registry.py``): the profile of a
+    trial under ``settings`` on a device of kind ``target``; each reads what it needs."""
+
+    settings: Settings
+    target: str  # cuda | cpu | emulated
+    fragmentation: float = 0.10  # where reserved memory is not modelled: allocated x (1 + this)
+    allocator_conf: str | None = DEFAULT_ALLOC_CONF  # the trial's PYTORCH_CUDA_ALLOC_CONF
+    device: Device | None = None  # the worker's own device where there is one (to probe, or fall back to)
+
+
+class EstimationError(Exception):
+    """No estimate could be made (e.g. not even the smallest probe fit on the device)."""
 
 
 @dataclass(frozen=True)

@@ -22,15 +22,15 @@ from __future__ import annotations
 import os
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from orchestrator.device.tensor_tracker import CUDA_BLOCK, StorageTracker
+from orchestrator.device.torch_internals import tree_leaves
 from orchestrator.memory.construction import HostOrMeta
 from orchestrator.memory.failure import summary
 from orchestrator.memory.fake import Untraceable, describe, fake_setup, running
 from orchestrator.memory.fit import line_through
 from orchestrator.memory.phases import Phase, enter_phase, phases_of
-from orchestrator.memory.profile import MemoryProfile, PhaseProfile, Settings, overheads
+from orchestrator.memory.profile import EstimateRequest, MemoryProfile, PhaseProfile, Settings, overheads
 from orchestrator.units import human
 from trainables.step import autocast
 from trainables.workload import Workload, sample_batch, to_device
@@ -49,7 +49,9 @@ REAL_STATES_PER_PARAMETER_BYTE = 4
 REAL_MEMORY_SHARE = 0.5
 
 
-def static_profile(workload: Workload, settings: Settings, *, target: str, fragmentation: float) -> MemoryProfile:
+def static_profile(workload: Workload, request: EstimateRequest) -> MemoryProfile:
+    """The ``static`` estimator: an analytic upper bound from the model's states and one forward."""
+    settings, target, fragmentation = request.settings, request.target, request.fragmentation
     notes = ["static upper bound: every forward tensor kept for backward, "
              f"{GRADIENTS_IN_FLIGHT} of the largest in flight"]
     try:

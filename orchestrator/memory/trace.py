@@ -20,19 +20,27 @@ with the model's states and a first step that creates the optimizer's state, and
 every batch size comes from those two; the third probe's log checks it. Each phase's profile
 then replays its log through the allocator model (``memory.allocator``) for reserved memory;
 where the log is not affine in ``b`` it falls back to the flat ``fragmentation`` and says so.
+
+A workload the trace cannot run falls back to ``measured`` (where the worker's device is there)
+or ``static``, with a note saying why (:func:`trace_or_fallback`, the registered estimator).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+from dataclasses import replace
 
+from orchestrator.allocator_conf import parse_alloc_conf
 from orchestrator.memory.allocator import AllocatorConfig
-from orchestrator.memory.fake import FakeSetup, describe, fake_setup, running
+from orchestrator.memory.failure import summary
+from orchestrator.memory.fake import FakeSetup, Untraceable, describe, fake_setup, running
 from orchestrator.memory.fit import envelope_points, event_lines, line_through
+from orchestrator.memory.measured import measured_profile
 from orchestrator.memory.phases import Phase, enter_phase, phases_of
-from orchestrator.memory.profile import MemoryProfile, PhaseProfile, Settings, overheads
+from orchestrator.memory.profile import EstimateRequest, MemoryProfile, PhaseProfile, Settings, overheads
 from orchestrator.memory.sequence import TrialSequence, fit_log, states_in_creation_order, without_prefix
+from orchestrator.memory.static import static_profile
 from trainables.step import eval_step, train_step
 from trainables.workload import Workload
 
@@ -41,6 +49,25 @@ MICRO_BATCHES_PER_STEP = 2
 #: How far the third probe may be from the envelope's prediction, besides the allocator's
 #: rounding (up to one block per live tensor), which makes sizes not exactly affine in ``b``.
 TOLERANCE = 1e-3
+
+
+def trace_or_fallback(workload: Workload, request: EstimateRequest) -> MemoryProfile:
+    """The ``trace`` estimator: :func:`trace_profile`, or where the workload cannot be traced the
+    ``measured`` profile (with the worker's device) or the ``static`` one, noting why. A model
+    that cannot run on fake tensors is still planned; it never raises for that."""
+    allocator = parse_alloc_conf(request.allocator_conf)
+    try:
+        return trace_profile(workload, request.settings, target=request.target, fragmentation=request.fragmentation,
+                             allocator=allocator)
+    except Untraceable as exc:
+        reason = str(exc)
+    except Exception as exc:  # a model fake tensors trip over in some other way: still plan, say why
+        reason = summary(exc)
+    fallback, profile = (
+        ("measured", measured_profile(workload, request)) if request.device is not None
+        else ("static", static_profile(workload, request))
+    )
+    return replace(profile, notes=(f"trace impossible ({reason}); fell back to {fallback}", *profile.notes))
 
 
 def trace_profile(

@@ -12,8 +12,8 @@ workspace stays empty and the trace says so.
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from orchestrator.device.torch_internals import TorchDispatchMode, disable_current_modes, unset_fake_temporarily
 
 #: Real inputs larger than this are not made to ask a kernel its workspace size.
 PROBE_LIMIT_BYTES = 256 * 2**20
@@ -54,7 +54,7 @@ class KernelWorkspaces(TorchDispatchMode):
             if sum(t.numel() * t.element_size() for t in tensors) > PROBE_LIMIT_BYTES:
                 self._sizes[key] = None
             else:
-                with _disable_current_modes(), unset_fake_temporarily():  # zeros need no gradients
+                with disable_current_modes(), unset_fake_temporarily():  # zeros need no gradients
                     real = [torch.zeros(a.shape, dtype=a.dtype) if isinstance(a, torch.Tensor) else a for a in args]
                     real_kwargs = {k: torch.zeros(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else v
                                    for k, v in kwargs.items()}

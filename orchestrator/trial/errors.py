@@ -28,3 +28,9 @@ class OomRetriesExhausted(RuntimeError):
 
 class NotRetriedError(RuntimeError):
     """A trial's restart that fails at once: its earlier error is one a retry would not fix."""
+
+
+class DataError(RuntimeError):
+    """The trial could not load a sample of its data (``trainables.data.SampleError``): a bug in
+    the workload's data, which a retry would meet again. Its message is the sample's line, where
+    the trial was, and the file that holds the full traceback."""

@@ -1,5 +1,6 @@
 """The OOM a trial is recovering from, written down where the driver can read it should the
-worker die before the recovery reports (:data:`orchestrator.contract.OOM_EVIDENCE_FILE`)."""
+worker die before the recovery reports (:data:`orchestrator.contract.OOM_EVIDENCE_FILE`), in the
+trial's storage folder (:func:`orchestrator.ray_internals.trial_storage_folder`)."""
 
 from __future__ import annotations
 
@@ -8,21 +9,6 @@ import json
 import os
 
 from orchestrator.contract import OOM_EVIDENCE_FILE, OomEvent
-
-
-def storage_trial_folder() -> str | None:
-    """This trial's folder on the storage path, from inside the trial; None where it is not a
-    local (or shared) filesystem path the driver can read too."""
-    import pyarrow.fs
-    from ray import tune
-
-    try:
-        storage = tune.get_context().get_storage()
-        if not isinstance(storage.storage_filesystem, pyarrow.fs.LocalFileSystem):
-            return None
-        return storage.trial_fs_path
-    except Exception:  # noqa: BLE001 - evidence is best effort: without it a death keeps its plan
-        return None
 
 
 def write_oom_evidence(folder: str | None, event: OomEvent) -> None:

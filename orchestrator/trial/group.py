@@ -47,6 +47,7 @@ from orchestrator.trial.checkpoint import LocalCheckpoints
 from orchestrator.trial.errors import OomRetriesExhausted
 from orchestrator.trial.node import NodeInfo, current_node
 from orchestrator.trial.run import TrialRun
+from orchestrator.trial_report import RankPeak, TrialReport
 from trainables.distributed import DistributedTrainer, GroupFailure, GroupOutOfMemory, RankGroup, failed_rank
 from trainables.loop import LoopSettings, Milestone, Trainer
 from trainables.workload import build_workload
@@ -170,17 +171,10 @@ class GroupTrialRun(_GroupRank, TrialRun):
         return plan_for_ranks(self.workload, self.policy, self.spec.effective_batch_size, self.rank_budgets,
                               target=self.device.target, device=self.device, profiles=profiles)
 
-    def _milestone_metrics(self, milestone: Milestone) -> dict[str, Any]:
+    def _milestone_report(self, milestone: Milestone) -> TrialReport:
         """The group's memory is its worst rank's (``peak_allocated_bytes`` ...), and each rank's too."""
-        metrics = super()._milestone_metrics(milestone)
-        peaks = [r.peak_reserved if r.peak_reserved is not None else r.peak_allocated for r in milestone.rank_memory]
-        metrics["worst_rank"] = max(range(len(peaks)), key=peaks.__getitem__)
-        for rank, reading in enumerate(milestone.rank_memory):
-            metrics[f"rank{rank}_peak_allocated_bytes"] = reading.peak_allocated
-            if reading.peak_reserved is not None:
-                metrics[f"rank{rank}_peak_reserved_bytes"] = reading.peak_reserved
-        metrics["ranks"] = self.ranks
-        return metrics
+        peaks = tuple(RankPeak(r.peak_allocated, r.peak_reserved) for r in milestone.rank_memory)
+        return replace(super()._milestone_report(milestone), rank_peaks=peaks)
 
 
 class RankRun(_GroupRank, TrialRun):

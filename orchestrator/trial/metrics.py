@@ -20,6 +20,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from orchestrator.trial_report import TrialReport
+
 PREFIX = "orchestrator_"
 TRIAL_TAGS = ("experiment", "trial_id", "workload")
 
@@ -79,20 +81,19 @@ class TrialMetrics:
             self._metrics = _RayMetrics()
         return self._metrics
 
-    def record_result(self, result: dict[str, Any]) -> None:
-        """Publish a report's plan and measured peaks; keys missing or None are skipped."""
+    def record_result(self, report: TrialReport) -> None:
+        """Publish a report's plan and measured peaks; what it lacks is skipped."""
         metrics = self._ray()
         if metrics is None:
             return
-        _set(metrics.planned_peak, result.get("predicted_peak_bytes"), self.tags)
-        _set(metrics.measured_peak, result.get("peak_allocated_bytes"), {**self.tags, "kind": "allocated"})
-        _set(metrics.measured_peak, result.get("peak_reserved_bytes"), {**self.tags, "kind": "reserved"})
-        ranks = int(result.get("ranks", 1))
-        for rank in range(ranks if ranks > 1 else 0):
+        _set(metrics.planned_peak, report.predicted_peak_bytes, self.tags)
+        _set(metrics.measured_peak, report.peak_allocated_bytes, {**self.tags, "kind": "allocated"})
+        _set(metrics.measured_peak, report.peak_reserved_bytes, {**self.tags, "kind": "reserved"})
+        for rank, peak in enumerate(report.rank_peaks if report.ranks > 1 else ()):
             for kind in ("allocated", "reserved"):
-                _set(metrics.rank_peak, result.get(f"rank{rank}_peak_{kind}_bytes"), {**self.tags, "rank": str(rank), "kind": kind})
-        _set(metrics.micro_batch, result.get("micro_batch"), self.tags)
-        _set(metrics.eval_batch, result.get("eval_batch"), self.tags)
+                _set(metrics.rank_peak, getattr(peak, kind), {**self.tags, "rank": str(rank), "kind": kind})
+        _set(metrics.micro_batch, report.micro_batch, self.tags)
+        _set(metrics.eval_batch, report.eval_batch, self.tags)
 
     def record_oom(self, phase: str) -> None:
         """Count one OOM the trial is retrying after (phase: train, eval, ...)."""

@@ -11,23 +11,34 @@ optimisation; only how it is cut into micro-batches does.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from orchestrator.config import SweepSpec
-from orchestrator.contract import OOM_SHRINKS_KEY, RESTART_REASON_KEY, STATE_FILE, Move, OomEvent, records_in_report
+from orchestrator.contract import (
+    OOM_SHRINKS_KEY,
+    RESTART_REASON_KEY,
+    STATE_FILE,
+    TRIAL_LOG_FILE,
+    Move,
+    OomEvent,
+)
 from orchestrator.device import CudaDevice, Device, configure_allocator, nvml, open_device
 from orchestrator.device.oom import bytes_requested, is_oom, release_memory
 from orchestrator.estimates import Estimates
 from orchestrator.memory.cache import ProfileCache
 from orchestrator.planner import Plan, make_plan, next_reduction
+from orchestrator.ray_internals import trial_storage_folder
 from orchestrator.trial.checkpoint import LocalCheckpoints
-from orchestrator.trial.errors import OomRetriesExhausted
-from orchestrator.trial.evidence import clear_oom_evidence, storage_trial_folder, write_oom_evidence
+from orchestrator.trial.errors import DataError, OomRetriesExhausted
+from orchestrator.trial.evidence import clear_oom_evidence, write_oom_evidence
 from orchestrator.trial.node import current_node, left_its_node, restart_reason
 from orchestrator.trial.reuse import HISTORY
+from orchestrator.trial_report import TrialReport
 from orchestrator.units import human
+from trainables.data import SampleError
 from trainables.loop import LoopSettings, Milestone, Trainer
 from trainables.workload import build_workload
 
@@ -60,7 +71,7 @@ class TrialRun:
         self.device = self._open_device()
         self.checkpoints = LocalCheckpoints(trial_id)
         self.events: list[OomEvent] = []
-        self.evidence_folder = storage_trial_folder()  # where an OOM being recovered from is written down
+        self.evidence_folder = trial_storage_folder()  # where an OOM being recovered from is written down
         self.evidence_written = False
         self.applied_shrinks = 0  # Tune-level shrinks (OOM_SHRINKS_KEY) already in self.plan
         self.estimated_by = "checkpoint"  # where the plan's profile was made: driver | worker | none
@@ -87,6 +98,8 @@ class TrialRun:
                 for milestone in trainer.run():
                     self._report(trainer, milestone)
                 return
+            except SampleError as exc:
+                raise self._data_error(trainer, exc) from None
             except Exception as exc:
                 if not is_oom(exc):
                     raise
@@ -204,16 +217,16 @@ class TrialRun:
         """
         from ray import tune
 
-        metrics = self._milestone_metrics(milestone)
-        self.metrics.record_result(metrics)
+        report = self._milestone_report(milestone)
+        self.metrics.record_result(report)
         if self.evidence_written:  # recovered: a later death is not this OOM's
             clear_oom_evidence(self.evidence_folder)
             self.evidence_written = False
         if not milestone.checkpoint:
-            tune.report(metrics)
+            tune.report(report.to_metrics())
             return
         folder = self.checkpoints.save(self._state(trainer))
-        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(folder))
+        tune.report(report.to_metrics(), checkpoint=tune.Checkpoint.from_directory(folder))
 
     def _state(self, trainer: Trainer) -> dict:
         """Everything needed to continue exactly here."""
@@ -223,60 +236,72 @@ class TrialRun:
             "node_id": self.node.node_id, "node_name": self.node.name, "moves": [m.to_dict() for m in self.moves],
         }
 
+    def _data_error(self, trainer: Trainer, exc: SampleError) -> DataError:
+        """A sample that cannot be loaded ends the trial, once: the full traceback goes to the
+        trial's log file, a report tells the driver not to retry (``TrialReport.data_error``), and the
+        error is one line that names the sample, where the trial was, and that file."""
+        import traceback
+
+        from ray import tune
+
+        progress = trainer.progress
+        where = (f"epoch {progress.epoch + 1}, step {progress.step + 1}" if trainer.phase == "train"
+                 else f"evaluating after step {progress.step}")
+        line = f"{exc} ({where})"
+        log = None
+        if self.evidence_folder is not None:
+            try:
+                os.makedirs(self.evidence_folder, exist_ok=True)
+                log = os.path.join(self.evidence_folder, TRIAL_LOG_FILE)
+                with open(log, "a") as f:
+                    f.write(line + "\n" + "".join(traceback.format_exception(exc)) + "\n")
+            except OSError:
+                log = None
+        line += "; not retried (a data error)" + (f"; traceback in {log}" if log else "")
+        tune.report(replace(self._plan_report(), epoch=progress.epoch, step=progress.step, data_error=line).to_metrics())
+        return DataError(line)
+
     def _report_refusal(self) -> None:
         """A refused trial reports once, with its reason, and ends without training."""
         from ray import tune
 
         nan = float("nan")
-        tune.report({**self._plan_metrics(), "epoch": 0, "step": 0, "refused": 1, "refusal": self.plan.refusal,
-                     "train_loss": nan, self.spec.metric: nan})
+        report = replace(self._plan_report(), epoch=0, step=0, refusal=self.plan.refusal, train_loss=nan,
+                         measurements={self.spec.metric: nan})
+        tune.report(report.to_metrics())
 
     # -- what a report holds -----------------------------------------------------------------
-    def _plan_metrics(self) -> dict[str, Any]:
+    def _plan_report(self) -> TrialReport:
         plan = self.plan
-        metrics: dict[str, Any] = {
-            "plan": plan.to_dict(),
-            "micro_batch": plan.micro_batch, "accum_steps": plan.accum_steps,
-            "effective_batch": plan.effective_batch, "eval_batch": plan.eval_batch,
-            "activation_checkpointing": int(plan.activation_checkpointing), "precision": plan.precision,
-            "plan_reductions": plan.reductions, "estimator": plan.estimator, "estimated_by": self.estimated_by,
+        gpu = nvml.gpu_info(self.device.torch_device.index or 0) if isinstance(self.device, CudaDevice) else None
+        return TrialReport(
+            plan=plan.to_dict(),
+            micro_batch=plan.micro_batch, accum_steps=plan.accum_steps,
+            effective_batch=plan.effective_batch, eval_batch=plan.eval_batch,
+            activation_checkpointing=plan.activation_checkpointing, precision=plan.precision,
+            plan_reductions=plan.reductions, estimator=plan.estimator, estimated_by=self.estimated_by,
+            budget_bytes=plan.budget_bytes, predicted_peak_bytes=plan.predicted_peak_bytes,
+            predicted_phase=plan.predicted_phase if plan.predicted_peak_bytes is not None else None,
             # Events recovered in this process, plus workers that died of memory (restarted by Tune).
-            "oom_retries": len(self.events) + self.applied_shrinks,
-            "oom_events": records_in_report([e.to_dict() for e in self.events]),
-            "node_id": self.node.node_id, "node_name": self.node.name,
-            "moves": records_in_report([m.to_dict() for m in self.moves]), "moved": len(self.moves),
-        }
-        if plan.budget_bytes is not None:
-            metrics["budget_bytes"] = plan.budget_bytes
-        if plan.predicted_peak_bytes is not None:
-            metrics["predicted_peak_bytes"] = plan.predicted_peak_bytes
-            metrics["predicted_phase"] = plan.predicted_phase
-        if isinstance(self.device, CudaDevice):
-            info = nvml.gpu_info(self.device.torch_device.index or 0)
-            if info:
-                metrics["gpu_name"], metrics["gpu_total_bytes"] = info.name, info.total
-        return metrics
+            oom_retries=len(self.events) + self.applied_shrinks, oom_events=tuple(self.events),
+            node_id=self.node.node_id, node_name=self.node.name, moves=tuple(self.moves),
+            gpu_name=gpu.name if gpu else None, gpu_total_bytes=gpu.total if gpu else None,
+        )
 
-    def _milestone_metrics(self, milestone: Milestone) -> dict[str, Any]:
+    def _milestone_report(self, milestone: Milestone) -> TrialReport:
         memory, progress = milestone.memory, milestone.progress
-        metrics = {
-            **self._plan_metrics(), **milestone.eval,
-            "epoch": progress.epoch, "step": progress.step, "training_done": int(milestone.final),
-            "memory_source": memory.source, "peak_allocated_bytes": memory.peak_allocated,
-        }
-        if milestone.train_loss is not None:
-            metrics["train_loss"] = milestone.train_loss
-        if memory.peak_reserved is not None:
-            metrics["peak_reserved_bytes"] = memory.peak_reserved
-            metrics["fragmentation"] = memory.fragmentation
-        if memory.device_used is not None:
-            metrics["device_used_bytes"] = memory.device_used
+        report = replace(
+            self._plan_report(), measurements=dict(milestone.eval),
+            epoch=progress.epoch, step=progress.step, training_done=milestone.final,
+            train_loss=milestone.train_loss, memory_source=memory.source,
+            peak_allocated_bytes=memory.peak_allocated, peak_reserved_bytes=memory.peak_reserved,
+            fragmentation=memory.fragmentation if memory.peak_reserved is not None else None,
+            device_used_bytes=memory.device_used,
+        )
         predicted = self.plan.predicted_peak_bytes
         if predicted:
-            # The plan budgets reserved bytes on a GPU; on the CPU only tensor bytes exist.
-            measured = memory.peak_reserved if memory.peak_reserved is not None else memory.peak_allocated
-            metrics["prediction_error"] = (measured - predicted) / predicted
-        return metrics
+            report = replace(report, prediction_error=(report.measured_peak - predicted) / predicted)
+        return report
 
     # -- device and budget -------------------------------------------------------------------
     def _gpu_share(self) -> float | None:

@@ -13,6 +13,8 @@ starting its own Ray. What the job needs from the submitting machine travels wit
 - the Python environment is the cluster's: the ``python`` on the PATH of ``ray start``. Start
   the cluster from an environment that has this project's dependencies.
 
+Nothing is uploaded before the sweep passes the pre-flight ``run`` makes here
+(``launch.base.preflight``): a sweep ``run`` refuses in one line is refused in the same line.
 Results follow the runner's rules, but relative paths now resolve in the job's working
 directory on the cluster, a temporary copy: we say so before submitting, so a user who wants
 to keep them passes ``--storage-path`` and ``--tracking-uri`` that the cluster can reach.
@@ -20,16 +22,18 @@ to keep them passes ``--storage-path`` and ``--tracking-uri`` that the cluster c
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
-from orchestrator.config import SweepSpec, load_spec
+from orchestrator.config import SweepSpec
 from orchestrator.errors import UserError
 from orchestrator.invocation import tool
+from orchestrator.launch.base import Launcher
+from orchestrator.run_request import RunRequest
 
 # Local tracking data is never worth uploading, even when a project has no .gitignore saying so.
 EXCLUDED = ("mlruns", "mlflow.db", ".pytest_cache")
@@ -37,6 +41,9 @@ EXCLUDED = ("mlruns", "mlflow.db", ".pytest_cache")
 # `run` flags that only mean something to the embedded Ray this machine would start.
 EMBEDDED_ONLY_FLAGS = (("ray_address", "--ray-address"), ("num_cpus", "--num-cpus"),
                        ("num_gpus", "--num-gpus"), ("dashboard", "--dashboard"))
+
+#: How the job starts ``run`` on the cluster: the Python on the PATH of its ``ray start``.
+PROGRAM = ("python", "-m", "orchestrator")
 
 
 @dataclass(frozen=True)
@@ -48,34 +55,23 @@ class JobRequest:
     metadata: dict[str, str]
 
 
-def build_job_request(args: argparse.Namespace, spec: SweepSpec, cwd: Path) -> JobRequest:
-    """The job that runs this ``run`` command on the cluster, with ``cwd`` as its working_dir."""
-    config = Path(args.config).resolve()
+def build_job_request(request: RunRequest, spec: SweepSpec, cwd: Path) -> JobRequest:
+    """The job that runs ``request`` on the cluster, with ``cwd`` as its working_dir."""
+    config = Path(request.config).resolve()
     cwd = cwd.resolve()
     if not config.is_relative_to(cwd):
         raise UserError(
-            f"{args.config}: a job gets the current directory ({cwd}) as its working_dir, and this "
+            f"{request.config}: a job gets the current directory ({cwd}) as its working_dir, and this "
             "config is outside it; run from the project folder that contains the config"
         )
-    command = ["python", "-m", "orchestrator", "run", config.relative_to(cwd).as_posix()]
-    for override in args.overrides:
-        command += ["--set", override]
-    for flag, value in (("--tracking-uri", args.tracking_uri), ("--storage-path", args.storage_path), ("--name", args.name)):
-        if value:
-            command += [flag, value]
-    if args.resume:
-        command.append("--resume")
-    if args.offline_tracking:
-        command.append("--offline-tracking")
-    if getattr(args, "verbose", False):
-        command.append("--verbose")
+    entrypoint = request.replace(config=config.relative_to(cwd).as_posix()).command(PROGRAM)
 
     excludes = list(EXCLUDED)
-    storage = (cwd / (args.storage_path or spec.storage_path)).resolve()
+    storage = (cwd / (request.storage_path or spec.storage_path)).resolve()
     if storage.is_relative_to(cwd) and storage != cwd:
         excludes.append("/" + storage.relative_to(cwd).as_posix())  # earlier sweeps' results
     return JobRequest(
-        entrypoint=shlex.join(command),
+        entrypoint=entrypoint,
         runtime_env={"working_dir": str(cwd), "excludes": excludes},
         # `job_name` is what the dashboard's job list shows in its Name column.
         metadata={"job_name": f"orchestrator {spec.experiment}", "experiment": spec.experiment,
@@ -83,14 +79,14 @@ def build_job_request(args: argparse.Namespace, spec: SweepSpec, cwd: Path) -> J
     )
 
 
-def results_notes(args: argparse.Namespace, spec: SweepSpec) -> list[str]:
+def results_notes(request: RunRequest, spec: SweepSpec) -> list[str]:
     """Warnings for results that would land in the job's temporary working directory."""
     notes = []
-    storage = args.storage_path or spec.storage_path
+    storage = request.storage_path or spec.storage_path
     if "://" not in storage and not os.path.isabs(storage):
         notes.append(f"Tune results go to {storage!r} inside the job's temporary working directory on the "
                      "cluster; pass --storage-path with a path the cluster keeps (shared storage) to keep them.")
-    tracking = args.tracking_uri or spec.tracking_uri
+    tracking = request.tracking_uri or spec.tracking_uri
     if tracking is None or (tracking.startswith("sqlite:///") and not tracking.startswith("sqlite:////")):
         notes.append(f"MLflow records go to {tracking or 'sqlite:///mlflow.db'} inside that working directory; "
                      "pass --tracking-uri with an MLflow server (or an absolute sqlite path) the cluster can reach.")
@@ -126,42 +122,54 @@ def connect(address: str):
         ) from None
 
 
-def run_as_job(args: argparse.Namespace) -> int:
-    """Submit, say where to watch and how to stop it, follow the logs; exit 0 iff the job succeeded."""
-    from ray.job_submission import JobStatus
+@dataclass(frozen=True)
+class RayJobLauncher(Launcher):
+    """Submits the sweep to the cluster whose dashboard is at ``address``, then follows its logs."""
 
-    from orchestrator.dashboard import how_to_open, job_page, token_required
+    name: ClassVar[str] = "ray-job"
 
-    for attribute, flag in EMBEDDED_ONLY_FLAGS:
-        if getattr(args, attribute):
-            raise UserError(f"{flag}: only for a sweep run here; with --address the job runs on the cluster's Ray")
-    spec = load_spec(args.config, args.overrides)  # a bad config fails here, before anything is uploaded
-    request = build_job_request(args, spec, Path.cwd())
-    for note in results_notes(args, spec):
-        print(f"note: {note}")
-    client = connect(args.address)
-    submission_id = client.submit_job(
-        entrypoint=request.entrypoint, runtime_env=request.runtime_env, metadata=request.metadata
-    )
-    needs_token = token_required(args.address)
-    ray = shlex.quote(tool("ray"))
-    ray_cli = f"RAY_AUTH_MODE=token {ray}" if needs_token else ray  # Ray's CLI sends the token only when told to
-    stop = f"{ray_cli} job stop {submission_id} --address {args.address}"
-    logs = f"{ray_cli} job logs --follow {submission_id} --address {args.address}"
-    try:
-        print(f"Submitted job {submission_id}: {request.entrypoint}")
-        print(how_to_open(job_page(args.address, submission_id), needs_token))
-        print(f"Following its logs; Ctrl-C stops following, not the job. Stop the job with: {stop}", flush=True)
-        asyncio.run(_follow(client, submission_id))
-    except KeyboardInterrupt:
-        print(f"\nStopped following. Job {submission_id} keeps running on the cluster.")
-        print(f"  follow it again: {logs}")
-        print(f"  stop it:         {stop}")
-        return 130
-    info = client.get_job_info(submission_id)
-    message = (info.message or "").splitlines()[:1]  # a failure's message repeats the log tail
-    print(f"Job {submission_id} {info.status.value}: {' '.join(message)}".rstrip(": "))
-    return 0 if info.status == JobStatus.SUCCEEDED else 1
+    address: str
+
+    @classmethod
+    def from_args(cls, args) -> RayJobLauncher:
+        for attribute, flag in EMBEDDED_ONLY_FLAGS:
+            if getattr(args, attribute, None):
+                raise UserError(f"{flag}: only for a sweep run here; with --address the job runs on the cluster's Ray")
+        return cls(address=args.address)
+
+    def check(self, request: RunRequest, spec: SweepSpec) -> None:
+        build_job_request(request, spec, Path.cwd())  # the config must travel with the working_dir
+
+    def submit(self, request: RunRequest, spec: SweepSpec) -> int:
+        """Submit, say where to watch and how to stop it, follow the logs; exit 0 iff the job succeeded."""
+        from ray.job_submission import JobStatus
+
+        from orchestrator.dashboard import how_to_open, job_page, token_required
+
+        job = build_job_request(request, spec, Path.cwd())
+        for note in results_notes(request, spec):
+            print(f"note: {note}")
+        client = connect(self.address)
+        submission_id = client.submit_job(entrypoint=job.entrypoint, runtime_env=job.runtime_env, metadata=job.metadata)
+        needs_token = token_required(self.address)
+        ray = shlex.quote(tool("ray"))
+        ray_cli = f"RAY_AUTH_MODE=token {ray}" if needs_token else ray  # Ray's CLI sends the token only when told to
+        stop = f"{ray_cli} job stop {submission_id} --address {self.address}"
+        logs = f"{ray_cli} job logs --follow {submission_id} --address {self.address}"
+        try:
+            print(f"Submitted job {submission_id}: {job.entrypoint}")
+            print(how_to_open(job_page(self.address, submission_id), needs_token))
+            print(f"Following its logs; Ctrl-C stops following, not the job. Stop the job with: {stop}", flush=True)
+            asyncio.run(_follow(client, submission_id))
+        except KeyboardInterrupt:
+            print(f"\nStopped following. Job {submission_id} keeps running on the cluster.")
+            print(f"  follow it again: {logs}")
+            print(f"  stop it:         {stop}")
+            return 130
+        info = client.get_job_info(submission_id)
+        message = (info.message or "").splitlines()[:1]  # a failure's message repeats the log tail
+        print(f"Job {submission_id} {info.status.value}: {' '.join(message)}".rstrip(": "))
+        return 0 if info.status == JobStatus.SUCCEEDED else 1
 
 
 async def _follow(client, submission_id: str) -> None:

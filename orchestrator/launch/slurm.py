@@ -8,8 +8,14 @@ The work is split so each part can be read (and tested) alone:
 - :func:`render` fills the bash template ``slurm/sweep.sbatch.tmpl`` with that job. The template
   holds what has to happen on the nodes at run time (which nodes, which IP, which ports are
   free) and is meant to be read and adapted by cluster admins (``slurm/README.md``).
-- :func:`submit_command` writes the job folder (a copy of the config, the script) and calls
-  ``sbatch``, or with ``--dry-run`` prints the script.
+- :class:`SlurmLauncher` (the ``slurm`` launcher) writes the job folder (a copy of the config,
+  the script) and calls ``sbatch``, or with ``--dry-run`` prints the script. Before either, the
+  sweep passes the pre-flight ``run`` makes (``launch.base.preflight``), and the storage path,
+  which the submitting machine shares with the nodes, must take files as ``run`` asks.
+
+The driver's command line is the one every launcher renders (``run_request.RunRequest``), with
+the values the script learns on the nodes (the head's address, the MLflow server it started)
+left to the shell.
 
 Why the script starts the Ray head and workers itself (``srun ... ray start --block``) instead
 of Ray's newer ``ray symmetric-run``: Ray's SLURM guide says symmetric-run does not currently
@@ -32,11 +38,15 @@ import sys
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any, ClassVar
 
-from orchestrator.config import SweepSpec, load_spec
+from orchestrator.config import SweepSpec
 from orchestrator.errors import UserError
+from orchestrator.launch.base import Launcher
+from orchestrator.preflight import check_storage
+from orchestrator.run_request import Expanded, RunRequest
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "slurm"
+TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "slurm"
 DEFAULT_TEMPLATE = TEMPLATE_DIR / "sweep.sbatch.tmpl"
 PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 
@@ -102,6 +112,16 @@ class SlurmJob:
 
     def log_path(self, job_id: str) -> str:
         return self.log_file.replace("%j", job_id).replace("%x", self.job_name)
+
+    def driver_request(self) -> RunRequest:
+        """The sweep's ``run`` on the head node: the job folder's copy of the config, the
+        cluster and MLflow server the script started (shell variables it sets), and the job
+        folder's name as the sweep's, so a requeued attempt resumes exactly this sweep."""
+        return RunRequest(
+            config=Expanded('"$CONFIG"'), overrides=self.overrides, storage_path=Expanded('"$STORAGE"'),
+            tracking_uri=Expanded('"$TRACKING_URI"'), ray_address=Expanded('"$RAY_ADDRESS_HEAD"'),
+            name=os.path.basename(self.job_dir),
+        )
 
 
 # -- deciding -----------------------------------------------------------------------------
@@ -239,6 +259,10 @@ def _executable(name: str) -> str:
 
 # -- rendering ----------------------------------------------------------------------------
 
+#: How the script starts the driver: the job's Python (``$PYTHON``, which a site may set), unbuffered
+#: so the job log shows progress as it happens.
+DRIVER_PROGRAM = (Expanded('"$PYTHON"'), "-u", "-m", "orchestrator")
+
 
 def render(job: SlurmJob, template: str | None = None) -> str:
     """Fill the template's ``{{name}}`` placeholders; values are shell-quoted."""
@@ -250,7 +274,8 @@ def render(job: SlurmJob, template: str | None = None) -> str:
         "ray": q(job.ray),
         "mlflow": q(job.mlflow),
         "job_dir": q(job.job_dir),
-        "overrides": " ".join(f"--set {q(o)}" for o in job.overrides),
+        "run_command": job.driver_request().command(DRIVER_PROGRAM),
+        "resume_command": job.driver_request().replace(resume=True).command(DRIVER_PROGRAM),
         "storage_path": q(job.storage_path),
         "tracking_uri": q(job.tracking_uri or ""),
         "nodes": str(job.nodes),
@@ -270,35 +295,51 @@ def render(job: SlurmJob, template: str | None = None) -> str:
 # -- submitting ---------------------------------------------------------------------------
 
 
-def submit_command(args) -> int:
-    spec = load_spec(args.config, args.overrides)
-    job = plan_job(args, spec)
-    template_path = Path(getattr(args, "template", None) or os.environ.get("ORCHESTRATOR_SLURM_TEMPLATE") or DEFAULT_TEMPLATE)
-    try:
-        script = render(job, template_path.read_text())
-    except OSError as exc:
-        raise UserError(f"SLURM template {template_path}: {exc.strerror}") from None
-    notes = _notes(args, spec, job)
+@dataclass(frozen=True)
+class SlurmLauncher(Launcher):
+    """Submits the sweep as one SLURM job that starts its own Ray cluster (``slurm/``)."""
 
-    if args.dry_run:
-        sys.stdout.write(script)
-        for note in notes:
-            print(f"note: {note}", file=sys.stderr)
-        print(f"(dry run: nothing written or submitted; the job folder would be {job.job_dir})", file=sys.stderr)
+    name: ClassVar[str] = "slurm"
+
+    args: Any  # the ``submit`` flags (--nodes, --time, --dry-run, ...), as :func:`plan_job` reads them
+
+    @classmethod
+    def from_args(cls, args) -> SlurmLauncher:
+        return cls(args)
+
+    def check(self, request: RunRequest, spec: SweepSpec) -> None:
+        plan_job(self.args, spec)  # the allocation holds a trial; the flags are SLURM's syntax
+
+    def submit(self, request: RunRequest, spec: SweepSpec) -> int:
+        args = self.args
+        job = plan_job(args, spec)
+        template_path = Path(getattr(args, "template", None) or os.environ.get("ORCHESTRATOR_SLURM_TEMPLATE") or DEFAULT_TEMPLATE)
+        try:
+            script = render(job, template_path.read_text())
+        except OSError as exc:
+            raise UserError(f"SLURM template {template_path}: {exc.strerror}") from None
+        notes = _notes(args, spec, job)
+
+        if args.dry_run:
+            sys.stdout.write(script)
+            for note in notes:
+                print(f"note: {note}", file=sys.stderr)
+            print(f"(dry run: nothing written or submitted; the job folder would be {job.job_dir})", file=sys.stderr)
+            return 0
+
+        sbatch = shutil.which("sbatch")
+        if sbatch is None:
+            raise UserError("sbatch not found: submit from a SLURM login node, or use --dry-run to see the script")
+        check_storage(job.storage_path)
+        script_path = _write_job_dir(job, spec, script)
+        os.makedirs(os.path.dirname(job.log_file), exist_ok=True)  # SLURM doesn't create it
+        result = subprocess.run([sbatch, "--parsable", str(script_path)], capture_output=True, text=True)
+        if result.returncode != 0:
+            message = (result.stderr or result.stdout).strip().replace("\n", " ")
+            raise UserError(f"sbatch refused the job: {message} (script: {script_path})")
+        job_id = result.stdout.strip().split(";")[0]
+        _print_submitted(job, spec, job_id, notes)
         return 0
-
-    sbatch = shutil.which("sbatch")
-    if sbatch is None:
-        raise UserError("sbatch not found: submit from a SLURM login node, or use --dry-run to see the script")
-    script_path = _write_job_dir(job, spec, script)
-    os.makedirs(os.path.dirname(job.log_file), exist_ok=True)  # SLURM doesn't create it
-    result = subprocess.run([sbatch, "--parsable", str(script_path)], capture_output=True, text=True)
-    if result.returncode != 0:
-        message = (result.stderr or result.stdout).strip().replace("\n", " ")
-        raise UserError(f"sbatch refused the job: {message} (script: {script_path})")
-    job_id = result.stdout.strip().split(";")[0]
-    _print_submitted(job, spec, job_id, notes)
-    return 0
 
 
 #: The job script's port blocks (``slurm/sweep.sbatch.tmpl``'s PORT_MIN, PORT_BLOCKS and

@@ -1,5 +1,5 @@
-"""What this project takes from Ray beyond its public API, checked against the installed Ray in
-a second, without starting it.
+"""What this project takes from Ray beyond its public API (``orchestrator/ray_internals.py``), checked
+against the installed Ray in a second, without starting it.
 
 The Tune-level OOM retry (``orchestrator/retry.py``) needs Tune's failure path to call the
 scheduler's ``on_trial_error`` after Tune decided to retry the trial and before it requeues it,
@@ -7,9 +7,10 @@ to build the restart from ``trial.config`` as set with ``Trial.set_config``, and
 ``trial.run_metadata.num_failures`` when it next decides whether to retry. The scheduler reads
 the failure from ``Trial.error_file`` and ``Trial.pickled_error_file``, written on the driver
 by ``Trial.handle_error`` before the hook; the runner's record does too (``outcome.py``), and the
-OOM evidence is looked up under ``Trial.path``. The dashboard and job client read Ray's token
-with ``ray._raylet.AuthenticationTokenLoader``. A Ray upgrade that changes any of these fails
-here, naming what changed, instead of in a sweep. (docs/ARCHITECTURE.md: the Ray range.)
+OOM evidence is looked up under ``Trial.path``, which a trial finds in Tune's ``StorageContext``.
+The dashboard and job client read Ray's token with ``ray._raylet.AuthenticationTokenLoader``. A
+Ray upgrade that changes any of these fails here, naming what changed, instead of in a sweep.
+(docs/ARCHITECTURE.md: the Ray range.)
 """
 
 from __future__ import annotations
@@ -17,13 +18,23 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import pyarrow.fs
 import pytest
 from ray.exceptions import ActorDiedError
+from ray.train._internal.storage import StorageContext
 from ray.tune.execution.tune_controller import TuneController
 from ray.tune.experiment import Trial
 from ray.tune.schedulers import FIFOScheduler
 
 from orchestrator.contract import NOT_RETRIED_KEY, OOM_SHRINKS_KEY, OomEvent
+from orchestrator.ray_internals import (
+    RayChanged,
+    auth_token_loader,
+    make_last_failure,
+    make_next_failure_last,
+    storage_folder,
+    trial_storage_folder,
+)
 from orchestrator.retry import OomAwareScheduler
 from orchestrator.trial.evidence import write_oom_evidence
 
@@ -112,9 +123,53 @@ def test_the_failure_path_the_oom_retry_relies_on(tmp_path):
     )
 
 
-def test_the_token_loader_the_dashboard_uses():
-    from ray._raylet import AuthenticationTokenLoader
+def test_a_data_error_announced_by_a_result_ends_the_trial_without_a_restart(tmp_path):
+    """The trial reports its data error, then fails: Tune does not restart it, and counts one failure."""
+    trial = a_trial(tmp_path, max_failures=3)
+    controller = Controller(Watching())
+    controller.seen_by_scheduler.clear()
+    controller._scheduler_alg.on_trial_result(controller, trial, {"data_error": "train_data sample 13: ..."})
+    controller.fail(trial, RuntimeError("DataError: train_data sample 13: ..."))
+    assert trial.status == Trial.ERROR, "Ray changed: lowering Trial.max_failures no longer ends the retries"
+    assert trial.run_metadata.num_failures == 1 and trial.config == {"lr": 0.1}
 
-    loader = AuthenticationTokenLoader.instance()
+
+def test_a_trial_without_a_retry_budget_is_an_error():
+    with pytest.raises(RayChanged, match="Trial has no 'run_metadata'"):
+        make_next_failure_last(SimpleNamespace(max_failures=3))
+
+
+def test_a_trial_finds_its_storage_folder_where_the_driver_looks_for_the_evidence(tmp_path):
+    storage = StorageContext(storage_path=str(tmp_path), experiment_dir_name="sweep", trial_dir_name="t")
+    folder = storage_folder(storage)
+    assert folder == str(tmp_path / "sweep" / "t"), f"Ray changed: StorageContext.trial_fs_path is {folder}"
+
+    trial = a_trial(tmp_path, max_failures=1)
+    trial.storage = storage
+    assert Path(trial.path) == Path(folder), "Ray changed: Trial.path is not the StorageContext's trial folder"
+
+
+def test_a_storage_the_driver_cannot_read_has_no_evidence_folder(tmp_path):
+    remote = pyarrow.fs.SubTreeFileSystem(str(tmp_path), pyarrow.fs.LocalFileSystem())  # as an s3:// bucket is
+    storage = StorageContext(storage_path="bucket", experiment_dir_name="sweep", trial_dir_name="t", storage_filesystem=remote)
+    assert storage_folder(storage) is None
+
+
+def test_a_changed_storage_context_is_an_error_not_a_silent_loss_of_evidence():
+    with pytest.raises(RayChanged, match="StorageContext has no 'storage_filesystem'"):
+        storage_folder(SimpleNamespace(trial_fs_path="/somewhere"))
+
+
+def test_outside_a_trial_there_is_no_storage_folder():
+    assert trial_storage_folder() is None
+
+
+def test_the_token_loader_the_dashboard_uses():
+    loader = auth_token_loader()
     for method in ("reset_cache", "get_token_for_http_header", "has_token"):
         assert callable(getattr(loader, method, None)), f"Ray changed: AuthenticationTokenLoader.{method} is gone"
+
+
+def test_a_trial_without_its_failure_count_is_an_error():
+    with pytest.raises(RayChanged, match="Trial has no 'run_metadata'"):
+        make_last_failure(SimpleNamespace(max_failures=3))

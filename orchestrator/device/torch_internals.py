@@ -1,0 +1,126 @@
+"""Every private PyTorch API this project uses, and nothing else: the one place to look when torch
+is upgraded.
+
+The estimators trace a training step on fake tensors and count what it allocates, the CPU device
+counts live tensors with a dispatch mode, and the CUDA emulation swaps CPU's autocast policy and
+attention/dropout kernels for CUDA's. None of that has a public API in torch, so it uses these
+names, which torch may change in any release. Every other module imports them from here (never
+from ``torch._*``, ``torch.utils._*`` or an underscored attribute), and
+``tests/test_torch_internals.py`` checks each of them against the installed torch, naming what
+changed; ``pyproject.toml`` bounds ``torch`` to the versions that test passed on.
+
+What each is for:
+
+* ``FakeTensorMode`` and its exceptions, ``unset_fake_temporarily``: tensors with shapes and no
+  data, the trace itself (``orchestrator.memory.fake``, ``construction``, ``workspaces``).
+* ``TorchDispatchMode``, ``disable_current_modes``: seeing every op a step runs (the CPU tensor
+  tracker, the trace's helpers) and running host work unseen by them.
+* ``tree_leaves``, ``tree_map``: the tensors in an op's nested arguments and results.
+* ``OpOverload``, :func:`op_schema`: which op is running, and its arguments' names and types.
+* :func:`parameter_slots`, :func:`buffer_slots`: an ``nn.Module``'s own parameter and buffer
+  dictionaries, replaced in place so that tied parameters stay tied.
+* :func:`excluding_dispatch_key`, :func:`ops_with_kernel`, :func:`remove_library`: kernels
+  registered at the ``AutocastCPU`` key while a trace emulates CUDA's autocast policy.
+* :func:`cpu_flash_attention`, :func:`math_attention`: the private aten attention kernels CPU
+  dispatches to, called directly to allocate what CUDA's fused kernels allocate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch._ops import OpOverload
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedFakeTensorException,
+    unset_fake_temporarily,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map
+
+__all__ = [
+    "FAKE_TENSOR_LOGGER",
+    "DataDependentOutputException",
+    "DynamicOutputShapeException",
+    "FakeTensor",
+    "FakeTensorMode",
+    "OpOverload",
+    "TorchDispatchMode",
+    "UnsupportedFakeTensorException",
+    "buffer_slots",
+    "cpu_flash_attention",
+    "disable_current_modes",
+    "excluding_dispatch_key",
+    "math_attention",
+    "op_schema",
+    "ops_with_kernel",
+    "parameter_slots",
+    "remove_library",
+    "tree_leaves",
+    "tree_map",
+    "unset_fake_temporarily",
+]
+
+#: The logger fake tensors report failing meta kernels on (with a whole traceback each).
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+
+
+def op_schema(op: OpOverload) -> torch.FunctionSchema:
+    """An aten op's schema: ``.name``, ``.arguments`` and ``.returns`` with names and types."""
+    return op._schema
+
+
+def parameter_slots(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """The module's own parameters, by name, as the dictionary ``module.parameters()`` reads:
+    assigning to it replaces a parameter without the checks ``setattr`` makes."""
+    return module._parameters
+
+
+def buffer_slots(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """The module's own buffers, by name, as the dictionary ``module.buffers()`` reads."""
+    return module._buffers
+
+
+@contextlib.contextmanager
+def excluding_dispatch_key(key: str) -> Iterator[None]:
+    """Dispatch skips ``key`` (e.g. ``"AutocastCPU"``) on this thread for the duration: a kernel
+    registered at that key calls the op again without re-entering itself."""
+    keys = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+    with torch._C._ExcludeDispatchKeyGuard(keys):
+        yield
+
+
+def ops_with_kernel(key: str) -> frozenset[str]:
+    """The aten ops (``conv2d``, ``pow.Scalar``, ...) with a kernel of their own at ``key`` in
+    this build of torch."""
+    return frozenset(
+        qualified[len("aten::"):]
+        for qualified in torch._C._dispatch_get_all_op_names()
+        if qualified.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(qualified, key)
+    )
+
+
+def remove_library(library: torch.library.Library) -> None:
+    """Unregisters every kernel ``library`` registered (a ``Library`` has no public way to)."""
+    library._destroy()
+
+
+def cpu_flash_attention(query, key, value, dropout_p: float, is_causal: bool, *, attn_mask=None, scale=None):
+    """CPU's flash attention kernel: ``(output, logsumexp)`` for 4-d inputs."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )
+
+
+def math_attention(query, key, value, attn_mask, dropout_p: float, is_causal: bool, *, scale=None, enable_gqa=False):
+    """The reference attention (materialises the score matrix): ``(output, attention weights)``."""
+    return torch.ops.aten._scaled_dot_product_attention_math(
+        query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
+    )

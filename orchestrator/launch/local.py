@@ -1,0 +1,55 @@
+"""``orchestrator run CONFIG``: the sweep's driver in this process, on an embedded local Ray or,
+with ``--ray-address``, on a cluster's Ray (as inside a SLURM job). Its checks and its results
+are the runner's (``runner.run_sweep``); tests launch through it as they would any backend.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import ClassVar
+
+from orchestrator.config import SweepSpec
+from orchestrator.launch.base import Launcher
+from orchestrator.run_request import RunRequest
+from orchestrator.runner import resume_command, run_sweep, summary_lines, summary_table
+
+
+@dataclass(frozen=True)
+class LocalLauncher(Launcher):
+    """Runs the sweep here and prints its table; exit 0 iff every trial finished and MLflow has it all."""
+
+    name: ClassVar[str] = "local"
+    driver_here: ClassVar[bool] = True
+
+    dashboard: bool = False  # start the embedded Ray's dashboard
+    dashboard_host: str = "127.0.0.1"
+
+    @classmethod
+    def from_args(cls, args) -> LocalLauncher:
+        return cls(dashboard=getattr(args, "dashboard", False), dashboard_host=getattr(args, "dashboard_host", "127.0.0.1"))
+
+    def submit(self, request: RunRequest, spec: SweepSpec) -> int:
+        try:
+            outcome = run_sweep(
+                spec,
+                tracking_uri=request.tracking_uri,
+                storage_path=request.storage_path,
+                ray_address=request.ray_address,
+                name=request.name,
+                resume=request.resume,
+                num_cpus=request.num_cpus,
+                num_gpus=request.num_gpus,
+                dashboard=self.dashboard,
+                dashboard_host=self.dashboard_host,
+                offline_tracking=request.offline_tracking,
+                verbose=request.verbose,
+            )
+        except KeyboardInterrupt:
+            print(f"\nInterrupted. Continue the sweep with: {resume_command(request)}", file=sys.stderr)
+            raise
+        print()
+        print(summary_table(outcome.rows, spec))
+        print()
+        print("\n".join(summary_lines(outcome, spec, request)))
+        return 0 if outcome.ok else 1

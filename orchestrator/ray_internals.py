@@ -1,0 +1,92 @@
+"""Every private Ray API this project uses, and nothing else: the one place to look when Ray is
+upgraded.
+
+Private here means Ray's underscored modules and attributes, and the objects Ray hands out from
+its ``_internal`` packages. Every other module reaches them through this one, and
+``tests/test_ray_internals.py`` checks each against the installed Ray without starting it, naming
+what changed; ``pyproject.toml`` pins Ray to the minor series that test passed on.
+
+* :func:`auth_token_loader`: ``ray._raylet.AuthenticationTokenLoader``, Ray's own lookup of the
+  cluster's token, for the dashboard and the job client (``orchestrator.dashboard``).
+* :func:`trial_storage_folder`: Tune's ``StorageContext`` (``ray.train._internal.storage``), where
+  a trial writes the OOM it is recovering from so the driver can read it should the worker die
+  (``orchestrator.trial.evidence``).
+* :func:`make_last_failure`: ``Trial.run_metadata.num_failures``, which the OOM-aware scheduler
+  raises so that a failure it will not retry is the trial's last (``orchestrator.retry``).
+* :func:`make_next_failure_last`: ``Trial.max_failures`` lowered to ``run_metadata.num_failures``,
+  so that ``Trial.should_recover()`` is false for the failure a trial announced (a data error,
+  ``orchestrator.retry``): Tune handles a trial's results before its error.
+
+The retry also relies on Tune's failure path calling ``TrialScheduler.on_trial_error`` after Tune
+decided to retry and before it requeues the trial, with ``Trial.error_file`` and
+``Trial.pickled_error_file`` written and ``Trial.set_config`` reaching the restart (DeveloperAPI:
+public, but without a stability promise); the same test drives that path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RayChanged(RuntimeError):
+    """A Ray internal this project relies on is not what it was: the installed Ray is outside the
+    range ``pyproject.toml`` allows, or that range is wrong."""
+
+
+def auth_token_loader() -> Any:
+    """Ray's token loader (``reset_cache``, ``get_token_for_http_header``, ``has_token``)."""
+    from ray._raylet import AuthenticationTokenLoader
+
+    return AuthenticationTokenLoader.instance()
+
+
+def trial_storage_folder() -> str | None:
+    """This trial's folder on the storage path, from inside the trial; None outside a Tune trial
+    (a data-parallel group's other ranks, a test). See :func:`storage_folder`."""
+    from ray import tune
+
+    storage = tune.get_context().get_storage()  # None outside a trial (Ray warns)
+    return None if storage is None else storage_folder(storage)
+
+
+def storage_folder(storage: Any) -> str | None:
+    """A Tune ``StorageContext``'s trial folder; None where the storage is not a local (or
+    shared) filesystem path the driver can read too. Raises :class:`RayChanged` where the
+    context is no longer what this reads, rather than quietly writing no OOM evidence."""
+    import pyarrow.fs
+
+    try:
+        filesystem, folder = storage.storage_filesystem, storage.trial_fs_path
+    except AttributeError as exc:
+        raise RayChanged(
+            f"Ray changed: Tune's StorageContext has no {exc.name!r}, so a trial cannot write down the "
+            "OOM it recovers from (orchestrator/ray_internals.py)"
+        ) from exc
+    if not isinstance(filesystem, pyarrow.fs.LocalFileSystem):
+        return None
+    return folder
+
+
+def make_last_failure(trial: Any) -> None:
+    """Counts the trial's failures up to its ``max_failures``: Tune restarts it once more (it
+    decided before the scheduler's hook ran), and that restart's failure is its last."""
+    try:
+        metadata = trial.run_metadata
+        metadata.num_failures = max(trial.max_failures, metadata.num_failures)
+    except AttributeError as exc:
+        raise RayChanged(
+            f"Ray changed: Tune's Trial has no {exc.name!r}, so a failure that is not retried cannot be made "
+            "the trial's last (orchestrator/ray_internals.py)"
+        ) from exc
+
+
+def make_next_failure_last(trial: Any) -> None:
+    """Lowers the trial's retry budget to the failures it has had: Tune does not restart it after
+    its next failure (``Trial.should_recover()``: ``num_failures <= max_failures``)."""
+    try:
+        trial.max_failures = trial.run_metadata.num_failures
+    except AttributeError as exc:
+        raise RayChanged(
+            f"Ray changed: Tune's Trial has no {exc.name!r}, so a failure that is not retried cannot be made "
+            "the trial's last (orchestrator/ray_internals.py)"
+        ) from exc

@@ -1,0 +1,225 @@
+"""The Tune callback, on the driver: a sweep's and its trials' events become MLflow writes,
+queued on the outbox (see the package's docstring for why a queue and what is logged how)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import yaml
+from ray import tune
+
+from orchestrator.config import SweepSpec
+from orchestrator.contract import describe_moves
+from orchestrator.failures import exception_line, last_failure
+from orchestrator.outcome import TrackingDelivery, current_record, sweep_run_status, trial_status
+from orchestrator.tracking.flatten import param_text, plan_params, result_metrics, spec_params
+from orchestrator.tracking.operations import AddParams, EndRun, LogArtifact, LogResult, Operation, SetTags, StartRun
+from orchestrator.tracking.outbox import Outbox
+from orchestrator.tracking.runs import SweepIdentity, TrialRef
+from orchestrator.tracking.writer import MlflowWriter, fail_fast
+from orchestrator.trial_report import TrialReport
+
+logger = logging.getLogger(__name__)
+
+MAX_TAG_CHARS = 8000
+#: In the sweep's folder: the writes a sweep could not send, for ``run --resume`` to send.
+UNSENT_FILE = "mlflow_unsent.pkl"
+
+
+@dataclass
+class _TrialLog:
+    """What the driver remembers of a trial (saved in Tune's experiment state)."""
+
+    ref: TrialRef
+    plans: list[dict] = field(default_factory=list)  # [{"step": s, "epoch": e, "plan": {...}}], one per change
+    oom_events_logged: int = 0
+    restarts: int = 0
+    tags: dict[str, str] = field(default_factory=dict)  # as last queued: only changes are sent
+    described: bool = False  # its once-only params were queued
+    ended: bool = False  # Tune reported it complete or failed (an interrupted sweep's trials are not)
+
+
+class MlflowTracking(tune.Callback):
+    """Tune callback (driver side) that records the sweep in MLflow; see the module docstring."""
+
+    def __init__(self, tracking_uri: str, spec: SweepSpec, *, flush_timeout_s: float = 120.0,
+                 unsent_file: str | None = None):
+        self.tracking_uri = tracking_uri
+        self.spec = spec
+        self.flush_timeout_s = flush_timeout_s
+        self.unsent_file = unsent_file  # in the sweep's folder: where writes left unsent wait for a resume
+        self._sweep = SweepIdentity(uuid.uuid4().hex, f"sweep-{time.strftime('%Y%m%d-%H%M%S')}", spec.experiment)
+        self._trials: dict[str, _TrialLog] = {}
+        self._restored: list[Operation] = []  # unsent operations of the driver we resume from
+        self._outbox: Outbox | None = None
+        self._sweep_named = False  # this driver has tagged the sweep run with Tune's experiment
+
+    # Tune pickles its callbacks with the run config; the thread and client are not part of that.
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_outbox": None}
+
+    # -- Tune state: what a resumed driver needs to continue the same runs -------------------
+    def get_state(self) -> dict:
+        pending = self._outbox.pending() if self._outbox else self._restored
+        return {"sweep": self._sweep, "trials": dict(self._trials), "pending": pending}
+
+    def set_state(self, state: dict) -> None:
+        self._sweep = state["sweep"]
+        self._trials = dict(state["trials"])
+        self._restored = list(state["pending"])
+
+    # -- hooks -------------------------------------------------------------------------------
+    def setup(self, stop=None, num_samples=None, total_num_samples=None, **info) -> None:
+        fail_fast()
+        self._outbox = Outbox(MlflowWriter(self.tracking_uri, self._sweep), self._kept() or self._restored)
+        self._restored = []
+        tags = {"orchestrator.config": self.spec.source} if self.spec.source else {}
+        self._put(StartRun(None, params=spec_params(self.spec), tags=tags))
+        self._put(LogArtifact(None, "sweep.yaml", yaml.safe_dump(self.spec.raw, sort_keys=False)))
+
+    def on_trial_start(self, iteration, trials, trial, **info) -> None:
+        log = self._log(trial)
+        log.ended = False  # also a trial restarted by a resumed sweep
+        resources = trial.placement_group_factory.required_resources
+        params = {f"config.{k}": param_text(v) for k, v in trial.config.items() if k in self._hyper_parameter_names()}
+        params.update({f"resources.{kind.lower()}": param_text(resources.get(kind, 0)) for kind in ("CPU", "GPU")})
+        self._put(StartRun(log.ref, params=params, tags={"tune.trial_path": str(trial.path or "")}))
+        if not self._sweep_named:
+            # Named like Tune's experiment folder, so the sweep is found from Tune's output.
+            tags = {"mlflow.runName": trial.experiment_dir_name, "tune.experiment_path": str(trial.remote_experiment_path)}
+            self._put(SetTags(None, tags))
+            self._sweep_named = True
+
+    def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
+        log = self._log(trial)
+        report = TrialReport.from_result(result)
+        if not log.described:
+            self._put(AddParams(log.ref, {k: param_text(v) for k, v in _once(report).items() if v is not None}))
+            log.described = True
+        tags = {k: str(v) for k, v in _changing(report).items() if v is not None}
+        plan = report.plan
+        if plan and (not log.plans or log.plans[-1]["plan"] != plan):
+            log.plans.append({"step": report.step, "epoch": report.epoch, "plan": plan})
+            self._put(LogArtifact(log.ref, "plan_history.json", list(log.plans)))
+        if report.refusal:
+            tags["refusal"] = report.refusal[:MAX_TAG_CHARS]
+        if report.moves:
+            tags["moves"] = describe_moves(report.moves)[:MAX_TAG_CHARS]
+        changed = {k: v for k, v in tags.items() if log.tags.get(k) != v}
+        if changed:
+            self._put(SetTags(log.ref, changed))
+            log.tags.update(changed)
+        if len(report.oom_events) > log.oom_events_logged:
+            self._put(LogArtifact(log.ref, "oom_events.json", [e.to_dict() for e in report.oom_events]))
+            log.oom_events_logged = len(report.oom_events)
+        if report.step is not None:
+            self._put(LogResult(log.ref, report.step, result_metrics(report), int(time.time() * 1000)))
+
+    def on_trial_recover(self, iteration, trials, trial, **info) -> None:
+        """Tune restarts the trial (from its last checkpoint, possibly with a changed config)."""
+        log = self._log(trial)
+        log.restarts += 1
+        self._put(SetTags(log.ref, {"tune.restarts": str(log.restarts), "tune.last_error": _error_summary(trial)}))
+
+    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+        refused = TrialReport.from_result(trial.last_result).refused
+        self._end_trial(trial, "FAILED" if refused else "FINISHED")
+
+    def on_trial_error(self, iteration, trials, trial, **info) -> None:
+        self._put(SetTags(self._log(trial).ref, {"error": _error_summary(trial)}))
+        self._end_trial(trial, "FAILED")
+
+    def on_experiment_end(self, trials, **info) -> None:
+        if self._outbox is None:
+            return
+        # Interrupted (Ctrl-C, SIGUSR1 before a SLURM requeue): Tune stops these trials as TERMINATED
+        # although they did not finish. A resumed sweep marks them RUNNING again.
+        for log in self._trials.values():
+            if not log.ended:
+                self._put(EndRun(log.ref, "KILLED"))
+        statuses = [trial_status(t.status == "ERROR", TrialReport.from_result(t.last_result)) for t in trials]
+        self._put(EndRun(None, sweep_run_status(statuses)))
+        self._outbox.drain(self.flush_timeout_s)
+        self._outbox.close()
+        unsent, dropped = self._outbox.pending(), list(self._outbox.dropped)
+        self._outbox = None
+        kept_at = self._keep(unsent)
+        if unsent:
+            logger.warning(
+                "MLflow at %s: %d write(s) still unsent after %.0f s; %s", self.tracking_uri, len(unsent),
+                self.flush_timeout_s, f"kept in {kept_at} for `run --resume` to send" if kept_at else "they are lost",
+            )
+        record = current_record()
+        if record is not None:
+            record.tracking = TrackingDelivery(self.tracking_uri, len(unsent), kept_at, dropped)
+
+    def _kept(self) -> list[Operation]:
+        """The writes an earlier driver of this sweep could not send by its end (newer than its Tune state)."""
+        if not self.unsent_file or not os.path.exists(self.unsent_file):
+            return []
+        with open(self.unsent_file, "rb") as f:
+            return pickle.load(f)
+
+    def _keep(self, unsent: list[Operation]) -> str | None:
+        """Save the unsent writes in the sweep's folder (Tune's last experiment checkpoint was taken
+        before this hook, so its copy lacks the last ones); once all are sent, remove the file."""
+        if not self.unsent_file:
+            return None
+        try:
+            if not unsent:
+                if os.path.exists(self.unsent_file):
+                    os.remove(self.unsent_file)
+                return None
+            os.makedirs(os.path.dirname(self.unsent_file), exist_ok=True)
+            partial = f"{self.unsent_file}.partial"
+            with open(partial, "wb") as f:
+                pickle.dump(unsent, f)
+            os.replace(partial, self.unsent_file)
+            return self.unsent_file
+        except OSError as exc:
+            logger.warning("cannot keep the unsent MLflow writes in %s: %s", self.unsent_file, exc)
+            return None
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _put(self, op: Operation) -> None:
+        if self._outbox is None:
+            raise RuntimeError("MlflowTracking used before Tune called its setup()")
+        self._outbox.put(op)
+
+    def _log(self, trial) -> _TrialLog:
+        if trial.trial_id not in self._trials:
+            workload = str(trial.config.get("workload", self.spec.workload))
+            self._trials[trial.trial_id] = _TrialLog(TrialRef(trial.trial_id, str(trial), workload))
+        return self._trials[trial.trial_id]
+
+    def _hyper_parameter_names(self) -> set[str]:
+        return {"workload", "seed", *self.spec.params, *self.spec.search_space}
+
+    def _end_trial(self, trial, status: str) -> None:
+        log = self._log(trial)
+        plan = TrialReport.from_result(trial.last_result).plan or {}
+        self._put(AddParams(log.ref, plan_params(plan)))
+        self._put(EndRun(log.ref, status))
+        log.ended = True
+
+
+def _once(report: TrialReport) -> dict[str, object]:
+    """Per-trial facts that do not change while it runs: params, logged once."""
+    return {"estimator": report.estimator, "estimated_by": report.estimated_by, "memory_source": report.memory_source,
+            "budget_bytes": report.budget_bytes, "gpu_name": report.gpu_name, "gpu_total_bytes": report.gpu_total_bytes}
+
+
+def _changing(report: TrialReport) -> dict[str, object]:
+    """Strings that can change with the plan or the node: tags, which MLflow lets us overwrite."""
+    return {"precision": report.precision, "predicted_phase": report.predicted_phase,
+            "memory_source": report.memory_source, "node_name": report.node_name}
+
+
+def _error_summary(trial) -> str:
+    """The exception line of the trial's newest failure."""
+    return exception_line(last_failure(trial.error_file))[:MAX_TAG_CHARS]

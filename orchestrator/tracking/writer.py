@@ -1,0 +1,124 @@
+"""The MLflow client of the outbox's thread: finds or creates the sweep's and trials' runs and
+adds to them only what they lack (params are immutable in MLflow, results are known by step)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from orchestrator.tracking.runs import PARENT_TAG, ROLE_TAG, STEP_METRIC, SWEEP_ID_TAG, SweepIdentity, Target, sqlite_path
+
+logger = logging.getLogger(__name__)
+
+MAX_BATCH = 100  # params or tags per log_batch call
+#: Defaults for MLflow's HTTP client in this process: fail fast, the outbox does the retrying.
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+def fail_fast() -> None:
+    """MLflow's HTTP client in this process gives up at once; the caller decides what to retry."""
+    for key, value in HTTP_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+class MlflowWriter:
+    """The outbox thread's MLflow client, with the run ids and logged steps it has looked up."""
+
+    def __init__(self, tracking_uri: str, sweep: SweepIdentity):
+        self.tracking_uri = tracking_uri
+        self._client = None
+        self.sweep = sweep
+        self._experiment_id: str | None = None
+        self._runs: dict[str | None, str] = {}  # trial id (None: the sweep) -> run id
+        self._steps: dict[str, set[int]] = {}  # run id -> steps MLflow has
+        self.dropped: list[str] = []  # operations MLflow rejected, described
+
+    @property
+    def client(self):
+        """Made on first use, in the outbox's thread: opening a store can fail like any request
+        (a SQLite file that cannot be opened yet) and is then retried like one."""
+        if self._client is None:
+            from mlflow import MlflowClient
+
+            self._client = MlflowClient(self.tracking_uri)
+        return self._client
+
+    def forget_steps(self) -> None:
+        """After a failed request: what landed is unknown, so re-read it before sending results."""
+        self._steps.clear()
+
+    def experiment_id(self) -> str:
+        if self._experiment_id is None:
+            self._experiment_id = get_or_create_experiment(self.client, self.sweep.experiment, self.tracking_uri)
+        return self._experiment_id
+
+    def run_id(self, target: Target) -> str:
+        key = target.trial_id if target else None
+        if key not in self._runs:
+            self._runs[key] = self._find_run(target) or self._create_run(target)
+        return self._runs[key]
+
+    def steps(self, run_id: str) -> set[int]:
+        if run_id not in self._steps:
+            history = self.client.get_metric_history(run_id, STEP_METRIC)
+            self._steps[run_id] = {int(m.step) for m in history}
+        return self._steps[run_id]
+
+    def add_params(self, run_id: str, params: dict[str, str]) -> None:
+        """Log the params the run does not have yet. A different value for one it has is kept
+        as it was (MLflow params are immutable) and reported once."""
+        if not params:
+            return
+        existing = self.client.get_run(run_id).data.params
+        changed = sorted(k for k, v in params.items() if k in existing and existing[k] != v)
+        if changed:
+            logger.warning(
+                "MLflow run %s keeps its first value of param(s) %s (params cannot change); "
+                "the change is in its metrics and plan_history.json", run_id, ", ".join(changed),
+            )
+        self._log_batch(run_id, params={k: v for k, v in params.items() if k not in existing})
+
+    def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
+        self._log_batch(run_id, tags=tags)
+
+    def _log_batch(self, run_id: str, params: dict[str, str] | None = None, tags: dict[str, str] | None = None) -> None:
+        from mlflow.entities import Param, RunTag
+
+        for kind, items in (("params", params or {}), ("tags", tags or {})):
+            entities = [Param(k, v) if kind == "params" else RunTag(k, v) for k, v in items.items()]
+            for start in range(0, len(entities), MAX_BATCH):
+                self.client.log_batch(run_id, **{kind: entities[start:start + MAX_BATCH]})
+
+    def _find_run(self, target: Target) -> str | None:
+        query = f"tags.`{SWEEP_ID_TAG}` = '{self.sweep.sweep_id}'"
+        query += f" and tags.trial_id = '{target.trial_id}'" if target else f" and tags.`{ROLE_TAG}` = 'sweep'"
+        runs = self.client.search_runs([self.experiment_id()], query, max_results=1, order_by=["attributes.start_time ASC"])
+        return runs[0].info.run_id if runs else None
+
+    def _create_run(self, target: Target) -> str:
+        tags = {SWEEP_ID_TAG: self.sweep.sweep_id, ROLE_TAG: "trial" if target else "sweep"}
+        if target:
+            tags.update({PARENT_TAG: self.run_id(None), "trial_id": target.trial_id, "workload": target.workload})
+        name = target.name if target else self.sweep.run_name
+        return self.client.create_run(self.experiment_id(), run_name=name, tags=tags).info.run_id
+
+
+def get_or_create_experiment(client, name: str, tracking_uri: str) -> str:
+    """The experiment's id. With a SQLite store its artifacts go next to the database file,
+    not into ``./mlruns`` of whatever directory the driver happens to run in."""
+    from mlflow.exceptions import MlflowException
+
+    experiment = client.get_experiment_by_name(name)
+    if experiment is None:
+        database = sqlite_path(tracking_uri)
+        location = str(database.parent / "mlartifacts") if database else None
+        try:
+            return client.create_experiment(name, artifact_location=location)
+        except MlflowException:  # created meanwhile by another driver
+            experiment = client.get_experiment_by_name(name)
+            if experiment is None:
+                raise
+    if experiment.lifecycle_stage != "active":
+        raise RuntimeError(f"MLflow experiment {name!r} is deleted; restore it or use another experiment name")
+    return experiment.experiment_id
+

@@ -1,0 +1,122 @@
+"""What this project takes from PyTorch beyond its public API (``orchestrator/device/torch_internals.py``),
+checked against the installed torch: a torch upgrade that changes one of them fails here, naming
+what changed, instead of as a wrong estimate. ``pyproject.toml`` bounds ``torch`` to the versions
+this file passed on.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from orchestrator.device import torch_internals as ti
+
+
+def test_an_ops_schema_names_its_arguments_and_types():
+    schema = ti.op_schema(torch.ops.aten.zeros.default)
+    assert schema.name == "aten::zeros", "torch changed: OpOverload._schema.name"
+    assert "device" in [a.name for a in schema.arguments], "torch changed: OpOverload._schema.arguments"
+    assert any(isinstance(r.type, torch.TensorType) for r in schema.returns), "torch changed: schema return types"
+    assert isinstance(torch.ops.aten.zeros.default, ti.OpOverload), "torch changed: torch._ops.OpOverload"
+
+
+def test_a_modules_slots_are_what_its_parameters_and_buffers_read():
+    module = nn.BatchNorm1d(3)
+    parameters, buffers = ti.parameter_slots(module), ti.buffer_slots(module)
+    assert set(parameters) == {"weight", "bias"} and "running_mean" in buffers, "torch changed: Module._parameters/_buffers"
+    replaced = nn.Parameter(torch.ones(3))
+    parameters["weight"] = replaced
+    buffers["running_mean"] = torch.full((3,), 7.0)
+    assert module.weight is replaced and dict(module.named_parameters())["weight"] is replaced
+    assert torch.equal(dict(module.named_buffers())["running_mean"], torch.full((3,), 7.0))
+
+
+def test_excluding_the_autocast_key_skips_autocast():
+    a, b = torch.ones(2, 2), torch.ones(2, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.mm(a, b).dtype == torch.bfloat16
+        with ti.excluding_dispatch_key("AutocastCPU"):
+            assert torch.mm(a, b).dtype == torch.float32, "torch changed: _ExcludeDispatchKeyGuard / DispatchKey"
+
+
+def test_the_ops_with_their_own_autocast_kernel_are_listed():
+    ops = ti.ops_with_kernel("AutocastCPU")
+    assert {"conv2d", "mm", "linear"} <= ops, f"torch changed: _dispatch_has_kernel_for_dispatch_key ({len(ops)} ops)"
+    assert not any(name.startswith("aten::") for name in ops)
+
+
+def test_a_removed_library_takes_its_kernels_with_it():
+    def as_zeros(a, b):
+        with ti.excluding_dispatch_key("AutocastCPU"):
+            return torch.zeros(a.shape[0], b.shape[1])
+
+    library = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel", as the emulation does
+        library.impl("mm", as_zeros, "AutocastCPU")
+    a = torch.ones(2, 2)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.mm(a, a).sum() == 0, "torch changed: Library.impl at AutocastCPU is not called"
+    finally:
+        ti.remove_library(library)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.mm(a, a).dtype == torch.bfloat16, "torch changed: Library._destroy leaves its kernels"
+
+
+def test_the_private_attention_kernels_agree_with_the_public_one():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 8) for _ in range(3))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    flash = ti.cpu_flash_attention(q, k, v, 0.0, True)
+    assert flash[0].shape == expected.shape and flash[1].shape == (2, 3, 5), "torch changed: CPU flash attention's outputs"
+    math_out = ti.math_attention(q, k, v, None, 0.0, True)
+    torch.testing.assert_close(flash[0], expected, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(math_out[0], expected, atol=1e-5, rtol=1e-4)
+
+
+class Seen(ti.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_dispatch_mode_sees_ops_except_where_modes_are_disabled():
+    with Seen() as seen:
+        torch.ones(2) + 1
+        with ti.disable_current_modes():
+            torch.ones(3) * 2
+    assert "aten.add.Tensor" in seen.ops and "aten.mul.Tensor" not in seen.ops, "torch changed: _disable_current_modes"
+
+
+def test_fake_tensors_have_shapes_and_no_data():
+    with ti.FakeTensorMode() as mode:
+        fake = torch.empty(4, 1024, 1024)
+        assert isinstance(fake, ti.FakeTensor) and fake.shape == (4, 1024, 1024)
+        with ti.unset_fake_temporarily():
+            assert not isinstance(torch.zeros(1), ti.FakeTensor), "torch changed: unset_fake_temporarily"
+        with pytest.raises(ti.DynamicOutputShapeException):
+            torch.nonzero(fake)
+        with pytest.raises(ti.DataDependentOutputException):
+            fake.sum().item()
+    assert issubclass(ti.UnsupportedFakeTensorException, Exception)
+    assert isinstance(mode.from_tensor(torch.ones(2)), ti.FakeTensor)
+    assert sys.modules[ti.FakeTensorMode.__module__].log is logging.getLogger(ti.FAKE_TENSOR_LOGGER), (
+        "torch changed: fake tensors log under another name; the trace's quiet filter would miss it"
+    )
+
+
+def test_nested_arguments_are_walked():
+    tree = ({"a": torch.ones(1)}, [torch.zeros(2), 3])
+    assert len([t for t in ti.tree_leaves(tree) if isinstance(t, torch.Tensor)]) == 2
+    doubled = ti.tree_map(lambda t: t * 2 if isinstance(t, torch.Tensor) else t, tree)
+    assert doubled[0]["a"].item() == 2 and doubled[1][1] == 3
