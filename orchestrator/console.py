@@ -28,7 +28,14 @@ from typing import Any
 
 from ray import tune
 
-from orchestrator.contract import MEMORY_LABELS, NOT_RETRIED_KEY, OOM_GAVE_UP_KEY, OOM_SHRINKS_KEY, Move, OomEvent
+from orchestrator.contract import (
+    MEMORY_LABELS,
+    NOT_RETRIED_KEY,
+    OOM_GAVE_UP_KEY,
+    OOM_SHRINKS_KEY,
+    Move,
+    OomEvent,
+)
 from orchestrator.failures import exception_line, gave_up_message, last_failure
 from orchestrator.trial_report import TrialReport
 from orchestrator.units import human
