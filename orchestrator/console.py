@@ -327,7 +327,8 @@ class LiveView(tune.Callback):
         before its first report were never told)."""
         text = last_failure(trial.error_file)
         reason = f"OomRetriesExhausted: {gave_up_message(text)}" if "OomRetriesExhausted:" in text else exception_line(text)
-        log = os.path.join(str(trial.path), "error.txt") if trial.path else ""
+        # Where the traceback is, unless the error names its own (a data error's trial log).
+        log = os.path.join(str(trial.path), "error.txt") if trial.path and "traceback in " not in reason else ""
         return Failed(trial.trial_id, reason or "unknown error", log, retrying)
 
     def _say(self, event: Event) -> None:

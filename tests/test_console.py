@@ -161,6 +161,23 @@ def test_into_a_file_there_is_no_progress_line(monkeypatch):
     assert log.getvalue() == "t started: lr=0.1\n"
 
 
+def test_a_failure_names_its_traceback_file_unless_its_error_names_one(tmp_path):
+    error_file = tmp_path / "error.txt"
+    view = LiveView(["lr"], "eval_loss", 3, None)
+    trial = SimpleNamespace(trial_id="t", path="/r/t", error_file=str(error_file), config={})
+    error_file.write_text("Failure # 1 (occurred at ...)\nTraceback ...\nValueError: bad shape\n")
+    assert view._failure(trial) == Failed("t", "ValueError: bad shape", "/r/t/error.txt")
+    error_file.write_text("Failure # 1\nDataError: train_data sample 3: x.py:1: ValueError: no; traceback in /r/t/trial.log\n")
+    assert view._failure(trial).log == ""
+
+
+def test_verbose_reaches_every_launcher_through_the_run_request():
+    from orchestrator.run_request import RunRequest
+
+    assert RunRequest.from_args(SimpleNamespace(config="s.yaml", overrides=[], verbose=True)).arguments()[-1] == "--verbose"
+    assert "--verbose" not in RunRequest("s.yaml").arguments()
+
+
 def test_the_view_pickles_without_its_state_for_a_resumed_sweep():
     """Tune pickles its callbacks with the experiment; ``Tuner.restore`` runs the copies."""
     view = LiveView(["lr"], "eval_loss", 3, None)
