@@ -37,9 +37,9 @@ class RunRequest:
     num_cpus: int | None = None  # of the embedded local Ray
     num_gpus: float | None = None
     offline_tracking: bool = False
+    verbose: bool = False  # Ray's and Tune's own output instead of one line per trial event
     name: str | None = None  # the sweep's folder under the storage path
     resume: bool = False
-    verbose: bool = False  # Ray's and Tune's own output instead of orchestrator.console's view
 
     @classmethod
     def from_args(cls, args) -> RunRequest:
@@ -63,12 +63,12 @@ class RunRequest:
                 words += [flag, value if isinstance(value, str) else str(value)]
         if self.offline_tracking:
             words.append("--offline-tracking")
+        if self.verbose:
+            words.append("--verbose")
         if self.name:
             words += ["--name", self.name]
         if self.resume:
             words.append("--resume")
-        if self.verbose:
-            words.append("--verbose")
         return words
 
     def command(self, program: Sequence[str] | None = None) -> str:

@@ -183,3 +183,12 @@ class RankDiesOnOomWorkload(MLPWorkload):
         if _BUILDS_IN_THIS_PROCESS > 1 and dist.is_initialized() and dist.get_rank() == self.die_on_rank:
             os._exit(1)
         return super().build_model()
+
+
+@dataclasses.dataclass
+class LossFailsWorkload(MLPWorkload):
+    """Its model builds and its data is fine; its loss fails, which only running a step (the
+    driver's estimate, a trial) finds."""
+
+    def loss(self, model, batch):
+        raise ValueError("the loss is broken")

@@ -54,12 +54,13 @@ def launch(launcher: Launcher, request: RunRequest) -> int:
 
 
 def preflight(spec: SweepSpec) -> None:
-    """What ``run`` checks of the sweep itself before its Ray starts, wherever it will run: each
-    workload has data for a step and a collate that takes it (``preflight.check_workloads``),
-    and each model builds for the estimate the driver makes (``runner.estimate_before_start``;
-    its target is the sweep's, not this machine's). Where results go is a place on the
-    cluster, which only the sweep's own driver can check there. What the checks say goes to
-    standard error: standard output is the command's own (``submit --dry-run``'s script)."""
+    """What ``run`` checks of the sweep itself before its trials start, wherever it will run: each
+    workload's model builds and it has data for a step and a collate that takes it
+    (``preflight.check_workloads``), and each model takes the step of the estimate the driver
+    makes (``runner.estimate_before_start``; its target is the sweep's, not this machine's).
+    Where results go is a place on the cluster, which only the sweep's own driver can check
+    there. What the checks say goes to standard error: standard output is the command's own
+    (``submit --dry-run``'s script)."""
     from orchestrator.runner import estimate_before_start
 
     with contextlib.redirect_stdout(sys.stderr):

@@ -1,0 +1,160 @@
+"""The launcher contract (``orchestrator/launch/``): every backend gets the pre-flight ``run``
+makes, so a sweep ``run`` refuses in one line is refused in the same line by ``run --address``
+and ``submit`` before anything reaches a cluster; and a new backend is one class plus one
+registration line, as the toy one here shows."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+from ports import free_port
+
+from orchestrator.cli import main
+from orchestrator.config import load_spec
+from orchestrator.errors import UserError
+from orchestrator.launch import LAUNCHERS, Launcher, get_launcher, launch, register
+from orchestrator.run_request import RunRequest
+from orchestrator.runner import estimate_before_start
+from tests.conftest import ROOT, command_env, installed_command
+
+SWEEP = """
+experiment: launch
+workload: {name: mlp, params: {depth: 1}}
+search_space:
+  lr: 0.01
+  width: {grid: [16, 32]}
+effective_batch_size: 64
+stop: {epochs: 1}
+resources: {cpu: 1}
+"""
+
+
+class ShellLauncher(Launcher):
+    """A toy backend: runs the request's command line in a shell, with this Python."""
+
+    name: ClassVar[str] = "shell"
+
+    @classmethod
+    def from_args(cls, args) -> ShellLauncher:
+        return cls()
+
+    def submit(self, request: RunRequest, spec) -> int:
+        return subprocess.run(["bash", "-c", request.command((sys.executable, "-m", "orchestrator"))],
+                              env=command_env(), check=False).returncode
+
+
+register(ShellLauncher)
+
+
+@pytest.fixture
+def sweep_file(tmp_path, monkeypatch):
+    """The sweep in the working directory (a Ray Job uploads it from there), which is also where
+    results would go."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sweep.yaml").write_text(SWEEP)
+    return "sweep.yaml"
+
+
+def commands(sweep: str) -> dict[str, list[str]]:
+    """The same sweep through each launcher of the command line. No dashboard answers at the
+    address and ``--dry-run`` submits nothing: whatever the pre-flight passes stops there."""
+    return {
+        "run": ["run", sweep],
+        "run --address": ["run", sweep, "--address", f"http://127.0.0.1:{free_port()}"],
+        "submit": ["submit", sweep, "--cpus-per-node", "2", "--dry-run"],
+    }
+
+
+def refusals(capsys, sweep: str, *flags: str, only=("run", "run --address", "submit")) -> dict[str, str]:
+    said = {}
+    for launcher, argv in commands(sweep).items():
+        if launcher in only:
+            assert main([*argv, *flags]) == 2, launcher
+            said[launcher] = capsys.readouterr().err
+    return said
+
+
+def test_every_launcher_is_registered_under_its_name():
+    for name in ("local", "ray-job", "slurm", "shell"):
+        assert get_launcher(name).name == name
+    assert set(LAUNCHERS) >= {"local", "ray-job", "slurm"}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--set", "resources.cpu=-1"], "error: resources.cpu: "),
+    (["--set", "workload.params.train_samples=0"], "error: workload mlp (width=16): train_data has 0 samples"),
+    (["--set", "workload.name=tests.workloads:BrokenCollateWorkload"],
+     "error: workload tests.workloads:BrokenCollateWorkload (width=16): collate() of two train_data samples failed"),
+    (["--set", "workload.name=tests.workloads:GroupedMLPWorkload", "--set", "search_space.width=12"],
+     "error: workload tests.workloads:GroupedMLPWorkload (width=12): build_model() failed"),
+], ids=["config", "empty data", "collate", "model"])
+def test_a_sweep_run_refuses_is_refused_in_the_same_line_by_every_launcher(sweep_file, tmp_path, capsys, flags, message):
+    said = refusals(capsys, sweep_file, *flags)
+    assert said["run"].startswith(message) and said["run"].count("\n") == 1, said
+    assert said["run --address"] == said["run"] == said["submit"]
+    assert not (tmp_path / "orchestrator_results").exists()
+
+
+def test_a_sweep_name_that_is_a_path_is_refused_before_a_job_is_sent(sweep_file, capsys):
+    said = refusals(capsys, sweep_file, "--name", "../elsewhere", only=("run", "run --address"))  # submit names its own
+    assert said["run"] == said["run --address"]
+    assert said["run"].startswith("error: --name: expected a name, not a path") and said["run"].count("\n") == 1
+
+
+def test_a_model_whose_step_fails_is_refused_before_a_job_is_sent(sweep_file, capsys):
+    """``run`` refuses it with its estimate's line (made while its Ray starts); the other
+    launchers make the same estimate before sending anything."""
+    flags = ["--set", "workload.name=tests.workloads:LossFailsWorkload"]
+    with pytest.raises(UserError) as err:
+        estimate_before_start(load_spec(sweep_file, flags[1::2]))
+    assert "the loss is broken" in str(err.value)
+    said = refusals(capsys, sweep_file, *flags, only=("run --address", "submit"))
+    assert said == {"run --address": f"error: {err.value}\n", "submit": f"error: {err.value}\n"}
+
+
+def test_a_sweep_that_passes_reaches_the_backend(sweep_file, capsys):
+    assert main(commands(sweep_file)["run --address"]) == 2
+    assert "no Ray dashboard answers there" in capsys.readouterr().err
+    assert main(commands(sweep_file)["submit"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("#!/bin/bash")  # the script alone: what the pre-flight says goes to stderr
+    assert "Estimated the memory of 2 distinct trial configuration(s)" in err
+
+
+def test_the_installed_command_refuses_alike_from_the_users_folder(own_model_project):
+    """The README's own model, with a batch larger than its data, through each launcher with the
+    installed command, from the folder that holds ``my_models/``."""
+    said = {}
+    for launcher, argv in commands(own_model_project.config).items():
+        run = subprocess.run(
+            [installed_command(), *argv, "--set", "effective_batch_size=8192"],
+            cwd=own_model_project.folder, env=command_env(), capture_output=True, text=True, timeout=300,
+        )
+        assert run.returncode == 2, run.stderr
+        said[launcher] = run.stderr
+    assert said["run"].startswith("error: workload my_models.wide:WideNet (hidden=256): train_data has 4096 samples, "
+                                  "fewer than one optimizer step (effective_batch_size 8192)"), said
+    assert said["run --address"] == said["run"] == said["submit"]
+
+
+def test_the_toy_launcher_refuses_what_run_refuses(sweep_file, tmp_path):
+    request = RunRequest(sweep_file, overrides=("workload.params.eval_samples=0",))
+    with pytest.raises(UserError, match="eval_data has no samples"):
+        launch(get_launcher("shell")(), request)
+
+
+@pytest.mark.integration
+def test_a_registered_toy_launcher_runs_a_real_sweep(tmp_path):
+    """One trial of the demo sweep through the toy launcher: its shell runs the rendered command."""
+    request = RunRequest(
+        str(ROOT / "configs" / "demo_cpu.yaml"),
+        overrides=("search_space.workload=mlp", "search_space.lr=0.01", "search_space.width=16", "stop.epochs=1"),
+        storage_path=str(tmp_path / "results"), tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", num_cpus=1,
+        name="toy",
+    )
+    assert launch(get_launcher("shell")(), request) == 0
+    assert list(Path(tmp_path / "results" / "toy").glob("*/result.json"))
