@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--num-gpus", type=float, help="GPUs of the embedded local Ray (default: detected)")
     run.add_argument("--dashboard", action="store_true", help="start the Ray dashboard with the embedded local Ray")
     run.add_argument("--dashboard-host", default="127.0.0.1", help="address the dashboard binds to (default 127.0.0.1)")
+    run.add_argument(
+        "-v", "--verbose", action="store_true",
+        help="print Ray's and Tune's own output (a result box per report, snapshot and checkpoint lines) "
+             "instead of one line per trial event",
+    )
 
     plan = commands.add_parser("plan", help="estimate every trial's memory and show its plan, before anything runs")
     _add_config_arguments(plan)

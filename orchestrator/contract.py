@@ -10,6 +10,7 @@ read lives here, once, so neither side imports the other's machinery to learn a 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -63,11 +64,15 @@ OOM_MESSAGES = re.compile(
 @dataclass(frozen=True)
 class OomEvent:
     """One out-of-memory failure and what was done about it. It travels with the trial: in its
-    checkpoints, its reports, MLflow and, when retries run out, its error."""
+    checkpoints, its reports, MLflow and, when retries run out, its error.
+
+    Epochs and steps count from 1, as the tables do: ``epoch 1, step 1`` is the first optimizer
+    step. An eval OOM happens after a training step, so it names that step, and the eval batch.
+    """
 
     phase: str  # "train" | "eval"
-    epoch: int  # 0-based epoch in which it happened
-    step: int  # optimizer step (train) or eval batch index within that epoch
+    epoch: int  # the epoch under way (from 1); an evaluation at an epoch's end belongs to that epoch
+    step: int  # train: the optimizer step that ran out (from 1); eval: the step the evaluation followed
     micro_batch: int
     eval_batch: int
     bytes_requested: int | None
@@ -76,6 +81,7 @@ class OomEvent:
     message: str
     action: str = ""  # what was done about it: the reduction applied, or "gave up"
     rank: int | None = None  # in a data-parallel trial, the rank that ran out (the lowest, when several did)
+    eval_batch_number: int | None = None  # eval: the batch of the evaluation that ran out (from 1)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -94,7 +100,7 @@ class Move:
 
     from_node: str
     to_node: str
-    epoch: int  # the checkpoint's epoch it resumed from
+    epoch: int  # epochs finished at the checkpoint it resumed from
     reason: str  # why it stopped where it was ("node node-b lost", "worker died")
     replanned: str = ""  # "64 x 2 -> 32 x 4 (budget 96.0 MiB -> 48.0 MiB)" when the new node is smaller
 
@@ -106,10 +112,29 @@ class Move:
         return cls(**d)
 
     def describe(self) -> str:
-        text = f"moved {self.from_node}->{self.to_node} at epoch {self.epoch}: {self.reason}"
+        when = f"after epoch {self.epoch}" if self.epoch else "in epoch 1"
+        text = f"moved {self.from_node}->{self.to_node} {when}: {self.reason}"
         return text + (f"; re-planned {self.replanned}" if self.replanned else "")
 
 
 def describe_moves(moves: Iterable[Move]) -> str:
     """The moves a trial's last report lists, for the final table and MLflow."""
     return "; ".join(m.describe() for m in moves)
+
+
+# -- lists in a trial's reports ----------------------------------------------------------------
+
+
+def records_in_report(records: list[dict[str, Any]]) -> str:
+    """A list of records (OOM events, moves) as a trial's report carries it: JSON text. Tune's
+    loggers take numbers and text; a list they try to draw as a histogram, and warn that it is
+    an invalid value."""
+    return json.dumps(records)
+
+
+def records_from_report(value: Any) -> list[dict[str, Any]]:
+    """The records a report carries (:func:`records_in_report`); a list as reports made before
+    that carried them (a sweep resumed across the change), nothing for a missing value."""
+    if not value:
+        return []
+    return json.loads(value) if isinstance(value, str) else list(value)

@@ -26,6 +26,7 @@ from orchestrator.capacity import (
     trial_request,
 )
 from orchestrator.config import SweepSpec
+from orchestrator.console import TUNE_QUIET, TUNE_VERBOSE, config_text, plan_text, quiet_libraries, ray_logging_config
 from orchestrator.contract import MEMORY_LABELS, describe_moves
 from orchestrator.errors import UserError
 from orchestrator.failures import data_error_tracebacks_silenced, exception_line
@@ -133,10 +134,13 @@ def run_sweep(
     dashboard: bool = False,
     dashboard_host: str = "127.0.0.1",
     offline_tracking: bool = False,
+    verbose: bool = False,
 ) -> SweepOutcome:
+    """``verbose``: Ray's and Tune's own output as they print it, instead of ``orchestrator.console``'s view."""
     import ray
     from ray import tune
 
+    quiet_libraries(verbose)
     tracking_uri = resolve_tracking_uri(tracking_uri, spec)
     storage = os.path.abspath(storage_path or spec.storage_path)
     if ray_address is None and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
@@ -146,7 +150,7 @@ def run_sweep(
         with taken_back_if_refused(storage):
             _check_before_ray(spec, storage, tracking_uri, offline_tracking)
             estimates, started_ray = _estimate_while_ray_starts(
-                spec, lambda: _connect_ray(ray_address, num_cpus, num_gpus, dashboard, dashboard_host))
+                spec, lambda: _connect_ray(ray_address, num_cpus, num_gpus, dashboard, dashboard_host, verbose))
             check_shared_storage(storage_path or spec.storage_path, storage, len(alive_nodes()))
             wait = check_schedulable(trial_request(spec), spec.resources.wait_minutes, spec.resources.workers)
             name, restore_from = _experiment_name(spec, storage, name, resume)
@@ -159,7 +163,7 @@ def run_sweep(
                 trainable,
                 param_space=_param_space(spec),
                 tune_config=_tune_config(spec),
-                run_config=_run_config(spec, name, storage, tracking_uri, wait),
+                run_config=_run_config(spec, name, storage, tracking_uri, wait, verbose),
             )
         with recording() as record, _ray_resume_hint_silenced(), data_error_tracebacks_silenced():
             results = tuner.fit()
@@ -223,7 +227,7 @@ def _ray_resume_hint_silenced():
         tune_logger.removeFilter(hint_filter)
 
 
-def _connect_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashboard_host: str) -> bool:
+def _connect_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashboard_host: str, verbose: bool = False) -> bool:
     """Join the cluster we were pointed at, or start an embedded local Ray. True if we started one."""
     import ray
 
@@ -231,27 +235,29 @@ def _connect_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashb
         return False
     secure_token_files()  # before Ray writes a token into ~/.ray, and after it did
     try:
-        return _init_ray(address, num_cpus, num_gpus, dashboard, dashboard_host)
+        return _init_ray(address, num_cpus, num_gpus, dashboard, dashboard_host, verbose)
     finally:
         secure_token_files()
 
 
-def _init_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashboard_host: str) -> bool:
+def _init_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashboard_host: str, verbose: bool = False) -> bool:
     import ray
+
+    logging_config = ray_logging_config(verbose)
 
     # Workers import the user's own workloads (``my_package.module:Class``) from the driver's
     # working directory: Ray puts it on every worker's sys.path (a Ray Job's uploaded working_dir
     # takes its place), as long as the driver runs with no working_dir of its own.
     if os.environ.get("RAY_ADDRESS"):  # inside a Ray Job: the job's runtime environment applies
-        ray.init(address=os.environ["RAY_ADDRESS"])
+        ray.init(address=os.environ["RAY_ADDRESS"], logging_config=logging_config)
     elif address:
         if address == "auto":
             raise UserError("--ray-address: give the head's HOST:PORT; 'auto' can attach to another user's cluster")
-        ray.init(address=address)
+        ray.init(address=address, logging_config=logging_config)
     else:
         context = ray.init(
             address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=dashboard,
-            dashboard_host=dashboard_host,
+            dashboard_host=dashboard_host, logging_config=logging_config,
         )
         if dashboard:
             from orchestrator.dashboard import how_to_open, token_required
@@ -369,13 +375,15 @@ def _tune_config(spec: SweepSpec):
     )
 
 
-def _run_config(spec: SweepSpec, name: str, storage: str, tracking_uri: str, wait: WaitForNodes | None = None):
+def _run_config(spec: SweepSpec, name: str, storage: str, tracking_uri: str, wait: WaitForNodes | None = None,
+                verbose: bool = False):
     from ray import tune
 
     return tune.RunConfig(
         name=name,
         storage_path=storage,
         callbacks=_callbacks(spec, os.path.join(storage, name), tracking_uri),
+        verbose=TUNE_VERBOSE if verbose else TUNE_QUIET,  # quiet: orchestrator.console's LiveView tells
         stop=wait,
         # In-process OOMs are retried by the trainable; Tune restarts workers that died (of
         # memory, mostly) and, up to max_failures, trials that failed otherwise. The scheduler
@@ -386,11 +394,14 @@ def _run_config(spec: SweepSpec, name: str, storage: str, tracking_uri: str, wai
 
 
 def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str) -> list:
-    """The driver's Tune callbacks: MLflow, and the final errors Tune's results may lack (outcome.py)."""
+    """The driver's Tune callbacks: MLflow, the final errors Tune's results may lack (outcome.py),
+    and the live view of the trials' events (console.py)."""
+    from orchestrator.console import LiveView
     from orchestrator.outcome import FinalErrors
     from orchestrator.tracking.callback import UNSENT_FILE, MlflowTracking
 
-    return [MlflowTracking(tracking_uri, spec, unsent_file=os.path.join(experiment_path, UNSENT_FILE)), FinalErrors()]
+    view = LiveView(list(spec.search_space), spec.metric, spec.stop.epochs, spec.stop.steps)
+    return [MlflowTracking(tracking_uri, spec, unsent_file=os.path.join(experiment_path, UNSENT_FILE)), FinalErrors(), view]
 
 
 # -- the final table ---------------------------------------------------------------------------
@@ -400,7 +411,6 @@ def _row(result, spec: SweepSpec, record: SweepRecord | None = None) -> TrialRow
     report = TrialReport.from_result(result.metrics)
     config = result.config or {}
     record = record or SweepRecord()
-    shown = {k: v for k, v in config.items() if k in spec.search_space}  # what differs between trials
     # Tune reads errors back from storage: a trial whose error could not be written there has
     # none in its result, but the driver's callback saw it fail.
     error = exception_line(str(result.error)) if result.error is not None else record.errors.get(str(result.path))
@@ -411,13 +421,12 @@ def _row(result, spec: SweepSpec, record: SweepRecord | None = None) -> TrialRow
         note = record.stop_reason
     return TrialRow(
         name=str(report.trial_id or (os.path.basename(result.path) if result.path else "?")),
-        config=", ".join(f"{k}={_short(v)}" for k, v in shown.items()),
+        config=config_text(config, list(spec.search_space)),  # what differs between trials
         status=status,
         epochs=report.epoch or 0,
         steps=report.step or 0,
         final_metric=value if isinstance(value, (int, float)) and math.isfinite(value) else None,
-        plan=(f"{report.micro_batch} x {report.accum_steps}"
-              + (f" x {report.ranks} ranks" if report.ranks > 1 else "")) if report.micro_batch is not None else "-",
+        plan=plan_text(report),
         peak_bytes=report.measured_peak,
         memory_source=report.memory_source or "",
         oom_retries=report.oom_retries,
@@ -425,10 +434,6 @@ def _row(result, spec: SweepSpec, record: SweepRecord | None = None) -> TrialRow
         node=report.node_name or "",
         moves=describe_moves(report.moves),
     )
-
-
-def _short(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def summary_table(rows: list[TrialRow], spec: SweepSpec) -> str:

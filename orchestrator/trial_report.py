@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from orchestrator.contract import Move, OomEvent
+from orchestrator.contract import Move, OomEvent, records_from_report, records_in_report
 
 #: Keys Tune adds to every result (``ray.tune.result``), which are not the trial's to report;
 #: ``trial_id``, ``done`` and ``time_total_s`` among them are read back into the report.
@@ -131,14 +131,15 @@ class TrialReport:
     # -- the flat form ---------------------------------------------------------------------
     def to_metrics(self) -> dict[str, Any]:
         """The flat dict Tune gets (and MLflow, its numbers): one key per field set, events and
-        moves as lists of dicts, each rank's peaks as ``rank<r>_peak_<kind>_bytes``."""
+        moves as JSON text (``contract.records_in_report``: Tune's loggers take no lists), each
+        rank's peaks as ``rank<r>_peak_<kind>_bytes``."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name == "measurements":
                 out.update(value)
             elif f.name in ("oom_events", "moves"):
-                out[f.name] = [item.to_dict() for item in value]
+                out[f.name] = records_in_report([item.to_dict() for item in value])
             elif f.name == "rank_peaks":
                 for rank, peak in enumerate(value):
                     out.update({f"rank{rank}_peak_{kind}_bytes": getattr(peak, kind)
@@ -178,8 +179,8 @@ class TrialReport:
                 values[f.name] = _typed(_KINDS[f.name], result[f.name])
         values["plan"] = plan
         values["refusal"] = result.get("refusal") or (plan or {}).get("refusal") or None
-        values["oom_events"] = tuple(OomEvent.from_dict(e) for e in result.get("oom_events") or ())
-        values["moves"] = tuple(Move.from_dict(m) for m in result.get("moves") or ())
+        values["oom_events"] = tuple(OomEvent.from_dict(e) for e in records_from_report(result.get("oom_events")))
+        values["moves"] = tuple(Move.from_dict(m) for m in records_from_report(result.get("moves")))
         values["rank_peaks"] = _rank_peaks(result)
         known = {f.name for f in dataclasses.fields(cls)} | _DERIVED | TUNE_RESULT_KEYS
         values["measurements"] = {k: v for k, v in result.items() if k not in known and not _RANK_KEY.fullmatch(k)}

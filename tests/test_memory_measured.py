@@ -27,7 +27,7 @@ def test_probes_double_until_the_slope_is_visible():
 
 def test_every_stage_and_eval_are_probed():
     profile = estimate(StagedMLPWorkload(aux_width=512), "measured", target="cpu", device=CpuDevice())
-    assert [p.name for p in profile.phases] == ["train", "eval", "train@epoch2", "eval@epoch2"]
+    assert [p.name for p in profile.phases] == ["train", "eval", "train@epoch3", "eval@epoch3"]
     sizes = {p.name: [b for b, _ in p.points] for p in profile.phases}
     assert len({tuple(s) for s in sizes.values()}) == 1  # the same probe sizes for every phase
     assert profile.phases[2].allocated_at(64) > profile.phases[0].allocated_at(64)
@@ -40,8 +40,8 @@ def test_an_out_of_memory_error_ends_a_phase_s_probing():
     capacity = epoch2.allocated_at(200)
     profile = estimate(workload, "measured", target="emulated", device=EmulatedDevice(capacity))
     sizes = {p.name: [b for b, _ in p.points] for p in profile.phases}
-    assert sizes["train"][-1] > 200 and sizes["train@epoch2"][-1] < 200
-    assert any(n.startswith("train@epoch2: probing stopped by an out-of-memory error") for n in profile.notes)
+    assert sizes["train"][-1] > 200 and sizes["train@epoch3"][-1] < 200
+    assert any(n.startswith("train@epoch3: probing stopped by an out-of-memory error") for n in profile.notes)
     assert profile.phases[2].allocated_at(128) == epoch2.allocated_at(128)
     with pytest.raises(EstimationError, match="fewer than two probe batch sizes fit"):  # a byte short of micro-batch 1
         estimate(workload, "measured", target="emulated", device=EmulatedDevice(epoch2.allocated_at(1) - 1))

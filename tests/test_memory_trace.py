@@ -72,15 +72,15 @@ def test_untraceable_workload_falls_back_with_a_note_naming_the_op_and_the_line(
 def test_stages_and_eval_are_distinct_phases():
     profile = estimate(StagedMLPWorkload(aux_width=256, aux_start_epoch=3), "trace", target="cpu")
     phases = {p.name: p for p in profile.phases}
-    assert list(phases) == ["train", "eval", "train@epoch3", "eval@epoch3"]
+    assert list(phases) == ["train", "eval", "train@epoch4", "eval@epoch4"]
     assert [p.kind for p in profile.phases] == ["train", "eval", "train", "eval"]
-    assert phases["train"].params == phases["train@epoch3"].params  # the aux block exists from the start
-    assert phases["train@epoch3"].grads > phases["train"].grads  # but only trains from epoch 3
-    assert phases["train@epoch3"].optimizer > phases["train"].optimizer
+    assert phases["train"].params == phases["train@epoch4"].params  # the aux block exists from the start
+    assert phases["train@epoch4"].grads > phases["train"].grads  # but only trains from its 4th epoch (aux_start_epoch counts from 0)
+    assert phases["train@epoch4"].optimizer > phases["train"].optimizer
     for b in (1, 32, 512):
-        assert phases["train@epoch3"].allocated_at(b) > phases["train"].allocated_at(b)
-        assert phases["eval@epoch3"].allocated_at(b) > phases["eval"].allocated_at(b)
-    assert profile.peak(32, 32)[1] == "train@epoch3"
+        assert phases["train@epoch4"].allocated_at(b) > phases["train"].allocated_at(b)
+        assert phases["eval@epoch4"].allocated_at(b) > phases["eval"].allocated_at(b)
+    assert profile.peak(32, 32)[1] == "train@epoch4"
 
 
 @pytest.mark.parametrize("workload", [

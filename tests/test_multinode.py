@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from ray_cluster import alive_node_names, descendants, start_head, start_worker
 
+from orchestrator.contract import records_from_report
 from orchestrator.errors import UserError
 from orchestrator.preflight import check_shared_storage
 from orchestrator.trial.node import CAPACITY_LABEL
@@ -136,7 +137,7 @@ def test_a_sweep_spreads_over_nodes_and_survives_losing_one(cluster, tmp_path):
     moved = results[killed_trial]
     final = moved[-1]
     assert final["training_done"] == 1 and final["epoch"] == 6
-    [move] = final["moves"]
+    [move] = records_from_report(final["moves"])
     assert move["from_node"] == "node-b" and move["to_node"] in {"head", "node-c"}
     assert move["reason"] == "node node-b lost"
     assert move["epoch"] >= 1
@@ -149,7 +150,7 @@ def test_a_sweep_spreads_over_nodes_and_survives_losing_one(cluster, tmp_path):
     assert after and after[0]["epoch"] == move["epoch"] + 1
     assert all(line["node_name"] == "node-b" for line in moved if not line.get("moved"))
     # The final table shows where each trial ran and which one moved, and why.
-    assert "node" in out and f"moved node-b->{move['to_node']} at epoch {move['epoch']}: node node-b lost" in out
+    assert "node" in out and f"moved node-b->{move['to_node']} after epoch {move['epoch']}: node node-b lost" in out
     assert "4/4 trials finished" in out
 
     # MLflow has every epoch of every trial exactly once, and the moved trial's node and move.

@@ -19,9 +19,11 @@ def test_a_move_says_where_from_where_to_and_why():
     move = Move("node-b", "node-c", 2, "node node-b lost", "256 x 1 -> 178 x 2 (budget 4.0 MiB -> 2.0 MiB)")
     assert Move.from_dict(move.to_dict()) == move
     assert describe_moves([move, Move("node-c", "head", 4, "its worker died on node node-c")]) == (
-        "moved node-b->node-c at epoch 2: node node-b lost; re-planned 256 x 1 -> 178 x 2 (budget 4.0 MiB -> 2.0 MiB); "
-        "moved node-c->head at epoch 4: its worker died on node node-c"
+        "moved node-b->node-c after epoch 2: node node-b lost; re-planned 256 x 1 -> 178 x 2 (budget 4.0 MiB -> 2.0 MiB); "
+        "moved node-c->head after epoch 4: its worker died on node node-c"
     )
+    # Epochs count from 1, as in the tables: a move from a checkpoint inside the first epoch.
+    assert Move("node-b", "head", 0, "node node-b lost").describe() == "moved node-b->head in epoch 1: node node-b lost"
 
 
 def test_why_a_trial_left_its_node():

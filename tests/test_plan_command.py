@@ -51,13 +51,13 @@ def test_table_shows_every_phase_of_every_trial_and_the_plan(sweep, capsys):
     out, err = capsys.readouterr()
     rows = [line.split() for line in out.splitlines() if line[:1].isdigit() and "trials," not in line]
     assert {(r[0], r[1], r[2]) for r in rows} == {
-        *((t, "staged_mlp", p) for t in "01" for p in ("train", "eval", "train@epoch2", "eval@epoch2")),
+        *((t, "staged_mlp", p) for t in "01" for p in ("train", "eval", "train@epoch3", "eval@epoch3")),
         *((t, "cnn", p) for t in "23" for p in ("train", "eval")),
     }
     [header] = [line.split() for line in out.splitlines() if line.startswith("trial  workload")]
     assert header[-1] == "worst" and len(header) == len(max(rows, key=len))  # every column has a header
     worst = {r[0]: r[2] for r in rows if r[-1] == "yes"}
-    assert worst["0"] == "train@epoch2" and worst["2"] == "eval"  # the aux block; the 4x eval batch
+    assert worst["0"] == "train@epoch3" and worst["2"] == "eval"  # the aux block; the 4x eval batch
     assert "trial 0 (staged_mlp" in out and "32 x 1 (eval 128, fp32); peak 0." in out
     assert "of 1.96G (2.00G x safety margin 0.98)" in out  # the plan's peak against its limit
     assert "target cuda, budget 2.00G" in out and "ctx" in out  # a card of that size, with its context
@@ -74,7 +74,7 @@ def test_json_has_the_plan_and_the_profile_of_every_trial(sweep, capsys):
     assert report["target"] == "emulated" and report["budget_bytes"] == 8 * 2**20 and report["estimator"] == "static"
     trial = report["trials"][0]
     assert trial["config"]["workload"] == "staged_mlp" and trial["worst_phase"] == trial["plan"]["predicted_phase"]
-    assert [p["name"] for p in trial["profile"]["phases"]] == ["train", "eval", "train@epoch2", "eval@epoch2"]
+    assert [p["name"] for p in trial["profile"]["phases"]] == ["train", "eval", "train@epoch3", "eval@epoch3"]
     assert trial["plan"]["predicted_peak_bytes"] <= 0.98 * 8 * 2**20
     assert trial["plan"]["safety_margin"] == 0.98 and trial["limit_bytes"] == int(0.98 * 8 * 2**20)
 

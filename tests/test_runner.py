@@ -59,7 +59,7 @@ def test_on_several_nodes_the_table_shows_each_trials_node_and_its_moves():
     table = summary_table(rows, SPEC)
     assert table.splitlines()[0].split()[:2] == ["trial", "node"]
     assert "node-c" in table.splitlines()[3]
-    assert "TERMINATED: moved node-b->node-c at epoch 2: node node-b lost" in table
+    assert "TERMINATED: moved node-b->node-c after epoch 2: node node-b lost" in table
     # One node, nothing moved: no node column.
     assert "node" not in summary_table(rows[:1], SPEC).splitlines()[0]
 

@@ -64,7 +64,8 @@ def test_an_oom_at_the_activation_epoch_is_survived_with_the_same_final_weights(
     state_a, state_b = final_weights(surprised), final_weights(planned)
     events = state_a["oom_events"]
     assert row_a.oom_retries == len(events) >= 1
-    assert {e["epoch"] for e in events} == {2} and {e["phase"] for e in events} == {"train"}
+    # aux_start_epoch counts as the workload's set_epoch does, from 0; events count from 1.
+    assert {e["epoch"] for e in events} == {3} and {e["phase"] for e in events} == {"train"}
     assert state_a["plan"]["micro_batch"] < 128 and state_a["plan"]["effective_batch"] == 128
     # Planned for its worst stage from the start: the module switching on at epoch 2 never OOMs.
     assert row_b.oom_retries == 0 and state_b["plan"]["micro_batch"] < 128
@@ -143,7 +144,9 @@ def test_the_recovery_releases_the_failed_attempt_before_building_the_next(tmp_p
                     checkpoint={"every": {"steps": 8}})  # 16 steps per epoch
     assert outcome.ok, outcome.rows
     state = final_weights(outcome)
-    assert state["plan"]["eval_batch"] == 64 and [(e["step"], e["phase"]) for e in state["oom_events"]] == [(0, "eval")]
+    # The event counts from 1: the first eval batch, after step 16, in epoch 1.
+    assert state["plan"]["eval_batch"] == 64
+    assert [(e["phase"], e["epoch"], e["step"], e["eval_batch_number"]) for e in state["oom_events"]] == [("eval", 1, 16, 1)]
     (results,) = reports(outcome)
     peaks = {int(r["step"]): int(float(r["peak_allocated_bytes"])) for r in results}
     assert list(peaks) == [8, 16, 24, 32]

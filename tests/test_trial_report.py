@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from orchestrator.contract import Move, OomEvent
 from orchestrator.trial_report import TUNE_RESULT_KEYS, RankPeak, TrialReport
 
@@ -28,7 +30,11 @@ def test_a_report_survives_tune_and_keeps_the_names_mlflow_has():
     assert metrics["eval_loss"] == 0.7 and metrics["peak_reserved_bytes"] == 1000
     assert metrics["rank0_peak_reserved_bytes"] == 1000 and "rank1_peak_reserved_bytes" not in metrics
     assert (metrics["ranks"], metrics["worst_rank"]) == (2, 0)
-    assert metrics["oom_events"] == [EVENT.to_dict()] and metrics["moves"] == [MOVE.to_dict()]
+    # Lists as JSON text: Tune's TensorBoard logger warns of a list as an invalid value.
+    assert json.loads(metrics["oom_events"]) == [EVENT.to_dict()] and json.loads(metrics["moves"]) == [MOVE.to_dict()]
+    assert not any(isinstance(value, (list, tuple, dict)) for key, value in metrics.items() if key != "plan")
+    # A result from before that change (a sweep resumed across it) carries lists, read as well.
+    assert TrialReport.from_result({**metrics, "oom_events": [EVENT.to_dict()], "moves": [MOVE.to_dict()]}) == REPORT
     assert not {"refused", "done", "trial_id", "time_total_s"} & set(metrics)  # unset: not reported
 
 

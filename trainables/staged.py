@@ -41,7 +41,7 @@ class StagedMLP(nn.Module):
 @dataclasses.dataclass
 class StagedMLPWorkload(MLPWorkload):
     aux_width: int = 1024
-    aux_start_epoch: int = 2
+    aux_start_epoch: int = 2  # counted from 0, as set_epoch counts: 2 is the third epoch
 
     def activation_schedule(self) -> dict[str, int]:
         return {"aux": self.aux_start_epoch}

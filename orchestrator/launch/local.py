@@ -43,6 +43,7 @@ class LocalLauncher(Launcher):
                 dashboard=self.dashboard,
                 dashboard_host=self.dashboard_host,
                 offline_tracking=request.offline_tracking,
+                verbose=request.verbose,
             )
         except KeyboardInterrupt:
             print(f"\nInterrupted. Continue the sweep with: {resume_command(request)}", file=sys.stderr)

@@ -17,16 +17,16 @@ from trainables.workload import Workload
 
 @dataclass(frozen=True)
 class Phase:
-    name: str  # "train", "eval", "train@epoch2", "eval@epoch2"
+    name: str  # "train", "eval", "train@epoch3", "eval@epoch3": epochs counted from 1, as a person reads them
     kind: str  # "train" | "eval"
-    epoch: int  # first epoch of the stage the phase belongs to
+    epoch: int  # first epoch of the stage the phase belongs to, from 0 (the workload's ``set_epoch``)
 
 
 def phases_of(workload: Workload) -> list[Phase]:
     """Train and eval phases of every stage, stage by stage in epoch order (as training meets them)."""
     phases = []
     for epoch in workload.stage_epochs():
-        suffix = "" if epoch == 0 else f"@epoch{epoch}"
+        suffix = "" if epoch == 0 else f"@epoch{epoch + 1}"
         phases.append(Phase(f"train{suffix}", "train", epoch))
         phases.append(Phase(f"eval{suffix}", "eval", epoch))
     return phases

@@ -172,8 +172,15 @@ class TrialRun:
         return trainer
 
     def _oom_event(self, trainer: Trainer, exc: BaseException) -> OomEvent:
+        """Where it happened, counted from 1 as the tables count: the progress holds the steps and
+        epochs finished, so a train step that runs out is the next one, an evaluation follows the
+        last finished step and, at an epoch's end, belongs to the epoch just finished."""
+        progress, evaluating = trainer.progress, trainer.phase == "eval"
+        in_finished_epoch = evaluating and progress.step_in_epoch == 0 and progress.epoch > 0
         return OomEvent(
-            phase=trainer.phase, epoch=trainer.progress.epoch, step=trainer.position,
+            phase=trainer.phase, epoch=progress.epoch if in_finished_epoch else progress.epoch + 1,
+            step=progress.step if evaluating else progress.step + 1,
+            eval_batch_number=trainer.position + 1 if evaluating else None,
             micro_batch=self.plan.micro_batch, eval_batch=self.plan.eval_batch,
             bytes_requested=bytes_requested(str(exc)),
             bytes_allocated=self.device.allocated(), bytes_reserved=self.device.reserved(),

@@ -1,0 +1,419 @@
+"""What ``orchestrator run`` prints while a sweep runs: one line per trial event, and on a
+terminal a progress line that updates in place.
+
+Tune's own reporter prints a box of every reported field for every result, and the libraries
+under it log their start-up, snapshots and checkpoints; a person watching a sweep needs what
+happened to each trial: started, its plan, an OOM and the plan it resumed with, a move to
+another node, finished or failed and why. So Tune's reporter is silenced (``RunConfig(verbose=0)``
+on its legacy output engine),
+Ray's and MLflow's loggers are held to warnings (:func:`quiet_libraries`), and :class:`LiveView`,
+a ``tune.Callback``, prints the events from what trials report. ``run --verbose`` keeps all of
+Ray's output as it was.
+
+Written on standard output as it happens; escape codes (the progress line's ``\\r`` and line
+clearing, Ray's coloured worker prefixes) only where standard output is a terminal, so a
+sweep piped to a file reads as plain lines.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ray import tune
+
+from orchestrator.contract import (
+    MEMORY_LABELS,
+    NOT_RETRIED_KEY,
+    OOM_GAVE_UP_KEY,
+    OOM_SHRINKS_KEY,
+    Move,
+    OomEvent,
+)
+from orchestrator.failures import exception_line, gave_up_message, last_failure
+from orchestrator.trial_report import TrialReport
+from orchestrator.units import human
+
+#: Tune's ``verbose`` for the sweep: its own reporter off unless ``--verbose``, then its default
+#: (``RunConfig``'s ``None``: a result box per finished trial and a status table now and then).
+TUNE_VERBOSE, TUNE_QUIET = None, 0
+#: How often the progress line is redrawn, at most (seconds).
+PROGRESS_EVERY_S = 0.5
+
+
+# -- what happened to a trial ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Started:
+    trial: str
+    config: str  # "workload=mlp, lr=0.003"
+    restarted: bool = False  # Tune started it again (after a failure, or on --resume)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The plan a trial's first report carries (the worker makes it, for its own device)."""
+
+    trial: str
+    plan: str  # "64 x 1"
+    estimate: str  # "estimated peak 36.0 KiB (trace)", or why there is none
+
+
+@dataclass(frozen=True)
+class OomSurvived:
+    trial: str
+    event: OomEvent  # its action says the change: "micro-batch 128->64 (accumulation 1->2)"
+    plan: str = ""  # the plan it resumed with, on the last of the OOMs one report brought
+
+
+@dataclass(frozen=True)
+class Moved:
+    trial: str
+    move: Move
+
+
+@dataclass(frozen=True)
+class Finished:
+    trial: str
+    trained: str  # "3/3 epochs"
+    metric: str  # "eval_loss 0.4609"
+    peak: str  # "peak 36.0 KiB (tensor bytes)"
+
+
+@dataclass(frozen=True)
+class Refused:
+    trial: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    trial: str
+    reason: str  # the exception line, in full
+    log: str = ""  # where its traceback is
+    retrying: str = ""  # how Tune restarts it: "retrying from its last checkpoint"
+
+
+Event = Started | Planned | OomSurvived | Moved | Finished | Refused | Failed
+
+
+def format_event(event: Event) -> str:
+    """One line per event, led by the trial's name as the final table shows it."""
+    name = event.trial
+    if isinstance(event, Started):
+        return f"{name} {'restarted' if event.restarted else 'started'}: {event.config or 'the base config'}"
+    if isinstance(event, Planned):
+        return f"{name} plan: micro-batch x accumulation {event.plan}, {event.estimate}"
+    if isinstance(event, OomSurvived):
+        e = event.event
+        if e.phase == "eval":
+            batch = "" if e.eval_batch_number is None else f" batch {e.eval_batch_number} of"
+            where = f"eval after step {e.step} (epoch {e.epoch}),{batch} {e.eval_batch} samples"
+        else:
+            where = f"train step {e.step} (epoch {e.epoch}) at micro-batch {e.micro_batch}"
+        where += "" if e.rank is None else f" on rank {e.rank}"
+        if e.action == "gave up":
+            return f"{name} OOM in {where}: gave up"
+        return f"{name} OOM in {where}: resumed with {e.action}" + (f", plan {event.plan}" if event.plan else "")
+    if isinstance(event, Moved):
+        return f"{name} {event.move.describe()}"
+    if isinstance(event, Finished):
+        return f"{name} finished: {', '.join(p for p in (event.trained, event.metric, event.peak) if p)}"
+    if isinstance(event, Refused):
+        return f"{name} refused: {event.reason}"
+    first, *more = event.reason.splitlines() or [""]  # more: a trial that gave up lists its OOM events
+    text = f"{name} failed{f', {event.retrying}' if event.retrying else ''}: {first}"
+    return "\n".join([text + (f" (traceback: {event.log})" if event.log else ""), *more])
+
+
+def config_text(config: Mapping[str, Any], keys: Sequence[str]) -> str:
+    """The hyper-parameters that differ between trials, ``workload=mlp, lr=0.003``."""
+    return ", ".join(f"{k}={_short(v)}" for k, v in config.items() if k in keys)
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def plan_text(report: TrialReport) -> str:
+    """``64 x 1`` (micro-batch x accumulation), ``x 2 ranks`` for a data-parallel trial."""
+    if report.micro_batch is None:
+        return "-"
+    return _plan(report.micro_batch, report.accum_steps, report.ranks)
+
+
+def _plan(micro_batch: int, accum_steps: int | None, ranks: int) -> str:
+    return f"{micro_batch} x {accum_steps}" + (f" x {ranks} ranks" if ranks > 1 else "")
+
+
+# -- events out of a trial's reports -----------------------------------------------------------
+
+
+@dataclass
+class Seen:
+    """What the view already told of one trial."""
+
+    planned: bool = False
+    oom_events: int = 0
+    moves: int = 0
+
+
+def report_events(trial: str, report: TrialReport, seen: Seen) -> list[Event]:
+    """The events a trial's report adds to what was already told (``seen``, updated)."""
+    events: list[Event] = []
+    if report.refused:
+        seen.planned = True
+        return [Refused(trial, report.refusal or "nothing fits")]
+    plan = plan_text(report)
+    new_events = report.oom_events[seen.oom_events:]
+    for i, event in enumerate(new_events, 1):
+        events.append(OomSurvived(trial, event, plan if i == len(new_events) else ""))
+    seen.oom_events = max(seen.oom_events, len(report.oom_events))
+    for move in report.moves[seen.moves:]:
+        events.append(Moved(trial, move))
+    seen.moves = max(seen.moves, len(report.moves))
+    if not seen.planned and report.micro_batch is not None:
+        seen.planned = True
+        started_with = _plan_before(new_events[0], report) if new_events else plan
+        events.insert(0, Planned(trial, started_with, _estimate(report)))
+    return events
+
+
+def _plan_before(event: OomEvent, report: TrialReport) -> str:
+    """The plan a trial ran before its first OOM: the event's micro-batch, at the same effective batch."""
+    accumulation = max((report.effective_batch or 0) // (event.micro_batch * report.ranks), 1)
+    return _plan(event.micro_batch, accumulation, report.ranks)
+
+
+def _estimate(report: TrialReport) -> str:
+    estimator = report.estimator or "none"
+    if report.predicted_peak_bytes:
+        phase = f" in {report.predicted_phase}" if report.predicted_phase else ""
+        return f"estimated peak {human(report.predicted_peak_bytes)}{phase} ({estimator})"
+    return "no estimate (memory.estimator: none)" if estimator == "none" else f"no estimate ({estimator})"
+
+
+def finished_event(trial: str, report: TrialReport, metric: str, stop_epochs: int | None) -> Event:
+    if report.refused:
+        return Refused(trial, report.refusal or "nothing fits")
+    epochs = report.epoch or 0
+    trained = f"{epochs}/{stop_epochs} epochs" if stop_epochs else f"{epochs} epochs"
+    value = report.metric(metric)
+    shown = f"{metric} {value:.4f}" if isinstance(value, (int, float)) and math.isfinite(value) else ""
+    peak, source = report.measured_peak, report.memory_source or ""
+    peak_text = f"peak {human(peak)} ({MEMORY_LABELS.get(source, source)})" if peak else ""
+    return Finished(trial, trained, shown, peak_text)
+
+
+# -- the progress line -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Progress:
+    done: int
+    running: int
+    pending: int
+    elapsed_s: float
+    fraction: float  # of the sweep's training done, 0..1
+    ooms: int  # OOMs survived so far
+
+
+def format_progress(p: Progress) -> str:
+    parts = [f"{p.done} done, {p.running} running, {p.pending} pending", f"{_duration(p.elapsed_s)} elapsed"]
+    if 0 < p.fraction < 1:
+        parts.append(f"~{_duration(p.elapsed_s * (1 - p.fraction) / p.fraction)} left")
+    if p.ooms:
+        parts.append(f"{p.ooms} OOM(s) survived")
+    return " | ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    seconds = round(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+def trial_fraction(status: str, result: Mapping[str, Any], stop_epochs: int | None, stop_steps: int | None) -> float:
+    """How much of its budget a trial has trained: its epochs or steps, whichever budget is nearer."""
+    if status in ("TERMINATED", "ERROR"):
+        return 1.0
+    shares = [(result.get("epoch") or 0) / stop_epochs if stop_epochs else 0.0,
+              (result.get("step") or 0) / stop_steps if stop_steps else 0.0]
+    return min(max(shares), 1.0)
+
+
+# -- the callback ------------------------------------------------------------------------------
+
+
+class LiveView(tune.Callback):
+    """Prints trial events as Tune's controller sees them, and the progress line on a terminal.
+
+    Tune pickles its callbacks with the experiment (``Tuner.restore`` runs the copies), so the
+    view holds no stream: it writes to the ``sys.stdout`` of the moment.
+    """
+
+    def __init__(self, shown_keys: Sequence[str], metric: str, stop_epochs: int | None, stop_steps: int | None):
+        self.shown_keys = list(shown_keys)
+        self.metric = metric
+        self.stop_epochs, self.stop_steps = stop_epochs, stop_steps
+        self._seen: dict[str, Seen] = {}
+        self._started: set[str] = set()
+        self._ending: set[str] = set()  # restarted only to fail at once (orchestrator.retry): not told
+        self._shrinks: dict[str, int] = {}
+        self._ooms = 0
+        self._start = time.monotonic()
+        self._drawn = 0.0
+        self._progress_shown = False
+        self._total = 0
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_seen": {}, "_started": set(), "_ending": set(), "_shrinks": {}, "_ooms": 0,
+                "_progress_shown": False}
+
+    def setup(self, stop=None, num_samples=None, total_num_samples=None, **info) -> None:
+        self._start = time.monotonic()
+        self._total = total_num_samples or 0
+
+    def on_trial_start(self, iteration, trials, trial, **info) -> None:
+        if trial.trial_id in self._ending:
+            return
+        restarted = trial.trial_id in self._started
+        self._started.add(trial.trial_id)
+        self._say(Started(trial.trial_id, config_text(trial.config, self.shown_keys), restarted))
+
+    def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
+        seen = self._seen.setdefault(trial.trial_id, Seen())
+        for event in report_events(trial.trial_id, TrialReport.from_result(result), seen):
+            self._ooms += isinstance(event, OomSurvived) and event.event.action != "gave up"
+            self._say(event)
+
+    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+        self._say(finished_event(trial.trial_id, TrialReport.from_result(trial.last_result), self.metric, self.stop_epochs))
+
+    def on_trial_error(self, iteration, trials, trial, **info) -> None:
+        self._say(self._failure(trial))
+
+    def on_trial_recover(self, iteration, trials, trial, **info) -> None:
+        """Tune requeues a failed trial, after the retry scheduler set its config for the restart."""
+        config = trial.config
+        if config.get(NOT_RETRIED_KEY) or config.get(OOM_GAVE_UP_KEY):
+            self._ending.add(trial.trial_id)  # its final failure says why
+            return
+        shrinks = config.get(OOM_SHRINKS_KEY, 0)
+        if shrinks > self._shrinks.get(trial.trial_id, 0):
+            self._shrinks[trial.trial_id] = shrinks
+            self._ooms += 1
+            self._say(self._failure(trial, "its worker died out of memory; restarting from its last checkpoint with a smaller plan"))
+            return
+        self._say(self._failure(trial, "retrying from its last checkpoint"))
+
+    def on_step_end(self, iteration, trials, **info) -> None:
+        if _on_terminal() and time.monotonic() - self._drawn >= PROGRESS_EVERY_S:
+            self._draw(trials)
+
+    def on_experiment_end(self, trials, **info) -> None:
+        self._clear()
+
+    # -- output ----------------------------------------------------------------------------
+    def _failure(self, trial, retrying: str = "") -> Failed:
+        """The failure's exception line; for a trial that gave up on OOMs, every event too (those
+        before its first report were never told)."""
+        text = last_failure(trial.error_file)
+        reason = f"OomRetriesExhausted: {gave_up_message(text)}" if "OomRetriesExhausted:" in text else exception_line(text)
+        # Where the traceback is, unless the error names its own (a data error's trial log).
+        log = os.path.join(str(trial.path), "error.txt") if trial.path and "traceback in " not in reason else ""
+        return Failed(trial.trial_id, reason or "unknown error", log, retrying)
+
+    def _say(self, event: Event) -> None:
+        self._clear()
+        print(format_event(event), flush=True)
+
+    def _draw(self, trials) -> None:
+        statuses = [t.status for t in trials]
+        done = sum(s in ("TERMINATED", "ERROR") for s in statuses)
+        running = sum(s == "RUNNING" for s in statuses)
+        pending = max(self._total, len(trials)) - done - running
+        fractions = [trial_fraction(t.status, t.last_result or {}, self.stop_epochs, self.stop_steps) for t in trials]
+        fraction = sum(fractions) / max(self._total, len(trials), 1)
+        line = format_progress(Progress(done, running, pending, time.monotonic() - self._start, fraction, self._ooms))
+        sys.stdout.write(f"\r\x1b[K{line}")
+        sys.stdout.flush()
+        self._drawn = time.monotonic()
+        self._progress_shown = True
+
+    def _clear(self) -> None:
+        if self._progress_shown:
+            sys.stdout.write("\r\x1b[K")
+            sys.stdout.flush()
+            self._progress_shown = False
+            self._drawn = 0.0  # redraw at the next step
+
+
+def _on_terminal() -> bool:
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+# -- the libraries' own output -----------------------------------------------------------------
+
+
+class _Dropped(logging.Filter):
+    """Drops the log records whose message starts with one of ``prefixes``."""
+
+    def __init__(self, *prefixes: str) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefixes)
+
+
+#: Tune's records that :class:`LiveView` and the final table say in a line each.
+_TOLD_BY_THE_VIEW = {
+    "ray.tune.execution.tune_controller": _Dropped("Trial task failed for trial"),  # + the whole traceback
+    "ray.tune.tune": _Dropped("Trials did not complete"),  # + every unfinished trial's repr
+}
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """Hold Ray, Tune and MLflow to what a person needs, unless ``--verbose``; before Ray starts.
+
+    - Tune's new output engine prints an experiment box and a TensorBoard hint even at
+      ``verbose=0``; its legacy engine (``RAY_AIR_NEW_OUTPUT=0``) prints nothing at 0;
+    - Tune warns of frequent experiment snapshots, which a sweep of short epochs makes by design
+      (its documented switch: a threshold of 0);
+    - Tune logs each failed attempt's whole traceback: :class:`LiveView` says the failure in a
+      line that names the trial's ``error.txt``, where the traceback is;
+    - MLflow logs creating its tables, Ray its start (:func:`ray_logging_config` does the workers);
+    - Ray colours its worker prefixes even into a file: not where standard output is no terminal.
+    """
+    if not _on_terminal():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    if verbose:
+        return
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # read when mlflow is imported
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # where it already was
+    for name, dropped in _TOLD_BY_THE_VIEW.items():
+        logger = logging.getLogger(name)
+        if dropped not in logger.filters:
+            logger.addFilter(dropped)
+
+
+def ray_logging_config(verbose: bool):
+    """``ray.init``'s logging config: the driver's and every worker's Ray loggers at warnings
+    (no "Started a local Ray instance", no "Checkpoint successfully created" per report), unless
+    ``--verbose``, which keeps Ray's default."""
+    import ray
+
+    return None if verbose else ray.LoggingConfig(log_level="WARNING")

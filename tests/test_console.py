@@ -1,0 +1,234 @@
+"""What ``orchestrator run`` prints while a sweep runs (``orchestrator/console.py``).
+
+The lines are checked on synthetic reports and events; the demo sweeps run through the installed
+command, piped as a user pipes them into a file, from a folder outside the repository.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import pickle
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from orchestrator.console import (
+    Failed,
+    Finished,
+    LiveView,
+    Moved,
+    OomSurvived,
+    Planned,
+    Progress,
+    Refused,
+    Seen,
+    Started,
+    config_text,
+    finished_event,
+    format_event,
+    format_progress,
+    report_events,
+    trial_fraction,
+)
+from orchestrator.contract import Move, OomEvent
+from orchestrator.trial_report import TrialReport
+from tests.conftest import ROOT, command_env, installed_command
+
+TRAIN_OOM = OomEvent("train", 1, 1, micro_batch=128, eval_batch=128, bytes_requested=2**20, bytes_allocated=7 * 2**20,
+                     bytes_reserved=None, message="emulated device out of memory",
+                     action="micro-batch 128->64 (accumulation 1->2)")
+EVAL_OOM = OomEvent("eval", 1, 8, micro_batch=64, eval_batch=128, bytes_requested=None, bytes_allocated=2**20,
+                    bytes_reserved=None, message="out of memory", action="eval batch 128->64", eval_batch_number=1)
+PLANNED = TrialReport(micro_batch=64, accum_steps=2, effective_batch=128, estimator="trace",
+                      predicted_peak_bytes=5 * 2**20, predicted_phase="train")
+
+
+def test_each_event_is_one_line_naming_the_trial():
+    lines = [
+        format_event(Started("a_00000", "workload=mlp, lr=0.003")),
+        format_event(Planned("a_00000", "64 x 1", "estimated peak 39.2 KiB in train (trace)")),
+        format_event(OomSurvived("a_00000", TRAIN_OOM, "64 x 2")),
+        format_event(OomSurvived("a_00000", EVAL_OOM)),
+        format_event(Moved("a_00000", Move("node-b", "head", 2, "node node-b lost"))),
+        format_event(Finished("a_00000", "3/3 epochs", "eval_loss 0.4609", "peak 36.0 KiB (tensor bytes)")),
+        format_event(Refused("a_00001", "micro-batch 1 needs 9.0 GiB, the budget is 8.0 GiB")),
+        format_event(Failed("a_00002", "ValueError: " + "x" * 300, "/r/t/error.txt")),
+        format_event(Failed("a_00003", "RayActorError: the actor died", retrying="retrying from its last checkpoint")),
+    ]
+    assert lines[:2] == [
+        "a_00000 started: workload=mlp, lr=0.003",
+        "a_00000 plan: micro-batch x accumulation 64 x 1, estimated peak 39.2 KiB in train (trace)",
+    ]
+    # An OOM says its phase, step and epoch (from 1), and the plan it resumed with.
+    assert lines[2] == ("a_00000 OOM in train step 1 (epoch 1) at micro-batch 128: resumed with micro-batch 128->64 "
+                        "(accumulation 1->2), plan 64 x 2")
+    assert lines[3] == "a_00000 OOM in eval after step 8 (epoch 1), batch 1 of 128 samples: resumed with eval batch 128->64"
+    assert lines[4] == "a_00000 moved node-b->head after epoch 2: node node-b lost"
+    assert lines[5] == "a_00000 finished: 3/3 epochs, eval_loss 0.4609, peak 36.0 KiB (tensor bytes)"
+    assert lines[6] == "a_00001 refused: micro-batch 1 needs 9.0 GiB, the budget is 8.0 GiB"
+    assert lines[7] == f"a_00002 failed: ValueError: {'x' * 300} (traceback: /r/t/error.txt)"  # the reason in full
+    assert lines[8] == "a_00003 failed, retrying from its last checkpoint: RayActorError: the actor died"
+    assert all("\n" not in line and "\x1b" not in line for line in lines)
+    # A trial that gave up on OOMs: its events below the line, as its error lists them.
+    gave_up = Failed("t", "OomRetriesExhausted: out of memory in train; 2 OOM event(s):\n  epoch 1 train step 1: ...", "e.txt")
+    assert format_event(gave_up) == ("t failed: OomRetriesExhausted: out of memory in train; 2 OOM event(s): (traceback: e.txt)\n"
+                                     "  epoch 1 train step 1: ...")
+
+
+def test_a_report_tells_the_plan_once_and_each_oom_and_move_once():
+    seen = Seen()
+    first = dataclasses.replace(PLANNED, oom_events=(TRAIN_OOM,))
+    events = report_events("t", first, seen)
+    # The plan it started with (before the OOM in the same report), then the OOM with the plan now.
+    assert [format_event(e) for e in events] == [
+        "t plan: micro-batch x accumulation 128 x 1, estimated peak 5.0 MiB in train (trace)",
+        ("t OOM in train step 1 (epoch 1) at micro-batch 128: resumed with micro-batch 128->64 (accumulation 1->2), "
+         "plan 64 x 2"),
+    ]
+    assert report_events("t", first, seen) == []  # the next report of the same events adds nothing
+    move = Move("node-b", "node-c", 1, "node node-b lost")
+    later = dataclasses.replace(first, oom_events=(TRAIN_OOM, EVAL_OOM), moves=(move,))
+    assert report_events("t", later, seen) == [OomSurvived("t", EVAL_OOM, "64 x 2"), Moved("t", move)]
+    # As Tune hands it over: the report's flat form, read back.
+    assert report_events("t", TrialReport.from_result(later.to_metrics()), Seen())[1:] == [
+        OomSurvived("t", TRAIN_OOM), OomSurvived("t", EVAL_OOM, "64 x 2"), Moved("t", move)]
+
+
+def test_a_refused_trial_says_why_instead_of_a_plan():
+    result = TrialReport(refusal="micro-batch 1 needs 9.0 GiB", micro_batch=0, accum_steps=0)
+    assert report_events("t", result, Seen()) == [Refused("t", "micro-batch 1 needs 9.0 GiB")]
+    assert finished_event("t", result, "eval_loss", 3) == Refused("t", "micro-batch 1 needs 9.0 GiB")
+
+
+def test_a_finished_trial_says_what_it_trained_its_metric_and_peak():
+    result = TrialReport(epoch=3, measurements={"eval_loss": 0.46091}, peak_allocated_bytes=36 * 1024,
+                         memory_source="cpu_tensor_tracker")
+    assert format_event(finished_event("t", result, "eval_loss", 3)) == (
+        "t finished: 3/3 epochs, eval_loss 0.4609, peak 36.0 KiB (tensor bytes)")
+    unfinished = TrialReport(epoch=1, measurements={"eval_loss": float("nan")})
+    assert format_event(finished_event("t", unfinished, "eval_loss", None)) == "t finished: 1 epochs"
+
+
+def test_the_config_shows_what_differs_between_trials_in_the_configs_order():
+    config = {"workload": "mlp", "depth": 2, "lr": 0.0030000001, "width": 16, "seed": 0}
+    assert config_text(config, ["lr", "workload", "width"]) == "workload=mlp, lr=0.003, width=16"
+
+
+def test_the_progress_line_counts_trials_time_left_and_ooms():
+    assert format_progress(Progress(3, 2, 3, 75, 0.5, 2)) == (
+        "3 done, 2 running, 3 pending | 1:15 elapsed | ~1:15 left | 2 OOM(s) survived")
+    assert format_progress(Progress(0, 2, 6, 4000, 0.0, 0)) == "0 done, 2 running, 6 pending | 1:06:40 elapsed"
+    assert trial_fraction("RUNNING", {"epoch": 1, "step": 10}, 4, None) == 0.25
+    assert trial_fraction("RUNNING", {"epoch": 0, "step": 300}, 4, 400) == 0.75  # the nearer budget
+    assert trial_fraction("ERROR", {}, 4, None) == trial_fraction("TERMINATED", {}, 4, None) == 1.0
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _trials():
+    return [SimpleNamespace(status="TERMINATED", last_result={"epoch": 3}),
+            SimpleNamespace(status="RUNNING", last_result={"epoch": 1}),
+            SimpleNamespace(status="PENDING", last_result={})]
+
+
+def test_on_a_terminal_the_progress_line_is_redrawn_in_place_and_cleared_for_each_event(monkeypatch):
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stdout", screen)
+    view = LiveView(["lr"], "eval_loss", 3, None)
+    view.setup(total_num_samples=4)
+    view.on_step_end(0, _trials())
+    assert screen.getvalue().startswith("\r\x1b[K1 done, 1 running, 2 pending | 0:00 elapsed | ~")
+    view.on_trial_start(0, _trials(), SimpleNamespace(trial_id="t", config={"lr": 0.1}))
+    assert screen.getvalue().endswith("\r\x1b[Kt started: lr=0.1\n")  # the progress line made way
+    view.on_experiment_end(_trials())
+    assert screen.getvalue().endswith("\n")
+
+
+def test_into_a_file_there_is_no_progress_line(monkeypatch):
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", log)
+    view = LiveView(["lr"], "eval_loss", 3, None)
+    view.on_step_end(0, _trials())
+    view.on_trial_start(0, _trials(), SimpleNamespace(trial_id="t", config={"lr": 0.1}))
+    view.on_experiment_end(_trials())
+    assert log.getvalue() == "t started: lr=0.1\n"
+
+
+def test_a_failure_names_its_traceback_file_unless_its_error_names_one(tmp_path):
+    error_file = tmp_path / "error.txt"
+    view = LiveView(["lr"], "eval_loss", 3, None)
+    trial = SimpleNamespace(trial_id="t", path="/r/t", error_file=str(error_file), config={})
+    error_file.write_text("Failure # 1 (occurred at ...)\nTraceback ...\nValueError: bad shape\n")
+    assert view._failure(trial) == Failed("t", "ValueError: bad shape", "/r/t/error.txt")
+    error_file.write_text("Failure # 1\nDataError: train_data sample 3: x.py:1: ValueError: no; traceback in /r/t/trial.log\n")
+    assert view._failure(trial).log == ""
+
+
+def test_verbose_reaches_every_launcher_through_the_run_request():
+    from orchestrator.run_request import RunRequest
+
+    assert RunRequest.from_args(SimpleNamespace(config="s.yaml", overrides=[], verbose=True)).arguments()[-1] == "--verbose"
+    assert "--verbose" not in RunRequest("s.yaml").arguments()
+
+
+def test_the_view_pickles_without_its_state_for_a_resumed_sweep():
+    """Tune pickles its callbacks with the experiment; ``Tuner.restore`` runs the copies."""
+    view = LiveView(["lr"], "eval_loss", 3, None)
+    view._seen["t"] = Seen(planned=True)
+    copy = pickle.loads(pickle.dumps(view))
+    assert copy._seen == {} and copy.shown_keys == ["lr"] and copy.metric == "eval_loss"
+
+
+def test_run_help_offers_ray_s_own_output_as_verbose():
+    from orchestrator.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["run", "x.yaml", "-v"]).verbose and not parser.parse_args(["run", "x.yaml"]).verbose
+    run_help = parser._subparsers._group_actions[0].choices["run"].format_help()
+    assert "-v, --verbose" in run_help
+
+
+def _piped_run(config: str, cwd) -> subprocess.CompletedProcess:
+    """``orchestrator run CONFIG > file``, as a user starts it: stdout and stderr into a pipe."""
+    return subprocess.run([installed_command(), "run", str(ROOT / "configs" / config), "--num-cpus", "2"],
+                          cwd=cwd, env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=600)
+
+
+@pytest.mark.integration
+def test_the_demo_sweep_piped_to_a_file_is_a_short_plain_log(tmp_path):
+    proc = _piped_run("demo_cpu.yaml", tmp_path)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:]
+    assert len(out.splitlines()) <= 60, out
+    assert "\x1b" not in out and "\r" not in out
+    # One line per event of each of the 8 trials, then our table; none of Ray's boxes or chatter.
+    assert len(re.findall(r"^\w+_\d{5} started: workload=", out, re.M)) == 8
+    assert len(re.findall(r"^\w+_\d{5} plan: micro-batch x accumulation 64 x 1, estimated peak", out, re.M)) == 8
+    assert len(re.findall(r"^\w+_\d{5} finished: 3/3 epochs, eval_loss \d", out, re.M)) == 8
+    assert "8/8 trials finished" in out
+    for noise in ("╭", "Trial status", "Checkpoint successfully created", "snapshotting", "Started a local Ray",
+                  "TensorBoard", "mlflow.store"):
+        assert noise not in out, noise
+
+
+@pytest.mark.integration
+def test_the_oom_demo_announces_each_oom_with_its_step_and_new_plan(tmp_path):
+    proc = _piped_run("demo_oom_cpu.yaml", tmp_path)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:]
+    assert "\x1b" not in out and "invalid value" not in out  # no list in Tune's metrics for TensorBoard
+    ooms = re.findall(r"^\w+_\d{5} OOM in (train step|eval after step) (\d+) \(epoch (\d)\).*: resumed with (.*)$", out, re.M)
+    assert ooms, out
+    assert all(int(step) >= 1 and int(epoch) >= 1 for _, step, epoch, _ in ooms)  # counted from 1
+    assert any(change.startswith("micro-batch 128->64 (accumulation 1->2)") for *_, change in ooms)
+    # The staged trial's auxiliary block switches on in its third epoch (aux_start_epoch 2, from 0).
+    assert any(phase == "train step" and epoch == "3" for phase, _, epoch, _ in ooms)
+    assert "6/6 trials finished" in out
