@@ -295,7 +295,7 @@ def compare_with_truth(path: str, wanted: set[str] | None) -> list[dict]:
     """Predict every measurement of the truth file for the zoo's models that have one; print a table."""
     import re
 
-    from orchestrator.memory.allocator import AllocatorConfig
+    from orchestrator.allocator_conf import AllocatorConfig
 
     with open(path) as f:
         truth = json.load(f)

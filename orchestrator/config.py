@@ -439,7 +439,7 @@ class SweepSpec:
     tracking_uri: Text | None = None
     seed: Integer = 0
     max_failures: NonNegativeInt = 0
-    reuse: Flag = True  # Tune's reuse_actors: a finished trial's worker runs the next (trainables.reuse)
+    reuse: Flag = True  # Tune's reuse_actors: a finished trial's worker runs the next (orchestrator.trial.reuse)
     eval_every: Cadence = Every("epochs", 1)
     checkpoint: CheckpointPolicy = CheckpointPolicy()
     data: DataLoading = DataLoading()

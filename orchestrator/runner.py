@@ -339,7 +339,7 @@ def _trainable(spec: SweepSpec, estimates):
     trainable = tune.with_parameters(train_trial, spec=spec, estimates=estimates)
     if spec.resources.gpu == "auto":
         return tune.with_resources(trainable, auto_gpu_resources(spec, estimates))
-    if spec.resources.workers > 1:  # one bundle per rank; rank 0 is the trial's own actor (trainables.group)
+    if spec.resources.workers > 1:  # one bundle per rank; rank 0 is the trial's own actor (orchestrator.trial.group)
         bundle = {"CPU": spec.resources.cpu, "GPU": float(spec.resources.gpu)}
         return tune.with_resources(trainable, tune.PlacementGroupFactory([bundle] * spec.resources.workers))
     return tune.with_resources(trainable, {"cpu": spec.resources.cpu, "gpu": spec.resources.gpu})

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.allocator_conf import parse_alloc_conf
-from orchestrator.memory.allocator import AllocatorConfig, CachingAllocator, OutOfMemory, replay
+from orchestrator.allocator_conf import AllocatorConfig, parse_alloc_conf
+from orchestrator.memory.allocator import CachingAllocator, OutOfMemory, replay
 
 MiB = 2**20
 EXPANDABLE = AllocatorConfig(expandable_segments=True)

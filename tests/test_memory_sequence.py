@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.memory.allocator import AllocatorConfig
+from orchestrator.allocator_conf import AllocatorConfig
 from orchestrator.memory.sequence import TrialSequence, fit_log, without_prefix
 
 MiB = 2**20

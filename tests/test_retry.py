@@ -65,7 +65,7 @@ def test_failures_are_classified():
     assert classify("ray.exceptions.RayActorError: The actor died unexpectedly") == "worker_died"
     assert classify(KILLED_TEXT, ActorDiedError()) == "worker_died"  # "OOM killer" is Ray's guess, not evidence
     assert classify(KILLED_TEXT, ActorDiedError(), oom_evidence=True) == "oom"
-    assert classify("orchestrator.oom.OomRetriesExhausted: out of memory in train and no smaller plan") == "gave_up"
+    assert classify("orchestrator.trial.errors.OomRetriesExhausted: out of memory in train and no smaller plan") == "gave_up"
     assert classify("ValueError: a bug in the model") == "other"
     assert classify(UNREACHABLE_TEXT) == "node_unreachable"
     assert classify(KILLED_TEXT + "\nThe actor died because its node has died. Node Id: 6872") == "node_died"
@@ -119,7 +119,7 @@ def test_a_trial_that_gave_up_is_not_trained_again(tmp_path):
     scheduler = OomAwareScheduler(FIFOScheduler())
     trial = _trial(tmp_path, (
         "Failure # 1\nTraceback (most recent call last):\n  File x\n"
-        "orchestrator.oom.OomRetriesExhausted: out of memory in train and no smaller plan is left; 1 OOM event(s):\n"
+        "orchestrator.trial.errors.OomRetriesExhausted: out of memory in train and no smaller plan is left; 1 OOM event(s):\n"
         "  epoch 0 train step 3: micro-batch 1, eval batch 8, asked 10 B with 20 B allocated -> gave up\n"
     ))
     scheduler.on_trial_error(None, trial)
@@ -166,7 +166,7 @@ def test_the_exception_line_is_the_innermost_without_its_module():
     text = (
         "ray.exceptions.RayTaskError(OomRetriesExhausted): \x1b[36mray::ImplicitFunc.train()\x1b[39m\n"
         "  File x, in run\n    raise ValueError(f'a: {b}')\n"
-        "orchestrator.oom.OomRetriesExhausted: out of memory in train; 2 OOM event(s):\n  epoch 0 ...\n"
+        "orchestrator.trial.errors.OomRetriesExhausted: out of memory in train; 2 OOM event(s):\n  epoch 0 ...\n"
     )
     assert exception_line(text) == "OomRetriesExhausted: out of memory in train; 2 OOM event(s):"
     assert exception_line("Traceback\n  File x\nKeyboardInterrupt\n") == "KeyboardInterrupt"

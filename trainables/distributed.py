@@ -22,7 +22,7 @@ minutes in a group), so every rank reaches every milestone's collective.
 
 A rank whose process dies cannot agree to anything: its peers' next collective fails as soon as
 the connection closes, or after :data:`COLLECTIVE_TIMEOUT` when it hangs without dying, and the
-trial fails and is restarted by Tune from its last checkpoint (``trainables.group``).
+trial fails and is restarted by Tune from its last checkpoint (``orchestrator.trial.group``).
 """
 
 from __future__ import annotations

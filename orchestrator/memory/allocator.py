@@ -446,7 +446,4 @@ def replay(events: Iterable[int], config: AllocatorConfig = AllocatorConfig(), c
     return Replay(allocator.peak_allocated, allocator.peak_reserved, oom, allocator.retries)
 
 
-__all__ = [
-    "AllocatorConfig", "AllocatorOutOfMemory", "CachingAllocator", "KEYS", "OutOfMemory", "Replay",
-    "parse_alloc_conf", "replay",
-]
+__all__ = ["AllocatorOutOfMemory", "CachingAllocator", "OutOfMemory", "Replay", "replay"]

@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from orchestrator.allocator_conf import DEFAULT_ALLOC_CONF
-from orchestrator.memory.allocator import AllocatorConfig, Replay
+from orchestrator.allocator_conf import AllocatorConfig
+from orchestrator.memory.allocator import Replay
 from orchestrator.memory.sequence import TrialSequence
 
 if TYPE_CHECKING:

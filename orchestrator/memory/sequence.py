@@ -27,7 +27,8 @@ from functools import lru_cache
 
 from torch import nn
 
-from orchestrator.memory.allocator import AllocatorConfig, CachingAllocator, Replay
+from orchestrator.allocator_conf import AllocatorConfig
+from orchestrator.memory.allocator import CachingAllocator, Replay
 
 
 def states_in_creation_order(model: nn.Module) -> list:

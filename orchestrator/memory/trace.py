@@ -32,7 +32,7 @@ import gc
 from dataclasses import replace
 
 from orchestrator.allocator_conf import parse_alloc_conf
-from orchestrator.memory.allocator import AllocatorConfig
+from orchestrator.allocator_conf import AllocatorConfig
 from orchestrator.memory.failure import summary
 from orchestrator.memory.fake import FakeSetup, Untraceable, describe, fake_setup, running
 from orchestrator.memory.fit import envelope_points, event_lines, line_through

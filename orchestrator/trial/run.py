@@ -317,7 +317,7 @@ class TrialRun:
 
     def _remember_cuda_context(self) -> None:
         """What this process holds on the GPU outside PyTorch's allocator, for the budget of
-        the next trial it runs (``trainables.reuse``)."""
+        the next trial it runs (``orchestrator.trial.reuse``)."""
         if self.device.card() is None or HISTORY.cuda_context_bytes is not None:
             return
         free = self._gpu_free()
