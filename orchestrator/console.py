@@ -17,12 +17,13 @@ sweep piped to a file reads as plain lines.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,7 @@ from orchestrator.contract import (
     OomEvent,
 )
 from orchestrator.failures import exception_line, gave_up_message, last_failure
+from orchestrator.trial.errors import DataError
 from orchestrator.trial_report import TrialReport
 from orchestrator.units import human
 
@@ -367,21 +369,51 @@ def _on_terminal() -> bool:
 
 
 class _Dropped(logging.Filter):
-    """Drops the log records whose message starts with one of ``prefixes``."""
+    """Drops the log records ``told_elsewhere`` picks."""
 
-    def __init__(self, *prefixes: str) -> None:
+    def __init__(self, told_elsewhere: Callable[[logging.LogRecord], bool]) -> None:
         super().__init__()
-        self.prefixes = prefixes
+        self.told_elsewhere = told_elsewhere
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.prefixes)
+        return not self.told_elsewhere(record)
 
 
-#: Tune's records that :class:`LiveView` and the final table say in a line each.
-_TOLD_BY_THE_VIEW = {
-    "ray.tune.execution.tune_controller": _Dropped("Trial task failed for trial"),  # + the whole traceback
-    "ray.tune.tune": _Dropped("Trials did not complete"),  # + every unfinished trial's repr
-}
+def _starts(*prefixes: str) -> Callable[[logging.LogRecord], bool]:
+    return lambda record: record.getMessage().startswith(prefixes)
+
+
+def _a_data_error(record: logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    return isinstance(error, DataError) or isinstance(getattr(error, "cause", None), DataError)
+
+
+_CONTROLLER, _TUNE = "ray.tune.execution.tune_controller", "ray.tune.tune"
+
+#: Tune's records that our own lines say better, even with ``--verbose``: its resume hint is
+#: Python for a Tune user (ours is ``orchestrator run ... --resume``, printed with the summary),
+#: and a data error's traceback is in the trial's log file, which its one line names.
+_TOLD_BY_US = ((_TUNE, lambda record: "Tuner.restore(" in record.getMessage()), (_CONTROLLER, _a_data_error))
+#: And those :class:`LiveView` and the final table say in a line each, unless ``--verbose``.
+_TOLD_BY_THE_VIEW = (
+    (_CONTROLLER, _starts("Trial task failed for trial")),  # + the whole traceback
+    (_TUNE, _starts("Trials did not complete")),  # + every unfinished trial's repr
+)
+
+
+@contextlib.contextmanager
+def tune_lines_told_here(verbose: bool) -> Iterator[None]:
+    """While the sweep runs, Tune's log records that this console tells in its own words are
+    dropped (and put back after, for whatever the process runs next)."""
+    held = [(logging.getLogger(name), _Dropped(picks))
+            for name, picks in _TOLD_BY_US + (() if verbose else _TOLD_BY_THE_VIEW)]
+    for logger, dropped in held:
+        logger.addFilter(dropped)
+    try:
+        yield
+    finally:
+        for logger, dropped in held:
+            logger.removeFilter(dropped)
 
 
 def quiet_libraries(verbose: bool) -> None:
@@ -392,7 +424,7 @@ def quiet_libraries(verbose: bool) -> None:
     - Tune warns of frequent experiment snapshots, which a sweep of short epochs makes by design
       (its documented switch: a threshold of 0);
     - Tune logs each failed attempt's whole traceback: :class:`LiveView` says the failure in a
-      line that names the trial's ``error.txt``, where the traceback is;
+      line that names the trial's ``error.txt``, where the traceback is (:func:`tune_lines_told_here`);
     - MLflow logs creating its tables, Ray its start (:func:`ray_logging_config` does the workers);
     - Ray colours its worker prefixes even into a file: not where standard output is no terminal.
     """
@@ -404,10 +436,6 @@ def quiet_libraries(verbose: bool) -> None:
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # read when mlflow is imported
     logging.getLogger("mlflow").setLevel(logging.WARNING)  # where it already was
-    for name, dropped in _TOLD_BY_THE_VIEW.items():
-        logger = logging.getLogger(name)
-        if dropped not in logger.filters:
-            logger.addFilter(dropped)
 
 
 def ray_logging_config(verbose: bool):

@@ -17,10 +17,7 @@ memory monitor (which acts before the kernel) are what shrink plans.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import re
-from typing import Iterator
 
 from orchestrator.contract import OOM_MESSAGES
 
@@ -109,25 +106,3 @@ def gave_up_message(failure: str) -> str:
     message = [lines[start].split("OomRetriesExhausted:", 1)[1].strip()]
     message += [line for line in lines[start + 1 :] if line.startswith("  epoch ")]
     return "\n".join(message)
-
-
-@contextlib.contextmanager
-def data_error_tracebacks_silenced() -> Iterator[None]:
-    """Tune logs every failed trial with its traceback ("Trial task failed for trial ..."). A data
-    error's traceback is in the trial's log file, which its one line names (the table's status,
-    ``orchestrator.trial.errors.DataError``): on the console it would be noise around that line."""
-    from orchestrator.trial.errors import DataError
-
-    class NoDataErrorTraceback(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            error = record.exc_info[1] if record.exc_info else None
-            cause = getattr(error, "cause", None)
-            return not (isinstance(cause, DataError) or isinstance(error, DataError))
-
-    quiet = NoDataErrorTraceback()
-    controller = logging.getLogger("ray.tune.execution.tune_controller")
-    controller.addFilter(quiet)
-    try:
-        yield
-    finally:
-        controller.removeFilter(quiet)

@@ -8,7 +8,6 @@ another user's cluster.
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import math
 import os
@@ -26,10 +25,12 @@ from orchestrator.capacity import (
     trial_request,
 )
 from orchestrator.config import SweepSpec
-from orchestrator.console import TUNE_QUIET, TUNE_VERBOSE, config_text, plan_text, quiet_libraries, ray_logging_config
+from orchestrator.console import (
+    TUNE_QUIET, TUNE_VERBOSE, config_text, plan_text, quiet_libraries, ray_logging_config, tune_lines_told_here,
+)
 from orchestrator.contract import MEMORY_LABELS, describe_moves
 from orchestrator.errors import UserError
-from orchestrator.failures import data_error_tracebacks_silenced, exception_line
+from orchestrator.failures import exception_line
 from orchestrator.invocation import shell_command
 from orchestrator.outcome import INTERRUPTED, TERMINATED, SweepRecord, TrackingDelivery, recording, trial_status
 from orchestrator.preflight import check_shared_storage, check_storage, check_workloads, taken_back_if_refused
@@ -165,7 +166,7 @@ def run_sweep(
                 tune_config=_tune_config(spec),
                 run_config=_run_config(spec, name, storage, tracking_uri, wait, verbose),
             )
-        with recording() as record, _ray_resume_hint_silenced(), data_error_tracebacks_silenced():
+        with recording() as record, tune_lines_told_here(verbose):
             results = tuner.fit()
         # A restored sweep lists its trials in the order they were restored: the table keeps the sweep's.
         rows = sorted((_row(result, spec, record) for result in results), key=lambda row: row.name)
@@ -206,25 +207,6 @@ def _check_before_ray(spec: SweepSpec, storage: str, tracking_uri: str, offline_
         from orchestrator.tracking.check import check_tracking
 
         check_tracking(tracking_uri, spec.experiment)
-
-
-@contextlib.contextmanager
-def _ray_resume_hint_silenced():
-    """Tune ends an interrupted sweep with "Resume experiment with: Tuner.restore(...)", Python
-    for a Tune user; ours is ``orchestrator run ... --resume``, printed with the summary."""
-    import logging
-
-    class NoRestoreHint(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            return "Tuner.restore(" not in record.getMessage()
-
-    hint_filter = NoRestoreHint()
-    tune_logger = logging.getLogger("ray.tune.tune")
-    tune_logger.addFilter(hint_filter)
-    try:
-        yield
-    finally:
-        tune_logger.removeFilter(hint_filter)
 
 
 def _connect_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashboard_host: str, verbose: bool = False) -> bool:
