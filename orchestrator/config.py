@@ -49,6 +49,9 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULERS = ("fifo", "asha")
 LR_DECAYS = ("constant", "linear", "cosine")
 EVERY_UNITS = ("epochs", "steps", "minutes")
+#: What a trial whose loss (or clipped gradient norm) is not finite does (``trainables.divergence``):
+#: ends as DIVERGED, counted as finished (stop) or as failed (fail), or trains on (continue).
+ON_NAN = ("stop", "fail", "continue")
 
 #: Every section refuses keys it does not declare: a typo is a mistake, not a silent default.
 SECTION = ConfigDict(extra="forbid")
@@ -110,6 +113,7 @@ Estimator = Annotated[str, BeforeValidator(_registered_estimator)]
 Precision = _one_of(PRECISIONS)
 Decay = _one_of(LR_DECAYS)
 Mode = _one_of(("min", "max"))
+OnNan = _one_of(ON_NAN)
 TimeAttr = _one_of(("epoch", "step"))
 SchedulerType = Annotated[_one_of(SCHEDULERS), BeforeValidator(lambda v: "fifo" if v in (None, "none") else v)]
 LrFraction = Annotated[float, Field(strict=True, ge=0, le=1), _expect("a fraction of lr in [0, 1]")]
@@ -445,6 +449,7 @@ class SweepSpec:
     data: DataLoading = DataLoading()
     schedule: LrSchedule | None = None  # None: a workload's build_scheduler, else a constant lr
     max_grad_norm: PositiveNumber | None = None
+    on_nan: OnNan = "stop"
     source: str | None = field(default=None, compare=False, metadata=DERIVED)
     raw: dict = field(default_factory=dict, compare=False, metadata=DERIVED)  # the YAML as given
 

@@ -96,6 +96,12 @@ class Refused:
 
 
 @dataclass(frozen=True)
+class Diverged:
+    trial: str
+    reason: str  # "loss not finite at step 37 (epoch 2); last finite loss 0.4123; not retried (on_nan: stop)"
+
+
+@dataclass(frozen=True)
 class Failed:
     trial: str
     reason: str  # the exception line, in full
@@ -103,7 +109,7 @@ class Failed:
     retrying: str = ""  # how Tune restarts it: "retrying from its last checkpoint"
 
 
-Event = Started | Planned | OomSurvived | Moved | Finished | Refused | Failed
+Event = Started | Planned | OomSurvived | Moved | Finished | Refused | Diverged | Failed
 
 
 def format_event(event: Event) -> str:
@@ -130,6 +136,8 @@ def format_event(event: Event) -> str:
         return f"{name} finished: {', '.join(p for p in (event.trained, event.metric, event.peak) if p)}"
     if isinstance(event, Refused):
         return f"{name} refused: {event.reason}"
+    if isinstance(event, Diverged):
+        return f"{name} diverged: {event.reason}"
     first, *more = event.reason.splitlines() or [""]  # more: a trial that gave up lists its OOM events
     text = f"{name} failed{f', {event.retrying}' if event.retrying else ''}: {first}"
     return "\n".join([text + (f" (traceback: {event.log})" if event.log else ""), *more])
@@ -205,6 +213,8 @@ def _estimate(report: TrialReport) -> str:
 def finished_event(trial: str, report: TrialReport, metric: str, stop_epochs: int | None) -> Event:
     if report.refused:
         return Refused(trial, report.refusal or "nothing fits")
+    if report.diverged:
+        return Diverged(trial, report.diverged)
     epochs = report.epoch or 0
     trained = f"{epochs}/{stop_epochs} epochs" if stop_epochs else f"{epochs} epochs"
     value = report.metric(metric)

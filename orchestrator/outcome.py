@@ -27,6 +27,7 @@ TERMINATED = "TERMINATED"  # finished: completed, stopped early by the scheduler
 ERROR = "ERROR"
 REFUSED = "REFUSED"  # not even micro-batch 1 fits: it never trained
 INTERRUPTED = "INTERRUPTED"  # Ctrl-C, a SLURM time limit, a sweep stopped: `run --resume` continues it
+DIVERGED = "DIVERGED"  # its loss (or clipped gradient norm) was not finite: ended there, not retried
 
 
 def trial_status(errored: bool, report: TrialReport) -> str:
@@ -37,16 +38,24 @@ def trial_status(errored: bool, report: TrialReport) -> str:
         return ERROR
     if report.refused:
         return REFUSED
+    if report.diverged:
+        return DIVERGED
     if not report.done and not report.training_done:
         return INTERRUPTED
     return TERMINATED
 
 
-def sweep_run_status(statuses: Iterable[str]) -> str:
+def finished(status: str, on_nan: str = "stop") -> bool:
+    """Whether a trial of ``status`` counts as finished (``run`` exits 0 for it): a diverged trial
+    does under the sweep's ``on_nan: stop``, and counts as an errored one under ``fail``."""
+    return status == TERMINATED or (status == DIVERGED and on_nan == "stop")
+
+
+def sweep_run_status(statuses: Iterable[str], on_nan: str = "stop") -> str:
     """The sweep's MLflow run status for its trials' statuses: FINISHED exactly when ``run`` exits
     0 for them; KILLED while a resume can still finish it; FAILED otherwise."""
     statuses = list(statuses)
-    if statuses and all(s == TERMINATED for s in statuses):
+    if statuses and all(finished(s, on_nan) for s in statuses):
         return "FINISHED"
     if INTERRUPTED in statuses:
         return "KILLED"

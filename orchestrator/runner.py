@@ -32,7 +32,15 @@ from orchestrator.contract import MEMORY_LABELS, describe_moves
 from orchestrator.errors import UserError
 from orchestrator.failures import exception_line
 from orchestrator.invocation import shell_command
-from orchestrator.outcome import INTERRUPTED, TERMINATED, SweepRecord, TrackingDelivery, recording, trial_status
+from orchestrator.outcome import (
+    INTERRUPTED,
+    TERMINATED,
+    SweepRecord,
+    TrackingDelivery,
+    finished,
+    recording,
+    trial_status,
+)
 from orchestrator.preflight import check_shared_storage, check_storage, check_workloads, taken_back_if_refused
 from orchestrator.ray_token import secure_token_files
 from orchestrator.run_request import RunRequest
@@ -49,7 +57,7 @@ class TrialRow:
 
     name: str
     config: str
-    status: str  # TERMINATED (finished, or stopped early by the scheduler), ERROR, REFUSED, INTERRUPTED
+    status: str  # TERMINATED (finished, or stopped early by the scheduler), ERROR, REFUSED, INTERRUPTED, DIVERGED
     epochs: int  # finished
     steps: int  # optimizer steps
     final_metric: float | None
@@ -69,11 +77,12 @@ class SweepOutcome:
     tracking_uri: str
     tracking: TrackingDelivery | None = None  # None: the tracking callback did not report (no recording)
     stop_reason: str | None = None
+    on_nan: str = "stop"  # whether a DIVERGED trial counts as finished (outcome.finished)
 
     @property
     def ok(self) -> bool:
         """Every trial finished and MLflow has all of it: what exit status 0 promises."""
-        trained = bool(self.rows) and all(r.status == TERMINATED for r in self.rows)
+        trained = bool(self.rows) and all(finished(r.status, self.on_nan) for r in self.rows)
         return trained and (self.tracking is None or self.tracking.complete)
 
 
@@ -81,8 +90,8 @@ def summary_lines(outcome: SweepOutcome, spec: SweepSpec, request: RunRequest) -
     """Below the table: what finished, what did not and why, what MLflow lacks and how to fix it."""
     rows = outcome.rows
     name = os.path.basename(outcome.experiment_path)
-    finished = sum(r.status == TERMINATED for r in rows)
-    lines = [f"{finished}/{len(rows)} trials finished. Results: {outcome.experiment_path}"]
+    done = sum(finished(r.status, outcome.on_nan) for r in rows)
+    lines = [f"{done}/{len(rows)} trials finished. Results: {outcome.experiment_path}"]
     if outcome.stop_reason:
         lines.append(f"Stopped: {outcome.stop_reason}")
     if any(r.status == INTERRUPTED for r in rows):
@@ -170,7 +179,7 @@ def run_sweep(
             results = tuner.fit()
         # A restored sweep lists its trials in the order they were restored: the table keeps the sweep's.
         rows = sorted((_row(result, spec, record) for result in results), key=lambda row: row.name)
-        return SweepOutcome(rows, os.path.join(storage, name), tracking_uri, record.tracking, record.stop_reason)
+        return SweepOutcome(rows, os.path.join(storage, name), tracking_uri, record.tracking, record.stop_reason, spec.on_nan)
     finally:
         if started_ray:
             ray.shutdown()
@@ -398,7 +407,7 @@ def _row(result, spec: SweepSpec, record: SweepRecord | None = None) -> TrialRow
     error = exception_line(str(result.error)) if result.error is not None else record.errors.get(str(result.path))
     status = trial_status(error is not None, report)
     value = report.metric(spec.metric)
-    note = report.refusal or error or ""  # in full: the reason is what a person reads the row for
+    note = report.refusal or error or report.diverged or ""  # in full: the reason is what a person reads the row for
     if status == INTERRUPTED and record.stop_reason:
         note = record.stop_reason
     return TrialRow(

@@ -96,6 +96,10 @@ class TrialReport:
     #: A sample its data could not load, in one line: reported just before the trial fails of it,
     #: so that the retry scheduler lets that failure be its last (``orchestrator.retry``).
     data_error: str | None = None
+    #: Where its loss (or clipped gradient norm) stopped being finite, in one line
+    #: (``trainables.divergence``): the trial's last report; ``diverged_at_step`` is that step.
+    diverged: str | None = None
+    diverged_at_step: int | None = None
 
     # -- filled in by Tune on the driver's side; a worker leaves them unset -----------------
     trial_id: str | None = None

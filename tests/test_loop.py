@@ -204,3 +204,67 @@ def test_the_cpu_measures_the_first_steps_of_each_window_and_then_one_a_second(m
     _, full = train(everything, LoopPlan(32, 64, 64), settings)
     assert all(everything.watched)
     assert [m.memory.peak_allocated for m in sampled] == [m.memory.peak_allocated for m in full]
+
+
+# -- divergence ------------------------------------------------------------------------------
+
+
+def test_a_nan_loss_ends_training_at_its_step_with_the_last_finite_loss():
+    from tests.workloads import NanLossWorkload
+    from trainables.divergence import TrainingDiverged
+
+    workload = NanLossWorkload(width=16, train_samples=256, eval_samples=32, nan_at_step=5)
+    settings = LoopSettings(Stop(epochs=3), eval_every=Every("steps", 2))
+    trainer = Trainer(workload, CpuDevice(), LoopPlan(micro_batch=8, effective_batch=32, eval_batch=32), settings)
+    losses, reached = [], []
+    original = trainer._advance
+
+    def advance(loss, grad_norm=None):
+        losses.append(float(loss))
+        original(loss, grad_norm)
+
+    trainer._advance = advance
+    with pytest.raises(TrainingDiverged) as diverged:
+        for milestone in trainer.run():
+            reached.append(milestone.progress.step)
+    d = diverged.value.divergence
+    assert (d.step, d.epoch, d.what) == (5, 1, "loss")
+    assert d.last_finite_loss == pytest.approx(losses[3]) and math.isnan(losses[4])
+    assert reached == [2, 4] and trainer.progress.step == 5  # on the CPU: stopped at the bad step itself
+    assert "loss not finite at step 5 (epoch 1); last finite loss" in str(diverged.value)
+
+
+def test_an_infinite_clipped_gradient_norm_is_divergence_too():
+    from tests.workloads import NanLossWorkload
+    from trainables.divergence import TrainingDiverged
+
+    workload = NanLossWorkload(width=16, train_samples=256, eval_samples=32, nan_at_step=2, infinite_gradient=True)
+    plan = LoopPlan(micro_batch=32, effective_batch=32, eval_batch=32)
+    with pytest.raises(TrainingDiverged) as diverged:
+        train(workload, plan, epochs(1, max_grad_norm=1.0))
+    d = diverged.value.divergence
+    assert (d.step, d.what) == (2, "gradient norm") and math.isfinite(d.last_finite_loss)
+
+
+def test_on_nan_continue_trains_on_through_nan_losses():
+    from tests.workloads import NanLossWorkload
+
+    workload = NanLossWorkload(width=16, train_samples=256, eval_samples=32, nan_at_step=2)
+    trainer, milestones = train(workload, LoopPlan(32, 32, 32), epochs(2, on_nan="continue"))
+    assert trainer.done and [m.progress.epoch for m in milestones] == [1, 2]
+    assert math.isnan(milestones[-1].train_loss)
+
+
+def test_where_reading_the_watch_would_wait_it_is_read_at_milestones_and_names_the_first_bad_step():
+    """On an accelerator the loop reads the watch only at milestones, where it reads its losses
+    anyway: the steps up to the milestone run, and the bad step is still the one reported."""
+    from tests.workloads import NanLossWorkload
+    from trainables.divergence import TrainingDiverged
+
+    workload = NanLossWorkload(width=16, train_samples=256, eval_samples=32, nan_at_step=5)
+    settings = LoopSettings(Stop(epochs=3), eval_every=Every("steps", 4))
+    trainer = Trainer(workload, CpuDevice(), LoopPlan(32, 32, 32), settings)
+    trainer._watch.reads_free = False  # as on a GPU
+    with pytest.raises(TrainingDiverged) as diverged:
+        list(trainer.run())
+    assert trainer.progress.step == 8 and diverged.value.divergence.step == 5

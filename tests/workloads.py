@@ -192,3 +192,32 @@ class LossFailsWorkload(MLPWorkload):
 
     def loss(self, model, batch):
         raise ValueError("the loss is broken")
+
+
+@dataclasses.dataclass
+class NanLossWorkload(MLPWorkload):
+    """Its loss becomes NaN from optimizer step ``nan_at_step`` on (counted from 1 by the trainer's
+    own optimizer: the estimators' steps and accumulation do not move it); with ``infinite_gradient``
+    the loss stays finite from there and its gradient is infinite instead."""
+
+    nan_at_step: int = 3
+    infinite_gradient: bool = False
+
+    def build_optimizer(self, model):
+        optimizer = super().build_optimizer(model)
+        self._steps_done = 0
+
+        def count(*_):
+            self._steps_done += 1
+
+        optimizer.register_step_post_hook(count)
+        return optimizer
+
+    def loss(self, model, batch):
+        loss = super().loss(model, batch)
+        if not model.training or getattr(self, "_steps_done", 0) + 1 < self.nan_at_step:
+            return loss
+        if self.infinite_gradient:
+            weight = next(model.parameters())
+            return loss + torch.sqrt(weight - weight.detach()).sum()  # 0, with an infinite derivative
+        return loss * float("nan")

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from orchestrator.device import Device
 from orchestrator.device.oom import is_oom
 from trainables.data import Shard
+from trainables.divergence import Divergence
 from trainables.loop import LoopPlan, LoopSettings, Milestone, Trainer, step_seed
 from trainables.step import accumulate_gradients, apply_gradients
 from trainables.workload import Workload
@@ -228,7 +229,7 @@ class DistributedTrainer(Trainer):
             self._group_step(batches, sizes)
 
     def _group_step(self, batches, sizes: list[int]) -> None:
-        failure = loss = None
+        failure = loss = grad_norm = None
         try:
             if self.bucket is None:
                 self.bucket = self.group.bucket(self.model)
@@ -242,11 +243,11 @@ class DistributedTrainer(Trainer):
         self.group.agree(failure, "train", self.position)
         self.group.sum_gradients(self.model, self.bucket)
         try:
-            apply_gradients(self.model, self.optimizer, self.scaler, self.settings.max_grad_norm)
+            grad_norm = apply_gradients(self.model, self.optimizer, self.scaler, self.settings.max_grad_norm)
         except Exception as exc:  # noqa: BLE001
             failure = exc
         self.group.agree(failure, "train", self.position)
-        self._advance(loss)
+        self._advance(loss, grad_norm)
 
     def state_tensors(self):
         yield from super().state_tensors()
@@ -265,6 +266,18 @@ class DistributedTrainer(Trainer):
 
     def _train_loss_sum(self) -> float:
         return self.group.sum([self._loss_sum.item()])[0]  # each rank's loss is its share of the mean
+
+    def _divergence(self) -> Divergence | None:
+        """The group's: the earliest bad step of any rank, agreed at a milestone (every rank reaches
+        it), so all ranks stop together. Each rank's loss is its share of the step's mean: the last
+        finite loss is their sum where every rank found the same step, else unknown."""
+        found = self.group.all_gather(super()._divergence())
+        bad = [d for d in found if d is not None]
+        if not bad:
+            return None
+        first = min(bad, key=lambda d: d.step)
+        same = len(bad) == len(found) and all(d.step == first.step and d.last_finite_loss is not None for d in bad)
+        return replace(first, last_finite_loss=sum(d.last_finite_loss for d in bad) if same else None)
 
     def _milestone_due(self) -> Milestone | None:
         milestone = super()._milestone_due()

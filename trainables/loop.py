@@ -26,6 +26,7 @@ import torch
 from orchestrator.config import DataLoading, Every, LrSchedule, Stop, SweepSpec
 from orchestrator.device import Device, MemoryReading, state_tensors
 from trainables.data import Batches, Shard, StepCut, eval_batch_sizes, eval_loader, eval_slice, train_loader
+from trainables.divergence import Divergence, NonFiniteWatch, TrainingDiverged
 from trainables.schedule import build_lr_scheduler
 from trainables.step import eval_step, make_grad_scaler, train_step
 from trainables.workload import Workload
@@ -52,10 +53,12 @@ class LoopSettings:
     data: DataLoading = DataLoading()
     schedule: LrSchedule | None = None
     max_grad_norm: float | None = None
+    on_nan: str = "stop"  # "continue": no divergence watch (trainables.divergence)
 
     @classmethod
     def of(cls, spec: SweepSpec) -> LoopSettings:
-        return cls(spec.stop, spec.eval_every, spec.checkpoint.every, spec.data, spec.schedule, spec.max_grad_norm)
+        return cls(spec.stop, spec.eval_every, spec.checkpoint.every, spec.data, spec.schedule, spec.max_grad_norm,
+                   spec.on_nan)
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,7 @@ class Trainer:
         self.phase, self.position = "train", 0  # for OOM events: optimizer step, or eval batch index
         self._loss_sum = torch.zeros((), device=device.torch_device)
         self._loss_steps = 0
+        self._watch = NonFiniteWatch(device.torch_device) if settings.on_nan != "continue" else None
         self._last_eval = self._last_checkpoint = time.monotonic()
 
     def _budget_in_steps(self) -> int:
@@ -129,13 +133,16 @@ class Trainer:
 
     # -- the story ---------------------------------------------------------------------------
     def run(self) -> Iterator[Milestone]:
-        """Train until the budget is spent, yielding at every milestone on the way."""
+        """Train until the budget is spent, yielding at every milestone on the way; raises
+        :class:`~trainables.divergence.TrainingDiverged` once a step's loss is not finite."""
         while not self.done:
             self.workload.set_epoch(self.model, self.progress.epoch)
             batches = self._epoch_batches()
             epoch = self.progress.epoch
             while self.progress.epoch == epoch and not self.done:
                 self._train_step(batches)
+                if self._watch is not None and self._watch.reads_free and self.shard.ranks == 1:
+                    self._check_divergence()  # a group's ranks decide together, at milestones
                 milestone = self._milestone_due()
                 if milestone is not None:
                     yield milestone
@@ -154,19 +161,21 @@ class Trainer:
         self.device.seed(step_seed(self.seed, self.progress.step))
         sizes = self.cut.sizes
         with self.device.step("train", self.state_tensors):
-            loss = train_step(
+            loss, grad_norm = train_step(
                 self.workload, self.model, self.optimizer, self._take(batches, len(sizes)), sizes,
                 self.device.torch_device, self.plan.precision, self.scaler, self.settings.max_grad_norm,
             )
-            self._advance(loss)
+            self._advance(loss, grad_norm)
 
-    def _advance(self, loss: torch.Tensor) -> None:
-        """After an optimizer step: the learning rate, the running loss, the position."""
+    def _advance(self, loss: torch.Tensor, grad_norm: torch.Tensor | None = None) -> None:
+        """After an optimizer step: the learning rate, the running loss, the divergence watch, the position."""
         if self.scheduler is not None:
             self.scheduler.step()
         self._loss_sum += loss
         self._loss_steps += 1
         p = self.progress
+        if self._watch is not None:
+            self._watch.observe(p.step + 1, p.epoch + 1, loss, grad_norm)
         if p.step_in_epoch + 1 == self.steps_per_epoch:
             self.progress = Progress(p.epoch + 1, 0, p.step + 1)
         else:
@@ -190,6 +199,8 @@ class Trainer:
         checkpoint = self.done or (evaluate if every is None else _due(every, self.progress, epoch_ended, now - self._last_checkpoint))
         if not (evaluate or checkpoint):
             return None
+        if self._watch is not None:  # before evaluating or saving weights that may be NaN
+            self._check_divergence()
         metrics = self.evaluate() if evaluate else {}
         if evaluate:
             self._last_eval = time.monotonic()
@@ -201,6 +212,15 @@ class Trainer:
         memory = self.device.reading()
         self.device.reset_peak()
         return Milestone(self.progress, train_loss, metrics, checkpoint, self.done, memory)
+
+    def _check_divergence(self) -> None:
+        """Raise :class:`TrainingDiverged` if a step so far was not finite (reads the device)."""
+        divergence = self._divergence()
+        if divergence is not None:
+            raise TrainingDiverged(divergence)
+
+    def _divergence(self) -> Divergence | None:
+        return self._watch.found() if self._watch is not None else None
 
     def _train_loss_sum(self) -> float:
         """The summed mean losses of the steps since the last milestone."""

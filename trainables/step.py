@@ -42,15 +42,16 @@ def train_step(
     precision: str = "fp32",
     scaler: torch.amp.GradScaler | None = None,
     max_grad_norm: float | None = None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Accumulate gradients over ``micro_batches`` (of ``sizes`` samples) and take one optimizer step.
 
     Returns the mean loss as a detached tensor (no ``.item()`` here: the estimators run this
-    step on fake tensors, which have no values, and a GPU should not wait for the host).
+    step on fake tensors, which have no values, and a GPU should not wait for the host), and
+    the gradient norm where clipping computed one (see :func:`apply_gradients`).
     """
     mean_loss = accumulate_gradients(workload, model, micro_batches, sizes, device, precision, scaler)
-    apply_gradients(model, optimizer, scaler, max_grad_norm)
-    return mean_loss
+    grad_norm = apply_gradients(model, optimizer, scaler, max_grad_norm)
+    return mean_loss, grad_norm
 
 
 def accumulate_gradients(
@@ -87,18 +88,25 @@ def accumulate_gradients(
 def apply_gradients(
     model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None,
     max_grad_norm: float | None = None,
-) -> None:
-    """The optimizer step on the accumulated gradient, clipped once (unscaled first under fp16)."""
+) -> torch.Tensor | None:
+    """The optimizer step on the accumulated gradient, clipped once (unscaled first under fp16).
+
+    Returns the gradient norm clipping computed, for the loop's divergence watch
+    (``trainables.divergence``); None without clipping, and under fp16 loss scaling, where an
+    infinite norm is the scaler's to handle (it skips the step and lowers its scale).
+    """
+    grad_norm = None
     if max_grad_norm is not None:
         if scaler:
             scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     if scaler:
         scaler.step(optimizer)
         scaler.update()
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return None if scaler else grad_norm
 
 
 @torch.no_grad()

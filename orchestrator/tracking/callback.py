@@ -16,7 +16,7 @@ from ray import tune
 from orchestrator.config import SweepSpec
 from orchestrator.contract import describe_moves
 from orchestrator.failures import exception_line, last_failure
-from orchestrator.outcome import TrackingDelivery, current_record, sweep_run_status, trial_status
+from orchestrator.outcome import DIVERGED, TrackingDelivery, current_record, finished, sweep_run_status, trial_status
 from orchestrator.tracking.flatten import param_text, plan_params, result_metrics, spec_params
 from orchestrator.tracking.operations import AddParams, EndRun, LogArtifact, LogResult, Operation, SetTags, StartRun
 from orchestrator.tracking.outbox import Outbox
@@ -108,6 +108,8 @@ class MlflowTracking(tune.Callback):
             self._put(LogArtifact(log.ref, "plan_history.json", list(log.plans)))
         if report.refusal:
             tags["refusal"] = report.refusal[:MAX_TAG_CHARS]
+        if report.diverged:
+            tags["diverged"] = report.diverged[:MAX_TAG_CHARS]
         if report.moves:
             tags["moves"] = describe_moves(report.moves)[:MAX_TAG_CHARS]
         changed = {k: v for k, v in tags.items() if log.tags.get(k) != v}
@@ -127,8 +129,9 @@ class MlflowTracking(tune.Callback):
         self._put(SetTags(log.ref, {"tune.restarts": str(log.restarts), "tune.last_error": _error_summary(trial)}))
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
-        refused = TrialReport.from_result(trial.last_result).refused
-        self._end_trial(trial, "FAILED" if refused else "FINISHED")
+        report = TrialReport.from_result(trial.last_result)
+        failed = report.refused or (report.diverged and not finished(DIVERGED, self.spec.on_nan))
+        self._end_trial(trial, "FAILED" if failed else "FINISHED")
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
         self._put(SetTags(self._log(trial).ref, {"error": _error_summary(trial)}))
@@ -143,7 +146,7 @@ class MlflowTracking(tune.Callback):
             if not log.ended:
                 self._put(EndRun(log.ref, "KILLED"))
         statuses = [trial_status(t.status == "ERROR", TrialReport.from_result(t.last_result)) for t in trials]
-        self._put(EndRun(None, sweep_run_status(statuses)))
+        self._put(EndRun(None, sweep_run_status(statuses, self.spec.on_nan)))
         self._outbox.drain(self.flush_timeout_s)
         self._outbox.close()
         unsent, dropped = self._outbox.pending(), list(self._outbox.dropped)

@@ -50,6 +50,7 @@ from orchestrator.trial.node import NodeInfo, current_node
 from orchestrator.trial.run import TrialRun
 from orchestrator.trial_report import RankPeak, TrialReport
 from trainables.distributed import DistributedTrainer, GroupFailure, GroupOutOfMemory, RankGroup, failed_rank
+from trainables.divergence import Divergence
 from trainables.loop import LoopSettings, Milestone, Trainer
 from trainables.workload import build_workload
 
@@ -227,6 +228,9 @@ class RankRun(_GroupRank, TrialRun):
         self.checkpoints.save(self._state(trainer))
 
     def _report_refusal(self) -> None:
+        return None  # rank 0 reports it
+
+    def _report_divergence(self, divergence: Divergence) -> None:
         return None  # rank 0 reports it
 
     def _remember_cuda_context(self) -> None:

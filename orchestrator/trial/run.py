@@ -32,6 +32,7 @@ from orchestrator.trial.reuse import HISTORY
 from orchestrator.trial_report import TrialReport
 from orchestrator.units import human
 from trainables.data import SampleError
+from trainables.divergence import Divergence, TrainingDiverged
 from trainables.loop import LoopSettings, Milestone, Trainer
 from trainables.workload import build_workload
 
@@ -90,6 +91,9 @@ class TrialRun:
                 return
             except SampleError as exc:
                 raise self._data_error(trainer, exc) from None
+            except TrainingDiverged as exc:
+                self._report_divergence(exc.divergence)
+                return
             except Exception as exc:
                 if not is_oom(exc):
                     raise
@@ -250,6 +254,17 @@ class TrialRun:
         line += "; not retried (a data error)" + (f"; traceback in {log}" if log else "")
         tune.report(replace(self._plan_report(), epoch=progress.epoch, step=progress.step, data_error=line).to_metrics())
         return DataError(line)
+
+    def _report_divergence(self, divergence: Divergence) -> None:
+        """A diverged trial ends at its bad step, without a retry: its last report says where, in one
+        line, and gives the searcher and the scheduler the worst value of the sweep's metric."""
+        from ray import tune
+
+        worst = float("inf") if self.spec.mode == "min" else float("-inf")
+        line = f"{divergence.describe()}; not retried (on_nan: {self.spec.on_nan})"
+        report = replace(self._plan_report(), epoch=divergence.epoch - 1, step=divergence.step, training_done=True,
+                         measurements={self.spec.metric: worst}, diverged=line, diverged_at_step=divergence.step)
+        tune.report(report.to_metrics())
 
     def _report_refusal(self) -> None:
         """A refused trial reports once, with its reason, and ends without training."""
