@@ -97,6 +97,7 @@ BAD = [
     ("negative gpu", ["resources.gpu=-1"], "resources.gpu: expected a GPU count"),
     ("emulated without capacity", ["memory.device=emulated"], "memory.capacity: memory.device 'emulated' needs a capacity"),
     ("bad scheduler", ["scheduler=pbt"], "scheduler: expected one of fifo, asha"),
+    ("bad on_nan", ["on_nan=ignore"], "on_nan: expected one of stop, fail, continue, got 'ignore'"),
     ("allocator setting typo", ["memory.allocator_conf=expandible_segments:True"],
      "memory.allocator_conf: unknown key 'expandible_segments'"),
     ("allocator setting value", ["memory.allocator_conf=expandable_segments:true,max_split_size_mb:64"],

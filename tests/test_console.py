@@ -113,6 +113,12 @@ def test_a_finished_trial_says_what_it_trained_its_metric_and_peak():
     assert format_event(finished_event("t", unfinished, "eval_loss", None)) == "t finished: 1 epochs"
 
 
+def test_a_diverged_trial_ends_in_one_line_with_its_step_and_last_finite_loss():
+    line = "loss not finite at step 37 (epoch 2); last finite loss 0.4123; not retried (on_nan: stop)"
+    result = TrialReport(epoch=1, step=37, measurements={"eval_loss": float("inf")}, diverged=line, diverged_at_step=37)
+    assert format_event(finished_event("t", result, "eval_loss", 3)) == f"t diverged: {line}"
+
+
 def test_the_config_shows_what_differs_between_trials_in_the_configs_order():
     config = {"workload": "mlp", "depth": 2, "lr": 0.0030000001, "width": 16, "seed": 0}
     assert config_text(config, ["lr", "workload", "width"]) == "workload=mlp, lr=0.003, width=16"

@@ -8,7 +8,7 @@ import pytest
 
 from orchestrator.config import parse_spec
 from orchestrator.run_request import RunRequest
-from orchestrator.runner import SweepOutcome, _experiment_name, _row, summary_table
+from orchestrator.runner import SweepOutcome, _experiment_name, _row, summary_lines, summary_table
 
 SPEC = parse_spec({
     "experiment": "exp", "workload": "mlp", "search_space": {"lr": {"choice": [0.1, 0.01]}},
@@ -160,3 +160,17 @@ def test_a_model_whose_estimate_fails_stops_the_sweep_and_the_ray_started_for_it
         run_sweep(spec, tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", storage_path=str(tmp_path / "results"),
                   num_cpus=1)
     assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("on_nan, ok", [("stop", True), ("fail", False)])
+def test_a_diverged_trial_says_where_and_counts_as_on_nan_says(on_nan, ok):
+    line = "loss not finite at step 5 (epoch 1); last finite loss 0.4123; not retried (on_nan: stop)"
+    metrics = {**METRICS, "epoch": 0, "step": 5, "eval_loss": float("inf"), "diverged": line,
+               "diverged_at_step": 5, "training_done": 1, "done": True}
+    rows = [_row(result(metrics), SPEC), _row(result({**METRICS, "done": True}), SPEC)]
+    assert (rows[0].status, rows[0].note, rows[0].final_metric) == ("DIVERGED", line, None)
+    assert f"DIVERGED: {line}" in summary_table(rows, SPEC)
+    outcome = SweepOutcome(rows, "/x", "sqlite:///m.db", on_nan=on_nan)
+    assert outcome.ok is ok
+    request = RunRequest(config="sweep.yaml")
+    assert summary_lines(outcome, SPEC, request)[0].startswith(f"{2 if ok else 1}/2 trials finished")

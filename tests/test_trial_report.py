@@ -77,3 +77,11 @@ def test_tune_keys_cover_what_tune_adds_to_a_result():
 
     added = set(result.AUTO_RESULT_KEYS) | {result.DONE, result.TRIAL_ID, result.EXPERIMENT_TAG, result.SHOULD_CHECKPOINT}
     assert added <= TUNE_RESULT_KEYS
+
+
+def test_a_divergence_travels_as_its_line_and_its_step():
+    """The line is a Tune result's text (MLflow: a tag); the step is a number MLflow keeps as a metric."""
+    report = TrialReport(step=5, diverged="loss not finite at step 5 (epoch 1); last finite loss 0.4", diverged_at_step=5)
+    assert report.numbers()["diverged_at_step"] == 5 and "diverged" not in report.numbers()
+    back = TrialReport.from_result({**report.to_metrics(), "diverged_at_step": 5.0})
+    assert back == report and isinstance(back.diverged_at_step, int) and not back.measurements
