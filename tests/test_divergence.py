@@ -1,0 +1,108 @@
+"""Divergence (``trainables.divergence``): the watch keeps the first non-finite step without
+reading the device, and a sweep whose loss turns NaN ends that trial as DIVERGED at its step, in
+one line, through the installed command: the exit status ``on_nan`` says, the worst metric value
+for the searcher and the scheduler, and MLflow's record of it."""
+
+import math
+
+import pytest
+import torch
+
+from trainables.divergence import NonFiniteWatch
+
+
+def test_the_watch_keeps_the_first_bad_step_and_the_last_finite_loss_before_it():
+    watch = NonFiniteWatch(torch.device("cpu"))
+    assert watch.reads_free and watch.found() is None
+    for step, loss in enumerate([0.9, 0.7, float("inf"), float("nan"), 0.5], 1):
+        watch.observe(step, 1 + step // 4, torch.tensor(loss))
+    found = watch.found()
+    assert (found.step, found.epoch, found.what, found.last_finite_loss) == (3, 1, "loss", pytest.approx(0.7))
+    assert found.describe() == "loss not finite at step 3 (epoch 1); last finite loss 0.7"
+
+
+def test_a_first_step_that_diverges_has_no_last_finite_loss():
+    watch = NonFiniteWatch(torch.device("cpu"))
+    watch.observe(1, 1, torch.tensor(float("nan")))
+    assert watch.found().describe() == "loss not finite at step 1 (epoch 1); last finite loss none"
+    assert NonFiniteWatch(torch.device("meta")).reads_free is False  # an accelerator: read at milestones
+
+
+UNSTABLE = '''
+import dataclasses
+
+from trainables.mlp import MLPWorkload
+
+
+@dataclasses.dataclass
+class Unstable(MLPWorkload):
+    """Its loss is NaN from optimizer step ``nan_at_step`` on (0: never)."""
+
+    nan_at_step: int = 0
+
+    def build_optimizer(self, model):
+        optimizer = super().build_optimizer(model)
+        self.steps_done = 0
+        optimizer.register_step_post_hook(lambda *_: setattr(self, "steps_done", self.steps_done + 1))
+        return optimizer
+
+    def loss(self, model, batch):
+        loss = super().loss(model, batch)
+        bad = model.training and self.nan_at_step and getattr(self, "steps_done", 0) + 1 >= self.nan_at_step
+        return loss * float("nan") if bad else loss
+'''
+
+SWEEP = """
+experiment: unstable
+workload: {name: "my_models.unstable:Unstable", params: {depth: 1, width: 16, train_samples: 512, eval_samples: 64}}
+search_space:
+  nan_at_step: {grid: [0, 5]}
+effective_batch_size: 64
+stop: {epochs: 2}
+memory: {estimator: static}
+"""
+
+
+@pytest.mark.integration
+def test_a_loss_that_turns_nan_ends_its_trial_as_diverged_in_one_line(tmp_path):
+    """The installed command, from the user's folder, with the default ``on_nan: stop``: exit 0
+    (a diverged trial counts as finished), one console line naming the step and the last finite
+    loss, the table's DIVERGED row, the worst eval_loss reported to Tune, and MLflow's tag, step
+    metric and statuses."""
+    import re
+    import subprocess
+
+    import mlflow
+
+    from tests.conftest import command_env, installed_command, trial_results
+
+    (tmp_path / "my_models").mkdir()
+    (tmp_path / "my_models" / "__init__.py").write_text("")
+    (tmp_path / "my_models" / "unstable.py").write_text(UNSTABLE)
+    (tmp_path / "sweep.yaml").write_text(SWEEP)
+    done = subprocess.run([installed_command(), "run", "sweep.yaml", "--num-cpus", "1"], cwd=tmp_path,
+                          env=command_env(), capture_output=True, text=True, timeout=600)
+    console = done.stdout + done.stderr
+    assert done.returncode == 0, console[-3000:]
+    assert "Traceback" not in console, console[-3000:]
+    said = [line for line in done.stdout.splitlines() if " diverged: " in line]
+    assert len(said) == 1, console[-3000:]
+    assert re.fullmatch(r"\S+ diverged: loss not finite at step 5 \(epoch 1\); last finite loss \d\.\d+; "
+                        r"not retried \(on_nan: stop\)", said[0]), said
+    [row] = [line for line in done.stdout.splitlines() if "DIVERGED: " in line]
+    assert "nan_at_step=5" in row and "loss not finite at step 5" in row
+    assert "2/2 trials finished" in done.stdout
+
+    results = trial_results(str(tmp_path / "orchestrator_results" / "unstable_*" / "*" / "result.json"))
+    last = {reports[-1].get("diverged_at_step"): reports[-1] for reports in results.values()}
+    assert last[5]["eval_loss"] == math.inf and last[5]["step"] == 5  # the worst, for the searcher and ASHA
+    assert last[None]["step"] == 16 and math.isfinite(last[None]["eval_loss"])
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.get_experiment_by_name("unstable")
+    runs = client.search_runs([experiment.experiment_id])
+    [sweep_run] = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    [diverged] = [r for r in runs if "diverged" in r.data.tags]
+    assert sweep_run.info.status == "FINISHED" and diverged.info.status == "FINISHED"
+    assert diverged.data.tags["diverged"].startswith("loss not finite at step 5 (epoch 1); last finite loss ")
+    assert [(m.step, m.value) for m in client.get_metric_history(diverged.info.run_id, "diverged_at_step")] == [(5, 5.0)]
