@@ -402,8 +402,13 @@ _CONTROLLER, _TUNE = "ray.tune.execution.tune_controller", "ray.tune.tune"
 
 #: Tune's records that our own lines say better, even with ``--verbose``: its resume hint is
 #: Python for a Tune user (ours is ``orchestrator run ... --resume``, printed with the summary),
-#: and a data error's traceback is in the trial's log file, which its one line names.
-_TOLD_BY_US = ((_TUNE, lambda record: "Tuner.restore(" in record.getMessage()), (_CONTROLLER, _a_data_error))
+#: a data error's traceback is in the trial's log file, which its one line names, and the
+#: TensorBoard logger's warning of a NaN or infinite number is a refused or diverged trial's
+#: metric (the worst value, on purpose), which its own line explains.
+_TOLD_BY_US = (
+    (_TUNE, lambda record: "Tuner.restore(" in record.getMessage()), (_CONTROLLER, _a_data_error),
+    ("tensorboardX.x2num", _starts("NaN or Inf found")),
+)
 #: And those :class:`LiveView` and the final table say in a line each, unless ``--verbose``.
 _TOLD_BY_THE_VIEW = (
     (_CONTROLLER, _starts("Trial task failed for trial")),  # + the whole traceback

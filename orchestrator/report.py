@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,7 @@ class TrialRecord:
 
     @property
     def shown_status(self) -> str:
-        return "REFUSED" if self.tags.get("refusal") else self.status
+        return "REFUSED" if self.tags.get("refusal") else "DIVERGED" if self.tags.get("diverged") else self.status
 
     def latest(self) -> TrialReport:
         """The trial's report as of its last result: each metric's value at the last step that has it."""
@@ -229,6 +230,12 @@ def plan_text(trial: TrialRecord) -> str:
     return ", ".join(parts)
 
 
+def _a_value(number: float | None) -> bool:
+    """Whether a metric read from MLflow is a number to show: MLflow keeps a NaN as is and an
+    infinity (a diverged trial's worst value) as the largest double."""
+    return number is not None and math.isfinite(number) and abs(number) < sys.float_info.max
+
+
 def trial_table(sweep: SweepRecord) -> str:
     rows = []
     for trial in sweep.trials:
@@ -239,7 +246,7 @@ def trial_table(sweep: SweepRecord) -> str:
             human(predicted) if predicted else "-", human(measured) if measured is not None else "-",
             f"{error:+.1%}" if error is not None else "-",
             trial.latest().oom_retries,
-            f"{final:.4f}" if final is not None and math.isfinite(final) else "-",
+            f"{final:.4f}" if _a_value(final) else "-",
         ))
     headers = ["trial", "status", "plan", "predicted peak", "measured peak", "error", "OOM retries", sweep.metric]
     nodes = [t.tags.get("node_name", "-") for t in sweep.trials]

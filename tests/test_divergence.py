@@ -84,7 +84,7 @@ def test_a_loss_that_turns_nan_ends_its_trial_as_diverged_in_one_line(tmp_path):
                           env=command_env(), capture_output=True, text=True, timeout=600)
     console = done.stdout + done.stderr
     assert done.returncode == 0, console[-3000:]
-    assert "Traceback" not in console, console[-3000:]
+    assert "Traceback" not in console and "NaN or Inf found" not in console, console[-3000:]
     said = [line for line in done.stdout.splitlines() if " diverged: " in line]
     assert len(said) == 1, console[-3000:]
     assert re.fullmatch(r"\S+ diverged: loss not finite at step 5 \(epoch 1\); last finite loss \d\.\d+; "
@@ -106,3 +106,11 @@ def test_a_loss_that_turns_nan_ends_its_trial_as_diverged_in_one_line(tmp_path):
     assert sweep_run.info.status == "FINISHED" and diverged.info.status == "FINISHED"
     assert diverged.data.tags["diverged"].startswith("loss not finite at step 5 (epoch 1); last finite loss ")
     assert [(m.step, m.value) for m in client.get_metric_history(diverged.info.run_id, "diverged_at_step")] == [(5, 5.0)]
+
+    # `orchestrator report` reads it back from MLflow: DIVERGED, and no number for its metric.
+    shown = subprocess.run([installed_command(), "report", "unstable", "--out", str(tmp_path / "report")], cwd=tmp_path,
+                           env=command_env(), capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    [line] = [line for line in shown.stdout.splitlines() if line.startswith(diverged.info.run_name)]
+    assert line.split()[1] == "DIVERGED" and line.split()[-1] == "-", line
+    assert "Trials: 2 (1 diverged, 1 finished)" in shown.stdout, shown.stdout
