@@ -195,3 +195,20 @@ def test_a_bug_on_rank_1_only_fails_the_group_at_once_naming_the_rank(tmp_path):
     (row,) = outcome.rows
     assert not outcome.ok and row.status == "ERROR"
     assert "rank 1 failed in setup at 0: ValueError: no such layer on rank 1" in row.note, row.note
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("local_ray")
+@pytest.mark.parametrize("nan_on_rank, last_loss", [(-1, r"\d\.\d+"), (1, "none")], ids=["every rank", "rank 1 only"])
+def test_a_nan_loss_ends_the_group_together_at_the_first_bad_step(tmp_path, nan_on_rank, last_loss):
+    """The ranks agree at the next milestone, so none waits for another in a collective; the
+    group's loss is the ranks' shares summed, known where every rank turned bad at the same step."""
+    import re
+
+    outcome = sweep(tmp_path, {"name": "tests.workloads:NanLossWorkload",
+                               "params": {"width": 16, "train_samples": 1024, "nan_at_step": 3, "nan_on_rank": nan_on_rank}},
+                    {"device": "cpu", "estimator": "none"})
+    (row,) = outcome.rows
+    assert outcome.ok and row.status == "DIVERGED", row
+    assert re.fullmatch(rf"loss not finite at step 3 \(epoch 2\); last finite loss {last_loss}; not retried \(on_nan: stop\)",
+                        row.note), row.note

@@ -198,10 +198,12 @@ class LossFailsWorkload(MLPWorkload):
 class NanLossWorkload(MLPWorkload):
     """Its loss becomes NaN from optimizer step ``nan_at_step`` on (counted from 1 by the trainer's
     own optimizer: the estimators' steps and accumulation do not move it); with ``infinite_gradient``
-    the loss stays finite from there and its gradient is infinite instead."""
+    the loss stays finite from there and its gradient is infinite instead; in a data-parallel trial,
+    on rank ``nan_on_rank`` only (-1: every rank)."""
 
     nan_at_step: int = 3
     infinite_gradient: bool = False
+    nan_on_rank: int = -1
 
     def build_optimizer(self, model):
         optimizer = super().build_optimizer(model)
@@ -216,6 +218,10 @@ class NanLossWorkload(MLPWorkload):
     def loss(self, model, batch):
         loss = super().loss(model, batch)
         if not model.training or getattr(self, "_steps_done", 0) + 1 < self.nan_at_step:
+            return loss
+        import torch.distributed as dist
+
+        if self.nan_on_rank >= 0 and dist.is_initialized() and dist.get_rank() != self.nan_on_rank:
             return loss
         if self.infinite_gradient:
             weight = next(model.parameters())
