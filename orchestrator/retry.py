@@ -101,10 +101,12 @@ class OomAwareScheduler(TrialScheduler):
             self.data_errors.add(trial.trial_id)
             make_next_failure_last(trial)
             return TrialScheduler.CONTINUE
-        return self.inner.on_trial_result(tune_controller, trial, result)
+        with _infinities_compared():
+            return self.inner.on_trial_result(tune_controller, trial, result)
 
     def on_trial_complete(self, tune_controller, trial, result):
-        return self.inner.on_trial_complete(tune_controller, trial, result)
+        with _infinities_compared():
+            return self.inner.on_trial_complete(tune_controller, trial, result)
 
     def on_trial_remove(self, tune_controller, trial):
         return self.inner.on_trial_remove(tune_controller, trial)
@@ -121,3 +123,11 @@ class OomAwareScheduler(TrialScheduler):
     def restore(self, checkpoint_path: str):
         return self.inner.restore(checkpoint_path)
 
+
+def _infinities_compared():
+    """A diverged trial reports an infinite metric (its worst value, ``orchestrator.trial.run``):
+    ASHA's rung cutoff interpolates percentiles over it, which makes numpy warn of an invalid
+    value on the console although the ranking is right (the infinity ranks last)."""
+    import numpy as np
+
+    return np.errstate(invalid="ignore")

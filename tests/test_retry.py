@@ -237,3 +237,22 @@ def test_a_sample_that_cannot_be_loaded_ends_its_trial_once_in_one_line(tmp_path
     assert "Traceback" in open(log).read()
     [error_file] = glob.glob(str(tmp_path / "orchestrator_results" / "corrupt_*" / "*" / "error.txt"))
     assert open(error_file).read().count("Failure # ") == 1
+
+
+def test_asha_ranks_a_diverged_trials_infinite_metric_last_without_a_numpy_warning():
+    import warnings
+
+    from ray.tune.experiment import Trial
+    from ray.tune.schedulers import AsyncHyperBandScheduler, TrialScheduler
+
+    from orchestrator.retry import OomAwareScheduler
+
+    scheduler = OomAwareScheduler(AsyncHyperBandScheduler(metric="eval_loss", mode="min", time_attr="epoch", max_t=4))
+    trials = [Trial("__fake", stub=True, trial_id=f"t{i}") for i in range(3)]
+    for trial in trials:
+        scheduler.on_trial_add(None, trial)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        decisions = [scheduler.on_trial_result(None, trial, {"epoch": 1, "eval_loss": loss})
+                     for trial, loss in zip(trials, (0.5, float("inf"), 0.4))]
+    assert decisions == [TrialScheduler.CONTINUE, TrialScheduler.STOP, TrialScheduler.CONTINUE]
