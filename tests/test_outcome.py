@@ -2,7 +2,15 @@
 
 import pytest
 
-from orchestrator.outcome import DIVERGED, ERROR, INTERRUPTED, TERMINATED, finished, sweep_run_status, trial_status
+from orchestrator.outcome import (
+    DIVERGED,
+    ERROR,
+    INTERRUPTED,
+    TERMINATED,
+    finished,
+    sweep_run_status,
+    trial_status,
+)
 from orchestrator.trial_report import TrialReport
 
 DIVERGENCE = TrialReport(step=5, training_done=True, diverged="loss not finite at step 5 (epoch 1); last finite loss 0.4",
