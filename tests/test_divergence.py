@@ -63,6 +63,14 @@ memory: {estimator: static}
 """
 
 
+def user_folder(tmp_path):
+    """The user's model package and sweep file, in a folder outside the repository."""
+    (tmp_path / "my_models").mkdir()
+    (tmp_path / "my_models" / "__init__.py").write_text("")
+    (tmp_path / "my_models" / "unstable.py").write_text(UNSTABLE)
+    (tmp_path / "sweep.yaml").write_text(SWEEP)
+
+
 @pytest.mark.integration
 def test_a_loss_that_turns_nan_ends_its_trial_as_diverged_in_one_line(tmp_path):
     """The installed command, from the user's folder, with the default ``on_nan: stop``: exit 0
@@ -76,10 +84,7 @@ def test_a_loss_that_turns_nan_ends_its_trial_as_diverged_in_one_line(tmp_path):
 
     from tests.conftest import command_env, installed_command, trial_results
 
-    (tmp_path / "my_models").mkdir()
-    (tmp_path / "my_models" / "__init__.py").write_text("")
-    (tmp_path / "my_models" / "unstable.py").write_text(UNSTABLE)
-    (tmp_path / "sweep.yaml").write_text(SWEEP)
+    user_folder(tmp_path)
     done = subprocess.run([installed_command(), "run", "sweep.yaml", "--num-cpus", "1"], cwd=tmp_path,
                           env=command_env(), capture_output=True, text=True, timeout=600, check=False)
     console = done.stdout + done.stderr
@@ -114,3 +119,26 @@ def test_a_loss_that_turns_nan_ends_its_trial_as_diverged_in_one_line(tmp_path):
     [line] = [line for line in shown.stdout.splitlines() if line.startswith(diverged.info.run_name)]
     assert line.split()[1] == "DIVERGED" and line.split()[-1] == "-", line
     assert "Trials: 2 (1 diverged, 1 finished)" in shown.stdout, shown.stdout
+
+
+@pytest.mark.integration
+def test_on_nan_fail_counts_a_diverged_trial_as_an_errored_one(tmp_path):
+    """Exit 1, the trial not finished, its MLflow run and the sweep's FAILED; still not retried."""
+    import subprocess
+
+    import mlflow
+
+    from tests.conftest import command_env, installed_command
+
+    user_folder(tmp_path)
+    done = subprocess.run([installed_command(), "run", "sweep.yaml", "--num-cpus", "1", "--set", "on_nan=fail",
+                           "--set", "search_space.nan_at_step=5"], cwd=tmp_path, env=command_env(),
+                          capture_output=True, text=True, timeout=600, check=False)
+    console = done.stdout + done.stderr
+    assert done.returncode == 1, console[-3000:]
+    assert "Traceback" not in console and " restarted: " not in console, console[-3000:]
+    [row] = [line for line in done.stdout.splitlines() if "DIVERGED: " in line]
+    assert row.endswith("; not retried (on_nan: fail)") and "0/1 trials finished" in done.stdout
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("unstable").experiment_id])
+    assert sorted(r.info.status for r in runs) == ["FAILED", "FAILED"] and len(runs) == 2
