@@ -13,11 +13,10 @@ import torch.nn.functional as F
 from orchestrator.config import DataLoading, Every, LrSchedule, Stop
 from orchestrator.device import CpuDevice
 from orchestrator.device.emulated import EmulatedDevice
+from tests.workloads import PlateauWorkload
 from trainables.cnn import CNNWorkload
 from trainables.loop import LoopPlan, LoopSettings, MetricsMismatch, Progress, Trainer
 from trainables.mlp import MLPWorkload
-
-from tests.workloads import PlateauWorkload
 
 
 def weights(trainer):
