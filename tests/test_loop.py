@@ -165,8 +165,7 @@ def test_reduce_lr_on_plateau_divides_the_lr_once_the_eval_loss_stops_improving(
 
 
 def test_a_plateau_scheduler_steps_on_the_sweeps_metric():
-    trainer, milestones = train(PlateauWorkload(), LoopPlan(8, 8, 8),
-                                epochs(2, eval_every=Every("steps", 1), metric="train_loss"))
+    _, milestones = train(PlateauWorkload(), LoopPlan(8, 8, 8), epochs(2, eval_every=Every("steps", 1), metric="train_loss"))
     # The training loss of step n is the eval loss of step n - 1: improving through step 5.
     assert [m.learning_rate for m in milestones] == [0.25] * 5 + [0.0625]
     with pytest.raises(MetricsMismatch, match="ReduceLROnPlateau steps on the sweep's metric 'eval_accuracy'"):
