@@ -172,6 +172,11 @@ def test_a_plateau_scheduler_steps_on_the_sweeps_metric():
         train(PlateauWorkload(), LoopPlan(8, 8, 8), epochs(1, metric="eval_accuracy"))
 
 
+def test_a_plateau_scheduler_against_the_sweeps_mode_is_refused():
+    with pytest.raises(ValueError, match="ReduceLROnPlateau has mode='min' but the sweep's metric eval_loss has mode: max"):
+        train(PlateauWorkload(), LoopPlan(8, 8, 8), epochs(1, mode="max"))
+
+
 def test_a_plateau_scheduler_resumes_mid_epoch_with_its_state():
     settings = epochs(2, eval_every=Every("steps", 1))
     plan = LoopPlan(8, 8, 8)

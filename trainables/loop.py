@@ -54,11 +54,12 @@ class LoopSettings:
     schedule: LrSchedule | None = None
     max_grad_norm: float | None = None
     metric: str = "eval_loss"  # the sweep's: what a scheduler that steps on a metric is given
+    mode: str = "min"  # the sweep's: whether that metric improves downwards or upwards
 
     @classmethod
     def of(cls, spec: SweepSpec) -> LoopSettings:
         return cls(spec.stop, spec.eval_every, spec.checkpoint.every, spec.data, spec.schedule, spec.max_grad_norm,
-                   spec.metric)
+                   spec.metric, spec.mode)
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,7 @@ class Trainer:
         self.total_steps = self._budget_in_steps()
         self.scheduler = build_lr_scheduler(workload, self.optimizer, self.total_steps, settings.schedule)
         self.scheduler_on_metric = steps_on_metric(self.scheduler)
+        self._check_scheduler_mode()
         self.progress = Progress()
         self.phase, self.position = "train", 0  # for OOM events: optimizer step, or eval batch index
         self._loss_sum = torch.zeros((), device=device.torch_device)
@@ -229,6 +231,16 @@ class Trainer:
             return None
         steps_per_second = self._loss_steps / seconds
         return Speed(steps_per_second, steps_per_second * self.plan.effective_batch)
+
+    def _check_scheduler_mode(self) -> None:
+        """A plateau scheduler left at ``mode="min"`` on a metric the sweep maximizes would cut the
+        learning rate while the metric improves: refused, in one line, before the first step."""
+        mode = getattr(self.scheduler, "mode", None)
+        if self.scheduler_on_metric and mode in ("min", "max") and mode != self.settings.mode:
+            raise ValueError(
+                f"{type(self.workload).__name__}.build_scheduler: {type(self.scheduler).__name__} has mode={mode!r} "
+                f"but the sweep's metric {self.settings.metric} has mode: {self.settings.mode}; give it mode={self.settings.mode!r}"
+            )
 
     def _step_on_metric(self, values: dict[str, float | None]) -> None:
         """Step a scheduler that steps on a metric (``ReduceLROnPlateau``) with the sweep's metric,
