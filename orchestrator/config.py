@@ -700,10 +700,10 @@ def load_spec(path: str, overrides: list[str] | tuple[str, ...] = ()) -> SweepSp
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the config file ({exc.strerror or exc})") from None
     if len(text) > MAX_FILE_BYTES:
+        read = f"{size:,} bytes" if size > MAX_FILE_BYTES else f"{len(text):,} bytes or more"  # a pipe has no size
         raise ConfigError(
-            f"{path}: {'a ' + human(size) if size > MAX_FILE_BYTES else 'more than ' + human(MAX_FILE_BYTES)} file, "
-            f"more than the {human(MAX_FILE_BYTES)} a sweep file may be (a search space is written as Tune's "
-            "primitives such as {grid: [...]}, not as its trials)"
+            f"{path}: {read}, more than the {MAX_FILE_BYTES:,} ({human(MAX_FILE_BYTES)}) a sweep file may be "
+            "(a search space is written as Tune's primitives such as {grid: [...]}, not as its trials)"
         )
     try:
         raw = read_yaml(text, path)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
-from typing import Iterator
+from collections.abc import Iterator
 
 from orchestrator.errors import UserError
 from orchestrator.tracking.outbox import first_line
