@@ -1,13 +1,24 @@
 """The config layer: valid sweeps parse; every class of mistake is one line naming its key, exit 2."""
 
 import glob
+import itertools
 import re
 import subprocess
 import sys
 
 import pytest
 
-from orchestrator.config import CheckpointPolicy, DataLoading, Domain, Every, LrSchedule, Stop, folder_name, load_spec, read_yaml
+from orchestrator.config import (
+    CheckpointPolicy,
+    DataLoading,
+    Domain,
+    Every,
+    LrSchedule,
+    Stop,
+    folder_name,
+    load_spec,
+    read_yaml,
+)
 from orchestrator.errors import ConfigError
 from orchestrator.space import trial_configs
 from tests.conftest import command_env, installed_command
@@ -201,14 +212,14 @@ def laughs(levels: int = 9) -> str:
     """"Billion laughs" in YAML's flow style: each level a list of nine aliases of the one before."""
     names = "abcdefghijklmnop"[:levels]
     parts = [f"{names[0]}: &{names[0]} [{', '.join(['lol'] * 9)}]"]
-    parts += [f"{n}: &{n} [{', '.join(['*' + p] * 9)}]" for p, n in zip(names, names[1:])]
+    parts += [f"{n}: &{n} [{', '.join(['*' + p] * 9)}]" for p, n in itertools.pairwise(names)]
     return "{" + ", ".join(parts) + "}"
 
 
 @pytest.mark.parametrize("text,message", [
     (f"experiment: t\nbomb: {laughs()}\n",
-     r"its aliases \(\*name\) expand to 490,329,036 more YAML nodes, past the 100,000 a sweep file's aliases may add; "
-     "write the values out, or nest fewer aliases$"),
+     (r"its aliases \(\*name\) expand to 490,329,036 more YAML nodes, past the 100,000 a sweep file's aliases may add; "
+      "write the values out, or nest fewer aliases$")),
     ("experiment: t\nloop: &loop [1, *loop]\n",
      r"an alias \(\*name\) refers to a node that contains it; a sweep file cannot be recursive$"),
     ("experiment: t\nv: " + "[" * 50_000 + "]" * 50_000 + "\n", "nested deeper than a sweep file can be read$"),
