@@ -154,17 +154,18 @@ def _checked_alloc_conf(conf: str | None) -> str | None:
 AllocatorConf = Annotated[Text | None, AfterValidator(_checked_alloc_conf)]
 
 
-#: The longest experiment or sweep name: a folder name may be 255 bytes, and the runner adds a
-#: 16-character ``_YYYYmmdd-HHMMSS`` to the experiment's; kept well under, as Ray's metric tag
-#: values and MLflow's experiment names have limits of their own near there.
+#: The longest sweep folder name (``--name``): a file name may be 255 bytes; kept well under, as
+#: Ray's metric tag values and MLflow's experiment names have limits of their own near there.
 MAX_NAME_LENGTH = 128
+#: What the runner and ``submit`` add to an experiment's name for a sweep's folder (``_20261126-120000``).
+START_TIME_SUFFIX = 16
 #: POSIX's portable file name characters: every layer a name reaches takes them as they are (a
 #: folder on any file system or object store URI, an MLflow experiment, Ray's metric tags, which
 #: are encoded as ASCII, a glob of ``--resume``, a shell word); the first may not be ``-`` (an option).
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
 
-def _folder(name: str) -> str:
+def _folder(name: str, longest: int = MAX_NAME_LENGTH) -> str:
     """A name that becomes one folder under the storage path, an MLflow experiment name and a tag
     of Ray's metrics: checked here for what all of them take, so a name that one of them would
     refuse (``café``: Ray's tags are ASCII; 250 characters: too long a file name) is one line
@@ -180,15 +181,14 @@ def _folder(name: str) -> str:
             f"expected a name of ASCII letters, digits, '_', '.' and '-' (not first), got {name!r}: it names a folder, "
             "an MLflow experiment and Ray's metric tags"
         )
-    if len(name) > MAX_NAME_LENGTH:
-        raise _invalid(
-            f"expected a name of at most {MAX_NAME_LENGTH} characters, got {len(name)}: it names a folder "
-            "(with a timestamp added) and a file name may be 255 bytes"
-        )
+    if len(name) > longest:
+        added = " (the sweep's folder adds its start time)" if longest < MAX_NAME_LENGTH else ""
+        raise _invalid(f"expected a name of at most {longest} characters{added}, got {len(name)}")
     return name
 
 
 FolderName = Annotated[Text, AfterValidator(_folder)]
+ExperimentName = Annotated[Text, AfterValidator(functools.partial(_folder, longest=MAX_NAME_LENGTH - START_TIME_SUFFIX))]
 
 
 def folder_name(value: Any, path: str) -> str:
@@ -446,7 +446,7 @@ class MemoryPolicy:
 class SweepSpec:
     __pydantic_config__ = SECTION
 
-    experiment: FolderName
+    experiment: ExperimentName
     workload: Text
     params: dict[str, Any] = field(metadata=DERIVED)  # written as workload.params
     search_space: SearchSpace

@@ -152,7 +152,7 @@ BAD = [
     ("experiment name with a space", ["experiment=my sweep"], "experiment: expected a name of ASCII letters"),
     ("experiment name read as an option", ["experiment=-x"], "experiment: expected a name of ASCII letters"),
     ("experiment name too long for a folder", [f"experiment={'x' * 250}"],
-     "experiment: expected a name of at most 128 characters, got 250"),
+     "experiment: expected a name of at most 112 characters (the sweep's folder adds its start time), got 250"),
     ("a random search of half a million trials", ["num_samples=500001"],
      "num_samples: makes 500,001 trials (num_samples x grid sizes: 500,001), more than max_trials: 10,000"),
     ("missing workload class", ["workload.name=trainables.mlp:MLPWorkloadd"],
@@ -179,11 +179,16 @@ def test_bad_input_names_the_key_and_what_was_expected(tmp_path, case, overrides
     assert "\n" not in str(err.value)
 
 
-def test_the_longest_name_is_taken_as_it_is(tmp_path):
-    name = "a-Z_0." + "x" * 122
-    assert load_spec(write(tmp_path, VALID), [f"experiment={name}"]).experiment == name
+def test_the_longest_names_are_taken_as_they_are(tmp_path):
+    """A sweep's folder is at most 128 characters: ``--name`` names it, an experiment's gets its start time added."""
+    experiment = "a-Z_0." + "x" * 106
+    assert load_spec(write(tmp_path, VALID), [f"experiment={experiment}"]).experiment == experiment
+    with pytest.raises(ConfigError, match=r"^experiment: expected a name of at most 112 characters \(the sweep's folder "
+                                          r"adds its start time\), got 113$"):
+        load_spec(write(tmp_path, VALID), [f"experiment={experiment}x"])
+    name = experiment + "_20261126-120000"
     assert folder_name(name, "--name") == name
-    with pytest.raises(ConfigError, match=r"^--name: expected a name of at most 128 characters, got 129"):
+    with pytest.raises(ConfigError, match=r"^--name: expected a name of at most 128 characters, got 129$"):
         folder_name(name + "x", "--name")
 
 
