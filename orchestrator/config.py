@@ -673,8 +673,9 @@ def read_yaml(text: str | bytes, where: str) -> Any:
 
 
 def _check_expansion(root: yaml.Node, where: str) -> None:
-    """How many nodes ``root`` holds once its aliases are expanded, counted without expanding
-    them (each distinct node once, iteratively: a deep file does not exhaust Python's stack)."""
+    """Refuse ``root`` when its aliases, expanded, would add more than :data:`MAX_ALIAS_NODES`
+    nodes or one of them contains itself. Counted without expanding anything: each distinct node's
+    expanded size once, iteratively (a deep file does not exhaust Python's stack here)."""
     sizes: dict[int, int] = {}
     open_nodes: set[int] = set()
     stack: list[tuple[yaml.Node, bool]] = [(root, False)]
