@@ -42,7 +42,7 @@ from orchestrator.device_kinds import AUTO, device_kind, device_names
 from orchestrator.errors import ConfigError
 from orchestrator.estimator_registry import NO_ESTIMATE
 from orchestrator.estimator_registry import names as estimator_names
-from orchestrator.units import parse_bytes
+from orchestrator.units import human, parse_bytes
 
 SEARCH_KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -158,18 +158,41 @@ def _checked_alloc_conf(conf: str | None) -> str | None:
 AllocatorConf = Annotated[Text | None, AfterValidator(_checked_alloc_conf)]
 
 
-def _folder(name: str) -> str:
-    """A name that becomes one folder under the storage path (and an MLflow experiment name).
+#: The longest sweep folder name (``--name``): a file name may be 255 bytes; kept well under, as
+#: Ray's metric tag values and MLflow's experiment names have limits of their own near there.
+MAX_NAME_LENGTH = 128
+#: What the runner and ``submit`` add to an experiment's name for a sweep's folder (``_20261126-120000``).
+START_TIME_SUFFIX = 16
+#: POSIX's portable file name characters: every layer a name reaches takes them as they are (a
+#: folder on any file system or object store URI, an MLflow experiment, Ray's metric tags, which
+#: are encoded as ASCII, a glob of ``--resume``, a shell word); the first may not be ``-`` (an option).
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+
+
+def _folder(name: str, longest: int = MAX_NAME_LENGTH) -> str:
+    """A name that becomes one folder under the storage path, an MLflow experiment name and a tag
+    of Ray's metrics: checked here for what all of them take, so a name that one of them would
+    refuse (``café``: Ray's tags are ASCII; 250 characters: too long a file name) is one line
+    before Ray starts, not an error in every trial.
 
     A path separator or ``..`` would put the sweep's results somewhere else (``../../x``,
-    ``/tmp/x``), so a name is a name: one path component, not hidden, printable.
+    ``/tmp/x``), so a name is a name: one path component, not hidden.
     """
-    if any(c in name for c in "/\\") or ".." in name or name.startswith(".") or not name.isprintable():
+    if any(c in name for c in "/\\") or ".." in name or name.startswith("."):
         raise _invalid(f"expected a name, not a path (no '/', '\\', '..' or leading '.'), got {name!r}")
+    if not _NAME.fullmatch(name):
+        raise _invalid(
+            f"expected a name of ASCII letters, digits, '_', '.' and '-' (not first), got {name!r}: it names a folder, "
+            "an MLflow experiment and Ray's metric tags"
+        )
+    if len(name) > longest:
+        added = " (the sweep's folder adds its start time)" if longest < MAX_NAME_LENGTH else ""
+        raise _invalid(f"expected a name of at most {longest} characters{added}, got {len(name)}")
     return name
 
 
 FolderName = Annotated[Text, AfterValidator(_folder)]
+ExperimentName = Annotated[Text, AfterValidator(functools.partial(_folder, longest=MAX_NAME_LENGTH - START_TIME_SUFFIX))]
 
 
 def folder_name(value: Any, path: str) -> str:
@@ -445,13 +468,16 @@ class MemoryPolicy:
 class SweepSpec:
     __pydantic_config__ = SECTION
 
-    experiment: FolderName
+    experiment: ExperimentName
     workload: Text
     params: dict[str, Any] = field(metadata=DERIVED)  # written as workload.params
     search_space: SearchSpace
     effective_batch_size: PositiveInt
     stop: Stop
     num_samples: PositiveInt = 1
+    #: The most trials the search space may make (:meth:`trial_count`): Tune holds every trial in
+    #: the driver, so a grid of a million is refused in one line before anything expands it.
+    max_trials: PositiveInt = 10_000
     metric: Text = "eval_loss"
     mode: Mode = "min"
     scheduler: Scheduler = SchedulerSpec()
@@ -478,6 +504,18 @@ class SweepSpec:
             return list(searched.args[0])
         return [searched if isinstance(searched, str) else self.workload]
 
+    def trial_count(self) -> int:
+        """The trials Tune makes of the search space, counted without making them: every
+        combination of the grids, ``num_samples`` times (a ``choice`` or a distribution is drawn
+        once per trial, so it adds none)."""
+        count = self.num_samples
+        for grid in self._grid_sizes():
+            count *= grid
+        return count
+
+    def _grid_sizes(self) -> list[int]:
+        return [len(v.args[0]) for v in self.search_space.values() if isinstance(v, Domain) and v.kind == "grid"]
+
     @model_validator(mode="before")
     @classmethod
     def _from_yaml(cls, data: Any) -> Any:
@@ -493,6 +531,18 @@ class SweepSpec:
             ref = _nested(WorkloadRef, workload, "workload")
             fields.update(workload=ref.name, params=ref.params)
         return fields
+
+    @model_validator(mode="after")
+    def _trials_within_bound(self) -> SweepSpec:
+        count = self.trial_count()
+        if count > self.max_trials:
+            made = " x ".join(f"{n:,}" for n in (self.num_samples, *self._grid_sizes()))
+            raise _invalid(
+                f"makes {count:,} trials (num_samples x grid sizes: {made}), more than max_trials: {self.max_trials:,}; "
+                f"raise max_trials (--set max_trials={count}) to run a sweep this large",
+                "search_space" if self._grid_sizes() else "num_samples",
+            )
+        return self
 
     @model_validator(mode="after")
     def _sections_agree(self) -> SweepSpec:
@@ -601,14 +651,86 @@ SweepLoader.add_implicit_resolver(
     list("-+0123456789"),
 )
 
+#: A sweep file is a page of settings (a search space is written as Tune's primitives, not as its
+#: values): a larger one is a mistake, refused before it is read.
+MAX_FILE_BYTES = 2**20
+#: Aliases (``*name``) may repeat parts of a file, not multiply it: nested ones ("billion laughs")
+#: would expand a few lines into more values than memory holds, so all of a document's aliases,
+#: expanded, may add at most this many YAML nodes to it.
+MAX_ALIAS_NODES = 100_000
+
+
+def read_yaml(text: str | bytes, where: str) -> Any:
+    """``text`` as YAML (with :class:`SweepLoader`), bounded: a document whose aliases add more
+    than :data:`MAX_ALIAS_NODES` nodes to it, or refer to themselves, is a :class:`ConfigError` about
+    ``where`` before anything is built from it."""
+    loader = SweepLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expansion(node, where)
+        return loader.construct_document(node)
+    except RecursionError:
+        raise ConfigError(f"{where}: nested deeper than a sweep file can be read") from None
+    finally:
+        loader.dispose()
+
+
+def _check_expansion(root: yaml.Node, where: str) -> None:
+    """Refuse ``root`` when its aliases, expanded, would add more than :data:`MAX_ALIAS_NODES`
+    nodes or one of them contains itself. Counted without expanding anything: each distinct node's
+    expanded size once, iteratively (a deep file does not exhaust Python's stack here)."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_counted = stack.pop()
+        children = _children(node)
+        if children_counted:
+            open_nodes.discard(id(node))
+            sizes[id(node)] = 1 + sum(sizes[id(child)] for child in children)
+            continue
+        if id(node) in sizes:
+            continue
+        open_nodes.add(id(node))
+        stack.append((node, True))
+        for child in children:
+            if id(child) in open_nodes:
+                raise ConfigError(f"{where}: an alias (*name) refers to a node that contains it; a sweep file cannot be recursive")
+            stack.append((child, False))
+    added = sizes[id(root)] - len(sizes)
+    if added > MAX_ALIAS_NODES:
+        raise ConfigError(
+            f"{where}: its aliases (*name) expand to {added:,} more YAML nodes, past the {MAX_ALIAS_NODES:,} "
+            "a sweep file's aliases may add; write the values out, or nest fewer aliases"
+        )
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return node.value if isinstance(node, yaml.SequenceNode) else []
+
 
 def load_spec(path: str, overrides: list[str] | tuple[str, ...] = ()) -> SweepSpec:
     """Read, override (``key.path=value``) and validate a sweep file."""
     try:
-        with open(path) as f:
-            raw = yaml.load(f, Loader=SweepLoader)
+        with open(path, "rb") as f:
+            text = f.read(MAX_FILE_BYTES + 1)
+            size = os.fstat(f.fileno()).st_size
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file ({exc.strerror or exc})") from None
+    if len(text) > MAX_FILE_BYTES:
+        read = f"{size:,} bytes" if size > MAX_FILE_BYTES else f"{len(text):,} bytes or more"  # a pipe has no size
+        raise ConfigError(
+            f"{path}: {read}, more than the {MAX_FILE_BYTES:,} ({human(MAX_FILE_BYTES)}) a sweep file may be "
+            "(a search space is written as Tune's primitives such as {grid: [...]}, not as its trials)"
+        )
+    try:
+        raw = read_yaml(text, path)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({exc})".replace("\n", " ")) from None
     if not isinstance(raw, dict):
@@ -634,7 +756,7 @@ def apply_override(raw: dict, override: str) -> None:
             raise ConfigError(f"--set {override}: {'.'.join(keys[: i + 1])} is not a mapping")
         node = child
     try:
-        node[keys[-1]] = yaml.load(text, Loader=SweepLoader)
+        node[keys[-1]] = read_yaml(text, f"--set {key_path.strip()}")
     except yaml.YAMLError:
         raise ConfigError(f"--set {override}: value is not valid YAML") from None
 

@@ -22,6 +22,7 @@ from orchestrator.contract import MEMORY_LABELS
 from orchestrator.errors import UserError
 from orchestrator.table import format_table
 from orchestrator.tracking.runs import ROLE_TAG, STEP_METRIC, SWEEP_ID_TAG, sqlite_path
+from orchestrator.tracking.store import reading
 from orchestrator.trial_report import TrialReport
 from orchestrator.units import binary_unit, human
 
@@ -102,9 +103,14 @@ class SweepRecord:
 # -- the command ----------------------------------------------------------------------------------
 
 
+#: What a store that cannot be read (a corrupted ``mlflow.db``, a server that does not answer) asks of the user.
+STORE_ADVICE = "pass the sweep's --tracking-uri, or restore its store"
+
+
 def report_command(args) -> int:
     tracking_uri = args.tracking_uri or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
-    sweep = load_sweep(tracking_uri, args.experiment)
+    with reading(tracking_uri, STORE_ADVICE):
+        sweep = load_sweep(tracking_uri, args.experiment)
     print(f"Sweep {sweep.name} (experiment {sweep.experiment!r}, MLflow run {sweep.run_id}, {tracking_uri})\n")
     print(trial_table(sweep))
     print()
@@ -114,8 +120,9 @@ def report_command(args) -> int:
     png, parquet = out / "report.png", out / "results.parquet"
     plot_peaks(sweep, png)
     write_parquet(sweep, parquet)
-    _client(tracking_uri).log_artifact(sweep.run_id, str(png), "report")
-    _client(tracking_uri).log_artifact(sweep.run_id, str(parquet), "report")
+    with reading(tracking_uri, STORE_ADVICE):
+        _client(tracking_uri).log_artifact(sweep.run_id, str(png), "report")
+        _client(tracking_uri).log_artifact(sweep.run_id, str(parquet), "report")
     print(f"\nWrote {png} and {parquet} (also logged to the sweep's run under report/)")
     return 0
 
@@ -137,11 +144,10 @@ def load_sweep(tracking_uri: str, experiment: str | None = None) -> SweepRecord:
     if database is not None and not database.exists():
         # MLflow would create an empty database here and report "no experiment".
         raise UserError(f"no MLflow database at {database}; pass --tracking-uri (the sweep's tracking URI)")
+    if database is not None and not database.is_file():  # MLflow would retry opening it for minutes
+        raise UserError(f"{database} is not an MLflow database file; pass --tracking-uri (the sweep's tracking URI)")
     client = _client(tracking_uri)
-    try:
-        experiments = client.search_experiments()
-    except Exception as exc:
-        raise UserError(f"cannot read MLflow at {tracking_uri}: {str(exc).splitlines()[0][:300]}") from None
+    experiments = client.search_experiments()
     if experiment is not None:
         experiments = [e for e in experiments if e.name == experiment]
         if not experiments:

@@ -1,15 +1,27 @@
 """The config layer: valid sweeps parse; every class of mistake is one line naming its key, exit 2."""
 
 import glob
+import itertools
 import re
 import subprocess
 import sys
 
 import pytest
 
-from orchestrator.config import CheckpointPolicy, DataLoading, Domain, Every, LrSchedule, Stop, load_spec
+from orchestrator.config import (
+    CheckpointPolicy,
+    DataLoading,
+    Domain,
+    Every,
+    LrSchedule,
+    Stop,
+    folder_name,
+    load_spec,
+    read_yaml,
+)
 from orchestrator.errors import ConfigError
 from orchestrator.space import trial_configs
+from tests.conftest import command_env, installed_command
 
 VALID = """
 experiment: t
@@ -138,6 +150,14 @@ BAD = [
     ("experiment name climbing out of the storage path", ["experiment=../../x"],
      "experiment: expected a name, not a path (no '/', '\\', '..' or leading '.'), got '../../x'"),
     ("experiment name that is an absolute path", ["experiment=/tmp/x"], "experiment: expected a name, not a path"),
+    ("experiment name Ray's metric tags cannot encode", ["experiment=café"],
+     "experiment: expected a name of ASCII letters, digits, '_', '.' and '-' (not first), got 'café'"),
+    ("experiment name with a space", ["experiment=my sweep"], "experiment: expected a name of ASCII letters"),
+    ("experiment name read as an option", ["experiment=-x"], "experiment: expected a name of ASCII letters"),
+    ("experiment name too long for a folder", [f"experiment={'x' * 250}"],
+     "experiment: expected a name of at most 112 characters (the sweep's folder adds its start time), got 250"),
+    ("a random search of half a million trials", ["num_samples=500001"],
+     "num_samples: makes 500,001 trials (num_samples x grid sizes: 500,001), more than max_trials: 10,000"),
     ("missing workload class", ["workload.name=trainables.mlp:MLPWorkloadd"],
      "workload.name: workload 'trainables.mlp:MLPWorkloadd': module 'trainables.mlp' has no 'MLPWorkloadd' "
      "(its workloads: MLPWorkload)"),
@@ -160,6 +180,111 @@ def test_bad_input_names_the_key_and_what_was_expected(tmp_path, case, overrides
         load_spec(write(tmp_path, VALID), overrides)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_the_longest_names_are_taken_as_they_are(tmp_path):
+    """A sweep's folder is at most 128 characters: ``--name`` names it, an experiment's gets its start time added."""
+    experiment = "a-Z_0." + "x" * 106
+    assert load_spec(write(tmp_path, VALID), [f"experiment={experiment}"]).experiment == experiment
+    with pytest.raises(ConfigError, match=r"^experiment: expected a name of at most 112 characters \(the sweep's folder "
+                                          r"adds its start time\), got 113$"):
+        load_spec(write(tmp_path, VALID), [f"experiment={experiment}x"])
+    name = experiment + "_20261126-120000"
+    assert folder_name(name, "--name") == name
+    with pytest.raises(ConfigError, match=r"^--name: expected a name of at most 128 characters, got 129$"):
+        folder_name(name + "x", "--name")
+
+
+# -- bounded input: refused in one line before it costs memory or time --------------------------
+
+
+GRID_OF_A_MILLION = VALID.replace("width: {choice: [16, 32]}", """\
+width: {grid: [%s]}
+  depth: {grid: [%s]}
+  seed: {grid: [%s]}""" % ((", ".join(str(n) for n in range(1, 101)),) * 3))
+
+
+def test_the_trial_count_is_bounded_before_the_space_is_expanded(tmp_path):
+    path = write(tmp_path, GRID_OF_A_MILLION)
+    with pytest.raises(ConfigError) as err:
+        load_spec(path)
+    assert str(err.value) == (
+        "search_space: makes 1,000,000 trials (num_samples x grid sizes: 1 x 100 x 100 x 100), more than "
+        "max_trials: 10,000; raise max_trials (--set max_trials=1000000) to run a sweep this large"
+    )
+    assert load_spec(path, ["max_trials=1000000"]).trial_count() == 1_000_000  # counted, never expanded
+    assert load_spec(path, ["num_samples=2", "search_space.seed=0", "search_space.depth=1"]).trial_count() == 200
+
+
+def laughs(levels: int = 9) -> str:
+    """"Billion laughs" in YAML's flow style: each level a list of nine aliases of the one before."""
+    names = "abcdefghijklmnop"[:levels]
+    parts = [f"{names[0]}: &{names[0]} [{', '.join(['lol'] * 9)}]"]
+    parts += [f"{n}: &{n} [{', '.join(['*' + p] * 9)}]" for p, n in itertools.pairwise(names)]
+    return "{" + ", ".join(parts) + "}"
+
+
+@pytest.mark.parametrize("text,message", [
+    (f"experiment: t\nbomb: {laughs()}\n",
+     (r"its aliases \(\*name\) expand to 490,329,036 more YAML nodes, past the 100,000 a sweep file's aliases may add; "
+      "write the values out, or nest fewer aliases$")),
+    ("experiment: t\nloop: &loop [1, *loop]\n",
+     r"an alias \(\*name\) refers to a node that contains it; a sweep file cannot be recursive$"),
+    ("experiment: t\nv: " + "[" * 50_000 + "]" * 50_000 + "\n", "nested deeper than a sweep file can be read$"),
+], ids=["billion laughs", "recursive alias", "deep nesting"])
+def test_a_yaml_bomb_is_one_line(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_spec(path)
+    assert re.match(re.escape(path) + ": " + message, str(err.value)), str(err.value)
+
+
+def test_a_bomb_in_an_override_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"^--set workload\.params\.tags: its aliases \(\*name\) expand to [\d,]+ more"):
+        load_spec(write(tmp_path, VALID), [f"workload.params.tags={laughs()}"])
+
+
+def test_aliases_that_repeat_a_little_are_read(tmp_path):
+    """Anchors, aliases and merge keys are YAML a sweep may use: only their expansion is bounded."""
+    text = VALID.replace("width: {choice: [16, 32]}", "width: &sizes {choice: [16, 32]}\n  depth: {<<: *sizes}")
+    spec = load_spec(write(tmp_path, text))
+    assert spec.search_space["width"] == spec.search_space["depth"] == Domain("choice", ((16, 32),))
+    assert read_yaml(laughs(4), "four levels")["d"][8][8][8][8] == "lol"  # 8,302 nodes from 4 levels
+
+
+def test_a_file_past_1_mib_is_refused_before_it_is_read(tmp_path):
+    text = VALID + "# " + "x" * 2**20 + "\n"
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_spec(path)
+    assert str(err.value).startswith(f"{path}: {len(text):,} bytes, more than the 1,048,576 (1.0 MiB) a sweep file may be")
+    with pytest.raises(ConfigError, match=r"cannot read the config file \(Is a directory\)"):
+        load_spec(str(tmp_path))
+
+
+@pytest.mark.parametrize("verb,text,flags,message", [
+    ("run", VALID.replace("experiment: t", "experiment: café"), [],
+     "error: experiment: expected a name of ASCII letters, digits, '_', '.' and '-' (not first), got 'café'"),
+    ("run", VALID, ["--name", "x" * 250], "error: --name: expected a name of at most 128 characters, got 250"),
+    ("plan", f"experiment: t\nbomb: {laughs()}\n", [], "error: sweep.yaml: its aliases (*name) expand to 490,329,036"),
+    ("plan", VALID + "# " + "x" * 54 * 2**20 + "\n", [],
+     f"error: sweep.yaml: {len(VALID) + 54 * 2**20 + 3:,} bytes, more than the 1,048,576"),
+    ("plan", GRID_OF_A_MILLION, [], "error: search_space: makes 1,000,000 trials"),
+    ("run", GRID_OF_A_MILLION, ["--set", "num_samples=3"], "error: search_space: makes 3,000,000 trials"),
+], ids=["non-ASCII experiment", "long --name", "billion laughs", "54 MB file", "grid of a million", "run's grid"])
+def test_the_installed_command_refuses_hostile_input_in_one_line(tmp_path, verb, text, flags, message):
+    """The user's path: ``.venv/bin/orchestrator`` from a folder outside the repository, each in
+    one line and exit 2, before Ray starts (nothing is made where results or records would go)."""
+    write(tmp_path, text)
+    proc = subprocess.run(
+        [installed_command(), verb, "sweep.yaml", *flags,
+         *(["--storage-path", "results", "--tracking-uri", "sqlite:///m.db"] if verb == "run" else [])],
+        capture_output=True, text=True, cwd=tmp_path, env=command_env(), timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "results").exists() and not (tmp_path / "m.db").exists()
 
 
 def test_training_settings_are_read(tmp_path):

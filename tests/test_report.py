@@ -22,6 +22,7 @@ from mlflow_server import MlflowServer
 from orchestrator.cli import main
 from orchestrator.report import SweepRecord, TrialRecord, config_labels, peak_chart, plot_peaks, short_value
 from orchestrator.units import KiB, MiB
+from tests.conftest import command_env, installed_command
 
 CASES = {0.01: {"epochs": 3}, 0.1: {"epochs": 3, "oom_at": 2}, 0.2: {"refuse": True}}
 
@@ -167,6 +168,71 @@ def test_real_sweep_with_ooms_reported_from_mlflow(local_ray, tmp_path, capsys):
         last = max((r for r in rows if r["run_id"] == run.info.run_id), key=lambda r: r["epoch"])
         assert last["oom_retries"] == run.data.metrics["oom_retries"]
         assert last["peak_allocated_bytes"] == run.data.metrics["peak_allocated_bytes"]
+
+
+@pytest.fixture(scope="module")
+def sweep_store(tmp_path_factory) -> Path:
+    """A real SQLite MLflow store holding a sweep as the tracking writes it (a parent run, trials
+    with a metric history), made with MLflow's client: what the report reads, without a sweep."""
+    from mlflow import MlflowClient
+
+    database = tmp_path_factory.mktemp("store") / "mlflow.db"
+    client = MlflowClient(f"sqlite:///{database}")
+    experiment = client.create_experiment("stored")
+    parent = client.create_run(experiment, tags={"orchestrator.role": "sweep", "orchestrator.sweep_id": "s1"})
+    for trial in range(3):
+        run = client.create_run(experiment, run_name=f"t{trial}", tags={
+            "orchestrator.role": "trial", "orchestrator.sweep_id": "s1", "mlflow.parentRunId": parent.info.run_id,
+        })
+        for step in range(1, 60):
+            client.log_metric(run.info.run_id, "eval_loss", 1 / step, step=step)
+            client.log_metric(run.info.run_id, "step", step, step=step)
+    return database
+
+
+def report_in(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    """``orchestrator report`` as a user runs it, from ``folder`` (its default store is ./mlflow.db there)."""
+    return subprocess.run([installed_command(), "report", *args], cwd=folder, env=command_env(), capture_output=True,
+                          text=True, timeout=300)
+
+
+def corrupted(database: Path, into: Path) -> Path:
+    """A copy of ``database`` whose second half is overwritten, as a disk or a copy cut off can leave it:
+    its schema reads, its records do not ("database disk image is malformed")."""
+    data = bytearray(database.read_bytes())
+    data[len(data) // 2:] = b"\xff" * (len(data) - len(data) // 2)
+    into.write_bytes(data)
+    return into
+
+
+@pytest.mark.parametrize("store,message", [
+    ("malformed", "is not usable ((sqlite3.DatabaseError) database disk image is malformed); "
+                  "pass the sweep's --tracking-uri, or restore its store"),
+    ("not a database", "is not usable ((sqlite3.DatabaseError) file is not a database); "
+                       "pass the sweep's --tracking-uri, or restore its store"),
+], ids=["malformed", "not a database"])
+def test_a_store_that_cannot_be_read_is_one_line(sweep_store, tmp_path, store, message):
+    """As ``run`` refuses such a store before it starts, ``report`` says so in one line, exit 2, not a
+    SQLAlchemy traceback; the store as it was before reads (it is the damage that is refused)."""
+    if store == "malformed":
+        assert report_in(sweep_store.parent, "--out", str(tmp_path / "healthy")).returncode == 0
+        corrupted(sweep_store, tmp_path / "mlflow.db")
+    else:
+        (tmp_path / "mlflow.db").write_bytes(b"this is not SQLite " * 1000)
+    done = report_in(tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr == f"error: MLflow at sqlite:///{tmp_path / 'mlflow.db'} {message}\n"
+    assert "Traceback" not in done.stdout + done.stderr
+
+
+def test_a_missing_store_or_a_folder_is_one_line(tmp_path):
+    done = report_in(tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr + done.stdout
+    assert done.stderr == f"error: no MLflow database at {tmp_path / 'mlflow.db'}; pass --tracking-uri (the sweep's tracking URI)\n"
+    assert not (tmp_path / "mlflow.db").exists()  # a report makes no store
+    (tmp_path / "mlflow.db").mkdir()
+    done = report_in(tmp_path)  # MLflow would retry opening a folder for minutes
+    assert done.returncode == 2 and done.stderr.startswith(f"error: {tmp_path / 'mlflow.db'} is not an MLflow database file")
 
 
 def test_report_loads_neither_torch_nor_ray():

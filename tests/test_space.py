@@ -59,6 +59,17 @@ def test_the_seed_decides_the_draw(sweep_file):
     assert [c["lr"] for c in first] != [c["lr"] for c in other]
 
 
+@pytest.mark.parametrize("overrides", [
+    [], ["num_samples=3"], ["search_space.depth={grid: [1, 2, 3]}"], ["search_space.depth={choice: [1, 2, 3]}"],
+    ["search_space={workload: {grid: [mlp, cnn]}, lr: {grid: [0.1, 0.01]}}", "num_samples=2"],
+], ids=["grid and samples", "more samples", "two grids", "a choice adds none", "a grid of workloads"])
+def test_the_trial_count_is_what_expanding_the_space_makes(sweep_file, overrides):
+    """``max_trials`` bounds :meth:`SweepSpec.trial_count`, counted without expanding the space:
+    it must be what Tune's expansion makes."""
+    spec = load_spec(str(sweep_file), overrides)
+    assert spec.trial_count() == len(trial_configs(spec)) == len(tune_draws(spec))
+
+
 def mlflow_configs(database) -> list[dict]:
     """What MLflow recorded of each trial's hyper-parameters (``config.*`` params), in trial order."""
     import mlflow

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -33,6 +34,7 @@ from orchestrator.tracking.callback import UNSENT_FILE, MlflowTracking
 from orchestrator.tracking.check import check_tracking
 from orchestrator.tracking.flatten import plan_params, result_metrics, spec_params
 from orchestrator.tracking.outbox import is_outage
+from orchestrator.tracking.store import reading, unusable
 from orchestrator.trial_report import TrialReport
 
 
@@ -272,6 +274,26 @@ def test_outages_and_rejections_are_told_apart():
     assert not is_outage(MlflowException("Invalid metric name: 'a@b'", error_code=INVALID_PARAMETER_VALUE))
     assert not is_outage(RestException({"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "Run 'x' not found"}))
     assert not is_outage(ValueError("a bug"))
+
+
+def test_a_store_that_cannot_be_used_is_said_in_one_line():
+    """``run``'s check and ``report`` word it alike: refused credentials name the variables that carry
+    them; anything else is the store's first line and the command's advice. Only the store's own
+    errors are worded so: a bug in the code reading it keeps its traceback."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import PERMISSION_DENIED, UNAUTHENTICATED
+
+    for code, status in ((UNAUTHENTICATED, 401), (PERMISSION_DENIED, 403)):
+        said = unusable("http://mlflow:5000", MlflowException("no", error_code=code), "start it")
+        assert said == (f"MLflow at http://mlflow:5000 refused our credentials (HTTP {status}); set "
+                        "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)")
+    said = unusable("sqlite:///m.db", sqlite3.DatabaseError("database disk image is malformed\nmore"), "restore it")
+    assert said == "MLflow at sqlite:///m.db is not usable (database disk image is malformed); restore it"
+    with pytest.raises(UserError, match=r"^MLflow at sqlite:///m.db is not usable \(file is not a database\); restore it$"):
+        with reading("sqlite:///m.db", "restore it"):
+            raise sqlite3.DatabaseError("file is not a database")
+    with pytest.raises(KeyError), reading("sqlite:///m.db", "restore it"):
+        raise KeyError("a bug of ours")
 
 
 def test_the_tracking_store_is_checked_before_a_sweep_starts(tmp_path):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from orchestrator.errors import UserError
 from orchestrator.preflight import check_new_database
-from orchestrator.tracking.outbox import first_line
 from orchestrator.tracking.runs import sqlite_path
+from orchestrator.tracking.store import unusable
 from orchestrator.tracking.writer import fail_fast
 
 
@@ -18,21 +18,15 @@ def check_tracking(tracking_uri: str, experiment: str) -> None:
         check_new_database(database)
         return
     from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
 
     fail_fast()
     try:
         found = MlflowClient(tracking_uri).get_experiment_by_name(experiment)
     except Exception as exc:  # noqa: BLE001 - whatever it is, the sweep cannot record there
-        if isinstance(exc, MlflowException) and exc.get_http_status_code() in (401, 403):
-            raise UserError(
-                f"tracking_uri: MLflow at {tracking_uri} refused our credentials (HTTP {exc.get_http_status_code()}); set "
-                "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)"
-            ) from None
-        raise UserError(
-            f"tracking_uri: MLflow at {tracking_uri} is not usable ({first_line(exc)}); start it or fix the URI, "
-            "or pass --offline-tracking to run anyway (the records then wait in the sweep's folder for `run --resume`)"
-        ) from None
+        raise UserError("tracking_uri: " + unusable(
+            tracking_uri, exc, "start it or fix the URI, or pass --offline-tracking to run anyway "
+            "(the records then wait in the sweep's folder for `run --resume`)",
+        )) from None
     if found is not None and found.lifecycle_stage != "active":
         raise UserError(
             f"experiment: the MLflow experiment {experiment!r} at {tracking_uri} is deleted; restore it "
