@@ -26,6 +26,7 @@ from orchestrator.config import MemoryPolicy
 from orchestrator.estimator_registry import NO_ESTIMATE, registered
 from orchestrator.memory import MemoryProfile, Settings
 from orchestrator.memory.cache import ProfileCache
+from orchestrator.parent_watch import die_with_parent
 
 
 def memory_signature(config: dict[str, Any], policy: MemoryPolicy, target: str) -> str:
@@ -106,35 +107,6 @@ def estimate_trials(
         if pool is not None:
             pool.shutdown(cancel_futures=True)
     return estimates
-
-
-def die_with_parent(parent: int) -> None:
-    """In an estimate process, first thing: end when the driver that spawned it ends.
-
-    The pool's processes would otherwise outlive a driver killed with ``kill -9`` (or by the
-    OOM killer) for as long as their estimate runs - minutes, and hundreds of MB each. On Linux
-    the kernel sends SIGKILL when the parent goes (``PR_SET_PDEATHSIG``); elsewhere a thread
-    watches the parent. A parent already gone before this ran is noticed here too.
-    """
-    import ctypes
-    import signal
-    import sys
-    import threading
-    import time
-
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:
-            os._exit(1)
-        return
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
 
 
 def _estimate_one(job) -> tuple[dict[Settings, MemoryProfile], str | None, float]:
