@@ -31,10 +31,11 @@ class LocalCheckpoints:
         """Start from a checkpoint made elsewhere: Tune's copy of one (a path), or its bytes sent
         by rank 0 of a group."""
         folder = tempfile.mkdtemp(prefix="checkpoint-", dir=self.scratch)
-        if state_file is not None:
-            shutil.copy(state_file, folder)
-        else:
-            with atomic_write(os.path.join(folder, STATE_FILE), "wb") as f:
+        with atomic_write(os.path.join(folder, STATE_FILE), "wb") as f:
+            if state_file is not None:
+                with open(state_file, "rb") as source:
+                    shutil.copyfileobj(source, f)
+            else:
                 f.write(data)
         self.newest = folder
 
