@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="resume an interrupted sweep from its storage path (and send the MLflow records it could not)",
     )
     run.add_argument(
+        "--allow-config-change", action="store_true",
+        help="with --resume: resume even where the config differs from the one the sweep was started with "
+             "(refused otherwise, naming the keys); the unfinished trials continue with the new config, "
+             "the search space, scheduler and finished trials stay as stored",
+    )
+    run.add_argument(
         "--offline-tracking", action="store_true",
         help="start even if MLflow cannot be reached: its records wait in the sweep's folder, "
              "and `run --resume` sends them (the run exits 1 while any are unsent)",

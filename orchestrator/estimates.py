@@ -26,6 +26,7 @@ from orchestrator.config import MemoryPolicy
 from orchestrator.estimator_registry import NO_ESTIMATE, registered
 from orchestrator.memory import MemoryProfile, Settings
 from orchestrator.memory.cache import ProfileCache
+from orchestrator.parent_watch import die_with_parent
 
 
 def memory_signature(config: dict[str, Any], policy: MemoryPolicy, target: str) -> str:
@@ -91,7 +92,8 @@ def estimate_trials(
         pool = None
     else:
         # spawn, not fork: the driver may run Ray's threads; the children get our sys.path
-        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=die_with_parent, initargs=(os.getpid(),))
         results = pool.map(_estimate_one, jobs)
     try:
         for (signature, indices), (profiles, error, seconds) in zip(groups.items(), results):

@@ -40,6 +40,7 @@ class RunRequest:
     verbose: bool = False  # Ray's and Tune's own output instead of one line per trial event
     name: str | None = None  # the sweep's folder under the storage path
     resume: bool = False
+    allow_config_change: bool = False  # resume even where the config differs from the stored sweep's
 
     @classmethod
     def from_args(cls, args) -> RunRequest:
@@ -69,6 +70,8 @@ class RunRequest:
             words += ["--name", self.name]
         if self.resume:
             words.append("--resume")
+        if self.allow_config_change:
+            words.append("--allow-config-change")
         return words
 
     def command(self, program: Sequence[str] | None = None) -> str:

@@ -44,6 +44,7 @@ from orchestrator.outcome import (
 from orchestrator.preflight import check_shared_storage, check_storage, check_workloads, taken_back_if_refused
 from orchestrator.ray_token import secure_token_files
 from orchestrator.run_request import RunRequest
+from orchestrator.sweep_guard import claim_sweep
 from orchestrator.table import format_table
 from orchestrator.trial_report import TrialReport
 from orchestrator.units import human
@@ -145,8 +146,10 @@ def run_sweep(
     dashboard_host: str = "127.0.0.1",
     offline_tracking: bool = False,
     verbose: bool = False,
+    allow_config_change: bool = False,
 ) -> SweepOutcome:
-    """``verbose``: Ray's and Tune's own output as they print it, instead of ``orchestrator.console``'s view."""
+    """``verbose``: Ray's and Tune's own output as they print it, instead of ``orchestrator.console``'s view.
+    ``allow_config_change``: resume even where the config differs from the stored sweep's (``sweep_guard``)."""
     import ray
     from ray import tune
 
@@ -156,14 +159,24 @@ def run_sweep(
     if ray_address is None and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
         check_local_node(trial_request(spec), spec.resources.workers, local_node(num_cpus, num_gpus))
     started_ray = False
+    claim = None
     try:
         with taken_back_if_refused(storage):
             _check_before_ray(spec, storage, tracking_uri, offline_tracking)
-            estimates, started_ray = _estimate_while_ray_starts(
-                spec, lambda: _connect_ray(ray_address, num_cpus, num_gpus, dashboard, dashboard_host, verbose))
-            check_shared_storage(storage_path or spec.storage_path, storage, len(alive_nodes()))
-            wait = check_schedulable(trial_request(spec), spec.resources.wait_minutes, spec.resources.workers)
+            # The sweep's folder is this driver's before Ray starts: a second driver of it is
+            # refused at once, and so is a resume whose config differs (orchestrator.sweep_guard).
             name, restore_from = _experiment_name(spec, storage, name, resume)
+            claim = claim_sweep(os.path.join(storage, name), spec, resuming=restore_from is not None,
+                                allow_config_change=allow_config_change)
+            try:
+                estimates, started_ray = _estimate_while_ray_starts(
+                    spec, lambda: _connect_ray(ray_address, num_cpus, num_gpus, dashboard, dashboard_host, verbose))
+                check_shared_storage(storage_path or spec.storage_path, storage, len(alive_nodes()))
+                wait = check_schedulable(trial_request(spec), spec.resources.wait_minutes, spec.resources.workers)
+            except UserError:
+                claim.release(refused=True)
+                raise
+        claim.record(spec)
         trainable = _trainable(spec, estimates)
         if restore_from:
             print(f"Resuming {restore_from}: finishing the trials that did not finish")
@@ -181,6 +194,8 @@ def run_sweep(
         rows = sorted((_row(result, spec, record) for result in results), key=lambda row: row.name)
         return SweepOutcome(rows, os.path.join(storage, name), tracking_uri, record.tracking, record.stop_reason, spec.on_nan)
     finally:
+        if claim is not None:
+            claim.release()
         if started_ray:
             ray.shutdown()
 

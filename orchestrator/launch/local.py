@@ -44,6 +44,7 @@ class LocalLauncher(Launcher):
                 dashboard_host=self.dashboard_host,
                 offline_tracking=request.offline_tracking,
                 verbose=request.verbose,
+                allow_config_change=request.allow_config_change,
             )
         except KeyboardInterrupt:
             print(f"\nInterrupted. Continue the sweep with: {resume_command(request)}", file=sys.stderr)

@@ -40,6 +40,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
+from orchestrator.atomic_file import atomic_write
 from orchestrator.config import SweepSpec
 from orchestrator.errors import UserError
 from orchestrator.launch.base import Launcher
@@ -367,9 +368,14 @@ def _write_job_dir(job: SlurmJob, spec: SweepSpec, script: str) -> Path:
         raise UserError(f"{job_dir} already exists (two submissions in one second?); submit again") from None
     except OSError as exc:
         raise UserError(f"cannot create the job folder {job_dir}: {exc.strerror}") from None
-    shutil.copyfile(spec.source, job_dir / "config.yaml")
     script_path = job_dir / "job.sbatch"
-    script_path.write_text(script)
+    try:  # each attempt of a requeued job reads them again: whole files or none
+        with open(spec.source, "rb") as source, atomic_write(job_dir / "config.yaml", "wb") as f:
+            shutil.copyfileobj(source, f)
+        with atomic_write(script_path) as f:
+            f.write(script)
+    except OSError as exc:
+        raise UserError(f"cannot write the job folder {job_dir}: {exc.strerror or exc}") from None
     script_path.chmod(0o755)
     return script_path
 

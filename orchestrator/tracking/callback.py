@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import yaml
 from ray import tune
 
+from orchestrator.atomic_file import atomic_write
 from orchestrator.config import SweepSpec
 from orchestrator.contract import describe_moves
 from orchestrator.failures import exception_line, last_failure
@@ -179,10 +180,8 @@ class MlflowTracking(tune.Callback):
                     os.remove(self.unsent_file)
                 return None
             os.makedirs(os.path.dirname(self.unsent_file), exist_ok=True)
-            partial = f"{self.unsent_file}.partial"
-            with open(partial, "wb") as f:
+            with atomic_write(self.unsent_file, "wb") as f:
                 pickle.dump(unsent, f)
-            os.replace(partial, self.unsent_file)
             return self.unsent_file
         except OSError as exc:
             logger.warning("cannot keep the unsent MLflow writes in %s: %s", self.unsent_file, exc)

@@ -16,6 +16,7 @@ import tempfile
 
 import torch
 
+from orchestrator.atomic_file import atomic_write
 from orchestrator.contract import STATE_FILE
 
 
@@ -30,17 +31,19 @@ class LocalCheckpoints:
         """Start from a checkpoint made elsewhere: Tune's copy of one (a path), or its bytes sent
         by rank 0 of a group."""
         folder = tempfile.mkdtemp(prefix="checkpoint-", dir=self.scratch)
-        if state_file is not None:
-            shutil.copy(state_file, folder)
-        else:
-            with open(os.path.join(folder, STATE_FILE), "wb") as f:
+        with atomic_write(os.path.join(folder, STATE_FILE), "wb") as f:
+            if state_file is not None:
+                with open(state_file, "rb") as source:
+                    shutil.copyfileobj(source, f)
+            else:
                 f.write(data)
         self.newest = folder
 
     def save(self, state: dict) -> str:
         """Write ``state`` as the newest checkpoint; the one before it goes. Its folder, for Tune."""
         folder = tempfile.mkdtemp(prefix="checkpoint-", dir=self.scratch)
-        torch.save(state, os.path.join(folder, STATE_FILE))
+        with atomic_write(os.path.join(folder, STATE_FILE), "wb") as f:
+            torch.save(state, f)
         if self.newest is not None:
             shutil.rmtree(self.newest, ignore_errors=True)
         self.newest = folder

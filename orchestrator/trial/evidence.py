@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 
+from orchestrator.atomic_file import atomic_write
 from orchestrator.contract import OOM_EVIDENCE_FILE, OomEvent
 
 
@@ -16,10 +17,8 @@ def write_oom_evidence(folder: str | None, event: OomEvent) -> None:
         return
     try:
         os.makedirs(folder, exist_ok=True)
-        partial = os.path.join(folder, OOM_EVIDENCE_FILE + ".partial")
-        with open(partial, "w") as f:
+        with atomic_write(os.path.join(folder, OOM_EVIDENCE_FILE)) as f:
             json.dump(event.to_dict(), f)
-        os.replace(partial, os.path.join(folder, OOM_EVIDENCE_FILE))
     except OSError:
         pass
 

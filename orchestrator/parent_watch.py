@@ -1,0 +1,39 @@
+"""Processes the driver spawns end when it ends, however it ends.
+
+A driver killed with ``kill -9`` (or by the OOM killer) runs no clean-up, and a spawned worker
+that is busy (an estimate takes minutes and hundreds of MB) would not notice for as long as it
+works. Here: no torch, no Ray, so a spawned process reaches it within moments of starting (its
+pool unpickles the initializer before anything heavy is imported).
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def die_with_parent(parent: int) -> None:
+    """First thing in a spawned process (a pool's ``initializer``): end when ``parent`` ends.
+
+    On Linux the kernel sends SIGKILL when the parent goes (``PR_SET_PDEATHSIG``; it fires when
+    the thread that spawned the process ends, so spawn from a thread that outlives the pool);
+    elsewhere a thread watches the parent. A parent already gone before this ran is noticed here.
+    """
+    import ctypes
+    import signal
+    import sys
+    import threading
+    import time
+
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()

@@ -1,0 +1,191 @@
+"""A sweep's folder is run by one driver at a time, and resumed with the config it started with.
+
+Two ``run --name same`` would otherwise both write one Tune experiment: the second replaces the
+first's state, its MLflow runs stay ``RUNNING`` for ever, and a later ``--resume`` finishes
+whichever wrote last. And a ``--resume`` whose config differs would train the stored sweep
+(Tune restores its own search space, scheduler and callbacks) with parts of the new config,
+without a word. So the driver claims the folder (:func:`claim_sweep`) before Ray starts:
+
+- an exclusive ``flock`` on :data:`LOCK_FILE` in it, held until the driver ends. The kernel
+  releases it when the process dies however it dies, so a killed driver never blocks the
+  ``--resume`` that continues its sweep;
+- on a resume, the config compared with the one the sweep was started with
+  (:data:`CONFIG_FILE`, written by :meth:`SweepClaim.record` when it starts). A difference in
+  any key but :data:`RESUMABLE_KEYS` is refused, naming the keys, unless the user says
+  ``--allow-config-change``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.atomic_file import atomic_write
+from orchestrator.config import SweepSpec
+from orchestrator.errors import UserError
+
+LOCK_FILE = ".driver.lock"  # held by the driver running the sweep; holds its pid
+CONFIG_FILE = "sweep_config.json"  # the validated config the sweep runs with, key path -> value
+
+#: Keys a resume may change without --allow-config-change: where the sweep lives (a resume finds
+#: the sweep there; a moved storage folder is still the same sweep). Everything else either
+#: changes what the unfinished trials train (they get the new config, the finished ones keep the
+#: old: the budget, the model, the data, the memory policy), or is stored by Tune and restored
+#: as it was (the search space, the scheduler, MLflow's settings), so a change would be ignored.
+RESUMABLE_KEYS = frozenset({"storage_path"})
+
+#: The spec's fields as they are written in YAML where the two differ.
+_YAML_NAMES = {"workload": "workload.name", "params": "workload.params"}
+
+
+def config_values(spec: SweepSpec) -> dict[str, Any]:
+    """The validated config as key paths (``workload.params.depth``) and JSON values: defaults
+    filled in, so a key written out with its default value is no change."""
+    plain = json.loads(json.dumps(
+        {_YAML_NAMES.get(f.name, f.name): _as_plain(getattr(spec, f.name))
+         for f in dataclasses.fields(spec) if f.name not in ("source", "raw")},
+        default=str,
+    ))
+    values: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict) and value:
+            for key, inner in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), inner)
+        else:
+            values[prefix] = value
+
+    walk("", plain)
+    return values
+
+
+def _as_plain(value: Any) -> Any:
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+
+
+def changed_keys(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The key paths whose values differ, a key only one side has included; sorted."""
+    return sorted(k for k in stored.keys() | current.keys() if stored.get(k, _MISSING) != current.get(k, _MISSING))
+
+
+_MISSING = object()
+
+
+@dataclass
+class SweepClaim:
+    """This driver's hold on a sweep's folder; :meth:`release` gives it back (the kernel does,
+    should the driver die first)."""
+
+    folder: str
+    fd: int | None
+    made_folder: bool
+
+    def record(self, spec: SweepSpec) -> None:
+        """Keep the config the sweep now runs with, for the next ``--resume`` to compare."""
+        path = os.path.join(self.folder, CONFIG_FILE)
+        try:
+            with atomic_write(path) as f:
+                json.dump(config_values(spec), f, indent=1, sort_keys=True)
+        except OSError as exc:
+            raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+    def release(self, refused: bool = False) -> None:
+        """Give the folder back. ``refused``: the sweep never started, so a folder this claim made
+        goes again (a refused sweep leaves nothing behind)."""
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(self.folder, LOCK_FILE))
+        os.close(self.fd)
+        self.fd = None
+        if refused and self.made_folder and not os.listdir(self.folder):
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def claim_sweep(folder: str, spec: SweepSpec, *, resuming: bool, allow_config_change: bool = False) -> SweepClaim:
+    """Claim ``folder`` for this driver, or refuse in one line: another driver runs it, or (when
+    ``resuming``) the config differs from the stored one in a key a resume may not change."""
+    made_folder = not os.path.isdir(folder)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd = _locked(os.path.join(folder, LOCK_FILE))
+    except OSError as exc:
+        raise UserError(f"cannot lock the sweep folder {folder}: {exc.strerror or exc}") from None
+    claim = SweepClaim(folder, fd, made_folder)
+    try:
+        if resuming:
+            _check_config(folder, spec, allow_config_change)
+    except BaseException:
+        claim.release(refused=True)
+        raise
+    return claim
+
+
+def _locked(path: str) -> int:
+    """An open descriptor of ``path`` holding its exclusive lock. The lock file is removed when
+    its holder is done, so the lock is taken on the file that is at ``path`` once we hold it
+    (not an earlier one a finishing driver just removed)."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = _holder(fd)
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EACCES):
+                folder = os.path.dirname(path)
+                raise UserError(
+                    f"sweep {folder} is already running (driver{' pid ' + holder if holder else ''}); "
+                    f"wait for it to end, or stop it and continue it with --resume; "
+                    f"a new sweep needs another --name"
+                ) from None
+            raise
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            return fd
+        os.close(fd)
+
+
+def _holder(fd: int) -> str:
+    with contextlib.suppress(OSError):
+        return os.pread(fd, 32, 0).decode(errors="replace").strip()
+    return ""
+
+
+def _check_config(folder: str, spec: SweepSpec, allow_config_change: bool) -> None:
+    try:
+        with open(os.path.join(folder, CONFIG_FILE)) as f:
+            stored = json.load(f)
+    except FileNotFoundError:
+        return  # a sweep started before its config was kept: nothing to compare with
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read the config {folder} was started with ({CONFIG_FILE}: {exc})") from None
+    current = config_values(spec)
+    changed = [k for k in changed_keys(stored, current) if k not in RESUMABLE_KEYS]
+    if not changed:
+        return
+    described = ", ".join(f"{k} ({_shown(stored, k)} -> {_shown(current, k)})" for k in changed)
+    if allow_config_change:
+        print(f"Resuming with a changed config (--allow-config-change): {described}; the trials that did not "
+              f"finish continue with it, the search space, scheduler and finished trials stay as stored", flush=True)
+        return
+    raise UserError(
+        f"--resume: the config differs from the one {folder} was started with in {described}; "
+        f"resume with the same config, start a new sweep (another --name), or pass --allow-config-change"
+    )
+
+
+def _shown(values: dict[str, Any], key: str) -> str:
+    return json.dumps(values[key]) if key in values else "unset"
