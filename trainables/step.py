@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from orchestrator.device import Device
-from trainables.workload import Batch, Workload, to_device
+from trainables.carry import Carry, merge_rows, stateful_loss
+from trainables.workload import Batch, Workload, map_tensors, to_device
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -42,13 +43,15 @@ def train_step(
     precision: str = "fp32",
     scaler: torch.amp.GradScaler | None = None,
     max_grad_norm: float | None = None,
+    carry: Carry | None = None,
 ) -> torch.Tensor:
     """Accumulate gradients over ``micro_batches`` (of ``sizes`` samples) and take one optimizer step.
 
     Returns the mean loss as a detached tensor (no ``.item()`` here: the estimators run this
     step on fake tensors, which have no values, and a GPU should not wait for the host).
+    ``carry``: a stateful workload's state, replaced by the step's (see ``accumulate_gradients``).
     """
-    mean_loss = accumulate_gradients(workload, model, micro_batches, sizes, device, precision, scaler)
+    mean_loss = accumulate_gradients(workload, model, micro_batches, sizes, device, precision, scaler, carry=carry)
     apply_gradients(model, optimizer, scaler, max_grad_norm)
     return mean_loss
 
@@ -62,6 +65,7 @@ def accumulate_gradients(
     precision: str = "fp32",
     scaler: torch.amp.GradScaler | None = None,
     total: int | None = None,
+    carry: Carry | None = None,
 ) -> torch.Tensor:
     """The backward passes of one step: the parameters' ``.grad`` sum each micro-batch's gradient.
 
@@ -71,16 +75,30 @@ def accumulate_gradients(
     weights as micro-batch 32 x 1 does. ``micro_batches`` is consumed one at a time, and each
     is dropped before the next is taken, as memory allows only one micro-batch's activations.
     Returns this rank's share of the mean loss.
+
+    A stateful workload's ``carry`` holds the state of the step's rows: each micro-batch gets
+    its own rows of it (``trainables.carry``), and once every micro-batch has run, ``carry``
+    holds their new states, detached (not before: a step that fails leaves it as it was).
     """
     total = total or sum(sizes)
     mean_loss = torch.zeros((), device=device)
-    for size, batch in zip(sizes, micro_batches):  # sizes first: no micro-batch is fetched past the last
+    states = carry.split(sizes) if carry is not None else None
+    new_states = []
+    for index, (size, batch) in enumerate(zip(sizes, micro_batches)):  # sizes first: none fetched past the last
         batch = to_device(batch, device)
         with autocast(precision, device):
-            loss = workload.loss(model, batch) * (size / total)
+            if states is None:
+                loss = workload.loss(model, batch)
+            else:
+                loss, state = stateful_loss(workload, model, batch, states[index])
+                new_states.append(map_tensors(torch.Tensor.detach, state))  # no graph kept past backward
+                del state
+            loss = loss * (size / total)
         (scaler.scale(loss) if scaler else loss).backward()
         mean_loss += loss.detach().float()
         del loss, batch  # the next micro-batch must not find this one's graph still alive
+    if carry is not None:
+        carry.state = merge_rows(new_states, carry.dim)
     return mean_loss
 
 
