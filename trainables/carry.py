@@ -59,10 +59,11 @@ class Carry:
 
 
 def split_rows(state: State, sizes: Sequence[int], dim: int) -> list[State]:
-    """``state`` cut along ``dim`` into consecutive parts of ``sizes`` rows (views, no copies)."""
+    """``state`` cut along ``dim`` into consecutive parts of ``sizes`` rows, each contiguous (a
+    slice along a later dimension is strided, and kernels such as the LSTM's copy it anyway)."""
     parts, start = [], 0
     for size in sizes:
-        parts.append(map_tensors(lambda t, start=start, size=size: t.narrow(dim, start, size), state))
+        parts.append(map_tensors(lambda t, start=start, size=size: t.narrow(dim, start, size).contiguous(), state))
         start += size
     return parts
 
