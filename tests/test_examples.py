@@ -1,7 +1,8 @@
 """The examples of ``trainables/examples`` and their sweeps in ``configs/``.
 
 Unit tests check what each example's batching promises (graphs stay apart in a batch, padding
-is masked out of the loss, the largest sample bounds every sample). The integration tests plan
+is masked out of the loss, the largest sample bounds every sample) and that the stateful LSTM
+makes a plain PyTorch TBPTT loop's losses. The integration tests plan
 and run each example's sweep, cut to one short trial, with the *installed* ``orchestrator``
 command from a folder outside the repository, and read the results back from MLflow: the
 graph example with this venv's command, the transformers and timm ones with ``.venv-zoo``'s
@@ -19,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import torch.nn.functional as F
 
 from orchestrator.config import Every, Stop
@@ -165,7 +165,7 @@ def plain_tbptt_losses(workload: LSTMLanguageModelWorkload, batch_size: int, epo
 
 
 #: A milestone (and its train loss) after every step, one evaluation at the end.
-EVERY_STEP = dict(eval_every=Every("epochs", 100), checkpoint_every=Every("steps", 1))
+EVERY_STEP = {"eval_every": Every("epochs", 100), "checkpoint_every": Every("steps", 1)}
 
 
 def trainer_losses(trainer: Trainer, steps: int | None = None) -> list[float]:
@@ -339,3 +339,35 @@ def test_the_image_sweep_decodes_in_workers_and_reports_accuracy(tmp_path):
     assert "eval_accuracy" in header and "TERMINATED" in row
     _, accuracy = finished_trial(tmp_path, "example_images", "eval_accuracy", [2, 4])
     assert all(0 <= a <= 1 for a in accuracy)
+
+
+LSTM_CUT = ["search_space.lr=0.01", "stop.steps=8", "eval_every.steps=4"]
+
+
+@pytest.mark.integration
+def test_the_stateful_lstm_sweep_is_traced_and_survives_an_oom_with_the_same_updates(tmp_path):
+    """``plan`` traces the stateful LSTM (a fake state of the step's rows; no fallback). ``run``
+    with no estimate starts at micro-batch 32 on the 4 MiB emulated device, runs out of memory,
+    and finishes at a smaller micro-batch, each carrying its own streams' rows of the state:
+    its eval perplexities are those of this process's trainer at micro-batch 32 on the CPU."""
+    (trial,) = plan(MAIN_BIN, "lstm_tbptt_cpu.yaml", LSTM_CUT, tmp_path)
+    assert trial["plan"]["micro_batch"] == 16 and trial["plan"]["accum_steps"] == 2
+
+    table = run(MAIN_BIN, "lstm_tbptt_cpu.yaml", [*LSTM_CUT, "memory.estimator=none"], tmp_path)
+    assert "TERMINATED" in table_row(table)[1] and "1/1 trials finished" in table
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("lstm_tbptt_cpu").experiment_id])
+    (finished,) = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert finished.info.status == "FINISHED" and finished.data.metrics["oom_retries"] >= 1
+    assert finished.data.metrics["micro_batch"] < 32
+    history = client.get_metric_history(finished.info.run_id, "eval_perplexity")
+    assert [m.step for m in history] == [4, 8]
+
+    workload = LSTMLanguageModelWorkload(layers=2, hidden=64, bptt=16, train_tokens=32769, eval_tokens=4097, lr=0.01)
+    settings = LoopSettings(Stop(steps=8), eval_every=Every("steps", 4), max_grad_norm=0.25)
+    here = Trainer(workload, CpuDevice(), LoopPlan(32, 32, 128), settings)
+    expected = [m.eval["eval_perplexity"] for m in here.run()]
+    assert [m.value for m in history] == pytest.approx(expected, rel=1e-4)
+
