@@ -218,18 +218,16 @@ def test_a_checkpointed_state_for_other_streams_is_refused():
 
 
 def test_the_lstm_lm_is_traced_with_its_state_as_the_real_cpu_run_measures():
-    """The step traced on fake tensors with a fake state of the step's rows (no fallback), as
-    real CPU steps measure at the probe both take (b=2): eval exactly, train within the 256
-    bytes this LSTM's CPU kernel keeps and its fake kernel does not report, with a state or
-    without. (Between probes the oneDNN workspace is padded, not linear in b: see
-    tests/test_memory_trace.py.)"""
+    """The step traced on fake tensors with a fake state of the step's rows (no fallback), byte
+    for byte as real CPU steps measure at the probe both take (b=2). (Between probes the LSTM's
+    oneDNN workspace is padded, not linear in b: see tests/test_memory_trace.py.)"""
     workload = lstm_workload()
     traced = estimate(workload, "trace", target="cpu")
     real = estimate(workload, "measured", target="cpu", device=CpuDevice())
     assert traced.estimator == "trace" and not any("impossible" in n for n in traced.notes), traced.notes
     (fake_train, fake_eval), (real_train, real_eval) = traced.phases, real.phases
     assert fake_eval.allocated_at(2) == real_eval.allocated_at(2)
-    assert 0 <= real_train.allocated_at(2) - fake_train.allocated_at(2) <= 256
+    assert fake_train.allocated_at(2) == real_train.allocated_at(2)
 
 
 # -- the sweeps, planned and run --------------------------------------------------------------

@@ -84,16 +84,17 @@ def accumulate_gradients(
     mean_loss = torch.zeros((), device=device)
     states = carry.split(sizes) if carry is not None else None
     new_states = []
-    for index, (size, batch) in enumerate(zip(sizes, micro_batches)):  # sizes first: none fetched past the last
+    # Not enumerate(): its cached result tuple would hold the previous micro-batch while the next is fetched.
+    for size, batch in zip(sizes, micro_batches):  # sizes first: no micro-batch is fetched past the last
         batch = to_device(batch, device)
         with autocast(precision, device):
             if states is None:
-                loss = workload.loss(model, batch)
+                loss = workload.loss(model, batch) * (size / total)
             else:
-                loss, state = stateful_loss(workload, model, batch, states[index])
+                loss, state = stateful_loss(workload, model, batch, states.pop(0))  # its rows, then held by its graph only
+                loss = loss * (size / total)
                 new_states.append(map_tensors(torch.Tensor.detach, state))  # no graph kept past backward
                 del state
-            loss = loss * (size / total)
         (scaler.scale(loss) if scaler else loss).backward()
         mean_loss += loss.detach().float()
         del loss, batch  # the next micro-batch must not find this one's graph still alive
