@@ -287,13 +287,21 @@ class Stop:
 
 @dataclass(frozen=True)
 class Every:
-    """How often something happens during training: every ``count`` epochs, steps or minutes."""
+    """How often something happens during training: every ``count`` epochs, steps or minutes.
+
+    ``max_batches`` (evaluations only) caps an evaluation at that many batches of
+    ``effective_batch_size`` samples: the first ``max_batches x effective_batch_size`` eval
+    samples, the same ones whatever eval batch the plan (or an OOM's reduction) runs them in, so
+    a metric means the same before and after a reduction.
+    """
 
     unit: str  # "epochs" | "steps" | "minutes"
     count: float
+    max_batches: int | None = None  # None: the whole eval set
 
     def describe(self) -> str:
-        return f"every {self.count:g} {self.unit}"
+        at_most = f" on at most {self.max_batches} batches" if self.max_batches is not None else ""
+        return f"every {self.count:g} {self.unit}{at_most}"
 
 
 def _cadence(value: Any) -> Every:
@@ -308,7 +316,17 @@ def _cadence(value: Any) -> Every:
     return Every(unit, _nested(PositiveNumber if unit == "minutes" else PositiveInt, count, unit))
 
 
+def _eval_cadence(value: Any) -> Every:
+    """A cadence that may add ``max_batches: N``; ``{max_batches: N}`` alone keeps every epoch."""
+    if not (isinstance(value, dict) and "max_batches" in value):
+        return _cadence(value)
+    rest = {k: v for k, v in value.items() if k != "max_batches"}
+    every = _cadence(rest or {"epochs": 1})
+    return dataclasses.replace(every, max_batches=_nested(PositiveInt, value["max_batches"], "max_batches"))
+
+
 Cadence = Annotated[Every, BeforeValidator(_cadence)]
+EvalCadence = Annotated[Every, BeforeValidator(_eval_cadence)]
 
 
 @dataclass(frozen=True)
@@ -440,7 +458,7 @@ class SweepSpec:
     seed: Integer = 0
     max_failures: NonNegativeInt = 0
     reuse: Flag = True  # Tune's reuse_actors: a finished trial's worker runs the next (orchestrator.trial.reuse)
-    eval_every: Cadence = Every("epochs", 1)
+    eval_every: EvalCadence = Every("epochs", 1)
     checkpoint: CheckpointPolicy = CheckpointPolicy()
     data: DataLoading = DataLoading()
     schedule: LrSchedule | None = None  # None: a workload's build_scheduler, else a constant lr

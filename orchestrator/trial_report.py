@@ -59,6 +59,11 @@ class TrialReport:
     train_loss: float | None = None
     #: The workload's own numbers (``eval_loss``, ``eval_accuracy``, ...), by name.
     measurements: dict[str, Any] = field(default_factory=dict)
+    learning_rate: float | None = None  # in force after the report's step (the first parameter group's)
+    #: Training speed since the previous report (its evaluation, checkpoint and report left out):
+    #: what shows that a schedule or a plan did what was meant.
+    steps_per_second: float | None = None
+    samples_per_second: float | None = None
 
     # -- the plan in force -----------------------------------------------------------------
     plan: dict[str, Any] | None = None  # ``Plan.to_dict()``: the planner sits above this layer

@@ -56,6 +56,7 @@ def report_for(plan: dict, epoch: int, oom_events: list[dict]) -> TrialReport:
     measured = int(plan["predicted_peak_bytes"] * 1.05)
     return TrialReport(
         epoch=epoch, step=epoch, train_loss=1.0 / max(epoch, 1), measurements={"eval_loss": 1.5 / max(epoch, 1)},
+        learning_rate=0.01, steps_per_second=2.0, samples_per_second=128.0,
         plan=plan, micro_batch=plan["micro_batch"], accum_steps=plan["accum_steps"], effective_batch=64,
         eval_batch=plan["eval_batch"], activation_checkpointing=False, precision="fp32",
         plan_reductions=plan["reductions"], estimator="static", memory_source="emulated",

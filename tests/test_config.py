@@ -120,6 +120,8 @@ BAD = [
     ("fractional steps", ["stop.steps=2.5"], "stop.steps: expected a positive integer, got 2.5"),
     ("eval cadence unit", ["eval_every={hours: 1}"], "eval_every: expected one of {steps: N}, {minutes: N}, {epochs: N}"),
     ("negative eval cadence", ["eval_every.minutes=-5"], "eval_every.minutes: expected a positive number, got -5"),
+    ("eval batches of nothing", ["eval_every={steps: 5, max_batches: 0}"], "eval_every.max_batches: expected a positive integer, got 0"),
+    ("eval batches on a checkpoint", ["checkpoint.every={steps: 5, max_batches: 2}"], "checkpoint.every: expected one of {steps: N}"),
     ("checkpoint cadence", ["checkpoint.every={steps: 0}"], "checkpoint.every.steps: expected a positive integer, got 0"),
     ("checkpoints kept", ["checkpoint.keep=0"], "checkpoint.keep: expected a positive integer, got 0"),
     ("negative workers", ["data.num_workers=-1"], "data.num_workers: expected an integer >= 0, got -1"),
@@ -171,6 +173,12 @@ def test_training_settings_are_read(tmp_path):
     assert spec.data == DataLoading(num_workers=2, pin_memory=None, prefetch_factor=4, persistent_workers=True)
     assert spec.schedule == LrSchedule(50, "cosine", 0.1) and spec.max_grad_norm == 1.0
     assert spec.scheduler.time_attr == "step" and spec.scheduler.grace_period == 100
+
+
+def test_eval_every_may_cap_the_batches_of_an_evaluation(tmp_path):
+    assert load_spec(write(tmp_path, VALID), ["eval_every={steps: 200, max_batches: 50}"]).eval_every == Every("steps", 200, 50)
+    assert load_spec(write(tmp_path, VALID), ["eval_every.max_batches=8"]).eval_every == Every("epochs", 1, 8)
+    assert Every("steps", 200, 50).describe() == "every 200 steps on at most 50 batches"
 
 
 def test_a_metric_the_workload_declares_and_a_schedule_it_does_not_build_itself(tmp_path, monkeypatch):

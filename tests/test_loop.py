@@ -2,6 +2,7 @@
 one (mid-epoch too), budgets in epochs and steps, evaluation and checkpoint cadences, eval metrics,
 clipping on the accumulated gradient, and the memory it reports."""
 
+import copy
 import dataclasses
 import math
 
@@ -11,6 +12,8 @@ import torch.nn.functional as F
 
 from orchestrator.config import DataLoading, Every, LrSchedule, Stop
 from orchestrator.device import CpuDevice
+from orchestrator.device.emulated import EmulatedDevice
+from tests.workloads import PlateauWorkload
 from trainables.cnn import CNNWorkload
 from trainables.loop import LoopPlan, LoopSettings, MetricsMismatch, Progress, Trainer
 from trainables.mlp import MLPWorkload
@@ -125,6 +128,102 @@ def test_eval_metrics_are_summed_over_the_eval_set_and_averaged():
     assert last["eval_accuracy"] == pytest.approx((logits.argmax(-1) == y).float().mean().item())
     assert last["eval_loss"] == pytest.approx(F.cross_entropy(logits, y).item(), rel=1e-5)
     assert last["eval_accuracy"] > 0.5  # it learned something
+
+
+def test_eval_every_max_batches_evaluates_the_first_batches_of_the_effective_batch_whatever_the_eval_batch():
+    workload = Scored(width=32, lr=0.01, train_samples=128, eval_samples=100)
+    capped = epochs(1, eval_every=Every("epochs", 1, max_batches=2))  # 2 x 32: the first 64 eval samples
+    trainer, (milestone,) = train(workload, LoopPlan(32, 32, 64), capped)
+    _, (smaller,) = train(workload, LoopPlan(32, 32, 16), capped)  # an OOM's smaller eval batch: the same samples
+    x, y = workload.eval_data().tensors
+    with torch.no_grad():
+        logits = trainer.model(x[:64])
+    assert milestone.eval["eval_accuracy"] == pytest.approx((logits.argmax(-1) == y[:64]).float().mean().item())
+    assert milestone.eval["eval_loss"] == pytest.approx(F.cross_entropy(logits, y[:64]).item(), rel=1e-5)
+    assert smaller.eval == pytest.approx(milestone.eval, rel=1e-5)
+    _, (whole,) = train(workload, LoopPlan(32, 32, 64), epochs(1, eval_every=Every("epochs", 1, max_batches=4)))
+    _, (default,) = train(workload, LoopPlan(32, 32, 64), epochs(1))
+    assert whole.eval == default.eval  # 4 x 32 > 100 samples: the whole eval set
+
+
+def test_each_milestone_carries_the_learning_rate_and_the_training_speed():
+    workload = MLPWorkload(width=16, train_samples=128, eval_samples=32)
+    settings = epochs(1, eval_every=Every("steps", 2), schedule=LrSchedule(warmup_steps=4))
+    _, milestones = train(workload, LoopPlan(16, 32, 32), settings)  # 4 steps of 32
+    assert [m.learning_rate for m in milestones] == pytest.approx([0.5e-3, 1e-3])  # after steps 2 and 4
+    for m in milestones:
+        assert m.speed.steps_per_second > 0
+        assert m.speed.samples_per_second == pytest.approx(32 * m.speed.steps_per_second)
+
+
+def test_reduce_lr_on_plateau_divides_the_lr_once_the_eval_loss_stops_improving():
+    trainer, milestones = train(PlateauWorkload(), LoopPlan(8, 8, 8), epochs(2, eval_every=Every("steps", 1)))
+    assert [m.eval["eval_loss"] for m in milestones] == [0.75, 0.5, 0.25, 0.0, 0.0, 0.0]
+    # Per evaluation, not per optimizer step: steps 1-4 improve, 5 and 6 do not (patience 0, factor 1/4).
+    assert [m.learning_rate for m in milestones] == [0.25, 0.25, 0.25, 0.25, 0.0625, 0.015625]
+    assert trainer.scheduler.last_epoch == 6
+
+
+def test_a_plateau_scheduler_steps_on_the_sweeps_metric():
+    _, milestones = train(PlateauWorkload(), LoopPlan(8, 8, 8), epochs(2, eval_every=Every("steps", 1), metric="train_loss"))
+    # The training loss of step n is the eval loss of step n - 1: improving through step 5.
+    assert [m.learning_rate for m in milestones] == [0.25] * 5 + [0.0625]
+    with pytest.raises(MetricsMismatch, match="ReduceLROnPlateau steps on the sweep's metric 'eval_accuracy'"):
+        train(PlateauWorkload(), LoopPlan(8, 8, 8), epochs(1, metric="eval_accuracy"))
+
+
+def test_a_plateau_scheduler_against_the_sweeps_mode_is_refused():
+    with pytest.raises(ValueError, match="ReduceLROnPlateau has mode='min' but the sweep's metric eval_loss has mode: max"):
+        train(PlateauWorkload(), LoopPlan(8, 8, 8), epochs(1, mode="max"))
+
+
+def test_a_plateau_scheduler_resumes_mid_epoch_with_its_state():
+    settings = epochs(2, eval_every=Every("steps", 1))
+    plan = LoopPlan(8, 8, 8)
+    straight, straight_milestones = train(PlateauWorkload(), plan, settings)
+    first = Trainer(PlateauWorkload(), CpuDevice(), plan, settings)
+    run = first.run()
+    for _ in range(4):
+        middle = next(run)
+    assert middle.progress == Progress(epoch=1, step_in_epoch=1, step=4)
+    resumed, resumed_milestones = train(PlateauWorkload(), plan, settings, state=first.state_dict())
+    assert resumed.scheduler.state_dict() == straight.scheduler.state_dict()
+    assert [m.learning_rate for m in resumed_milestones] == [m.learning_rate for m in straight_milestones[4:]]
+
+
+def train_recovering_from_ooms(workload, plan, settings, capacity):
+    """As a trial does (``orchestrator.trial.run``): after an OOM, a new trainer with half the
+    micro-batch resumes from the last checkpoint. Every milestone reported, replays included."""
+    device, state, reported, ooms = EmulatedDevice(capacity), None, [], 0
+    with device.measuring():
+        while True:
+            trainer = Trainer(workload, device, plan, settings)
+            if state is not None:
+                trainer.load_state_dict(state)
+            try:
+                for milestone in trainer.run():
+                    reported.append(milestone)
+                    if milestone.checkpoint:
+                        state = copy.deepcopy(trainer.state_dict())
+                return trainer, reported, ooms
+            except torch.OutOfMemoryError:
+                ooms += 1
+                plan = dataclasses.replace(plan, micro_batch=plan.micro_batch // 2)
+
+
+def test_an_oom_replay_steps_a_plateau_scheduler_once_per_evaluation():
+    """Checkpoints every 2 steps, an evaluation every step: the OOM at step 4 resumes from step 2's
+    checkpoint and evaluates step 3 again, which steps the scheduler it restored, not the one
+    that had already stepped on step 3."""
+    settings = epochs(2, eval_every=Every("steps", 1), checkpoint_every=Every("steps", 2))
+    plan = LoopPlan(8, 8, 8)
+    straight, straight_milestones = train(PlateauWorkload(views=64), plan, settings)
+    replayed, reported, ooms = train_recovering_from_ooms(PlateauWorkload(views=64), plan, settings, 100_000)
+    assert ooms == 1 and replayed.plan.micro_batch == 4
+    assert [m.progress.step for m in reported] == [1, 2, 3, 3, 4, 5, 6]  # step 3 evaluated twice
+    assert replayed.scheduler.state_dict() == straight.scheduler.state_dict()
+    assert replayed.scheduler.last_epoch == 6  # one step per evaluation of the finished history
+    assert [m.learning_rate for m in reported[3:]] == [m.learning_rate for m in straight_milestones[2:]]
 
 
 def test_undeclared_eval_metrics_are_refused_by_name():

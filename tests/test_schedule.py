@@ -7,7 +7,7 @@ import torch
 
 from orchestrator.config import LrSchedule
 from trainables.mlp import MLPWorkload
-from trainables.schedule import build_lr_scheduler, lr_factor
+from trainables.schedule import build_lr_scheduler, lr_factor, steps_on_metric
 
 
 def test_warm_up_then_each_decay_shape():
@@ -39,3 +39,11 @@ def test_the_workload_scheduler_wins_and_none_means_a_constant_lr():
         optimizer.step()
         scheduler.step()
     assert lrs == pytest.approx([0.0, 0.025, 0.05, 0.075, 0.1])
+
+
+def test_a_scheduler_whose_step_takes_a_value_steps_on_the_metric():
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    assert steps_on_metric(torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer))
+    assert not steps_on_metric(torch.optim.lr_scheduler.StepLR(optimizer, step_size=2))
+    assert not steps_on_metric(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0))
+    assert not steps_on_metric(None)

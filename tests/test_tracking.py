@@ -25,8 +25,10 @@ from fake_sweep import (
 from mlflow_server import MlflowServer
 from ports import free_port
 
+from orchestrator.config import parse_spec
 from orchestrator.errors import UserError
 from orchestrator.outcome import recording
+from orchestrator.runner import run_sweep
 from orchestrator.tracking.callback import UNSENT_FILE, MlflowTracking
 from orchestrator.tracking.check import check_tracking
 from orchestrator.tracking.flatten import plan_params, result_metrics, spec_params
@@ -65,6 +67,7 @@ def test_spec_and_plan_become_flat_params():
         "trial_id": "x", "refused": 1, "training_done": 0}))
     assert metrics["peak_allocated_bytes"] == int(4 * GiB * 1.05) and metrics["time_total_s"] == 3.5
     assert metrics["epoch"] == 2  # the step is MLflow's step; the epoch is a metric
+    assert (metrics["learning_rate"], metrics["steps_per_second"], metrics["samples_per_second"]) == (0.01, 2.0, 128.0)
     assert not {"step", "training_iteration", "done", "refused", "training_done", "plan", "precision", "trial_id"} & set(metrics)
 
 
@@ -120,6 +123,30 @@ def test_sweep_with_a_retried_and_a_refused_trial(local_ray, tmp_path):
     assert "needs 8.0 GiB" in refused.data.tags["refusal"]
     assert "needs 8.0 GiB" in refused.data.params["plan.refusal"]
     assert steps(client, refused) == [0] and refused.data.metrics["predicted_peak_bytes"] == 8 * GiB
+
+
+@pytest.mark.integration
+def test_a_trial_logs_its_learning_rate_and_speed_at_each_report(local_ray, tmp_path):
+    """The real trainable: a ``ReduceLROnPlateau`` workload's learning rate, as MLflow holds it step
+    by step, is divided by 4 at each evaluation after the eval loss stopped improving."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = parse_spec({
+        "experiment": "tracking_test", "workload": "tests.workloads:PlateauWorkload", "search_space": {"lr": 0.25},
+        "effective_batch_size": 8, "stop": {"steps": 6}, "eval_every": {"steps": 1, "max_batches": 1},
+        "resources": {"cpu": 1}, "memory": {"device": "emulated", "capacity": "64MiB", "estimator": "none"},
+    })
+    assert run_sweep(spec, tracking_uri=uri, storage_path=str(tmp_path / "results")).ok
+    client, _, children = runs_of(uri)
+    (run,) = children.values()
+
+    def history(key):
+        return [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+
+    assert history("eval_loss") == [0.75, 0.5, 0.25, 0.0, 0.0, 0.0]
+    assert history("learning_rate") == [0.25, 0.25, 0.25, 0.25, 0.0625, 0.015625]
+    speeds = history("steps_per_second")
+    assert len(speeds) == 6 and all(speed > 0 for speed in speeds)
+    assert history("samples_per_second") == pytest.approx([8 * speed for speed in speeds])
 
 
 def test_resumed_driver_continues_the_same_runs_without_duplicate_epochs(tmp_path):

@@ -216,3 +216,22 @@ def test_a_reused_worker_plans_and_measures_each_trial_as_a_fresh_one_would(tmp_
                                      reuse=False))
     assert len(set(reused_pids)) == 1 and len(set(fresh_pids)) == 3
     assert int(reused[0][1]) >= 1 and reused == fresh
+
+
+def test_an_oom_replay_steps_a_plateau_scheduler_once_per_evaluation(tmp_path):
+    """Evaluations every step, checkpoints every 2: the OOM at step 4 (the first heavy one) resumes
+    from step 2's checkpoint with half the micro-batch and evaluates step 3 again. The scheduler
+    in the last checkpoint stepped once per evaluation of the finished trial, and the learning
+    rate fell as in a trial that never ran out of memory (``test_loop`` has the uninterrupted one)."""
+    workload = {"name": "tests.workloads:PlateauWorkload", "params": {"samples": 384, "views": 4}}
+    outcome = sweep(tmp_path, workload, {"device": "emulated", "capacity": "150KB", "estimator": "none"},
+                    search_space={"lr": 0.25}, epochs=2, eval_every={"steps": 1}, checkpoint={"every": {"steps": 2}})
+    assert outcome.ok, outcome.rows
+    state = final_weights(outcome)
+    assert [(e["phase"], e["step"]) for e in state["oom_events"]] == [("train", 4)]
+    assert state["plan"]["micro_batch"] == 64
+    scheduler = state["trainer"]["scheduler"]
+    assert scheduler["last_epoch"] == 6 and scheduler["_last_lr"] == [0.015625]
+    (rows,) = reports(outcome)
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 3, 4, 5, 6]
+    assert [float(r["learning_rate"]) for r in rows] == [0.25, 0.25, 0.25, 0.25, 0.25, 0.0625, 0.015625]

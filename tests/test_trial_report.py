@@ -13,6 +13,7 @@ MOVE = Move("node-b", "node-c", 2, "node node-b lost")
 
 REPORT = TrialReport(
     epoch=2, step=40, training_done=True, train_loss=0.5, measurements={"eval_loss": 0.7, "eval_accuracy": 0.9},
+    learning_rate=2.5e-4, steps_per_second=12.5, samples_per_second=800.0,
     plan=PLAN, micro_batch=16, accum_steps=4, effective_batch=64, eval_batch=64, activation_checkpointing=False,
     precision="bf16", plan_reductions=1, estimator="static", estimated_by="driver", budget_bytes=1 << 30,
     predicted_peak_bytes=900, predicted_phase="train", memory_source="cuda_allocator", peak_allocated_bytes=800,
@@ -28,6 +29,7 @@ def test_a_report_survives_tune_and_keeps_the_names_mlflow_has():
     # The names MLflow's records already use: the report's fields, flags as 0/1, each rank flat.
     assert metrics["training_done"] == 1 and metrics["activation_checkpointing"] == 0 and metrics["moved"] == 1
     assert metrics["eval_loss"] == 0.7 and metrics["peak_reserved_bytes"] == 1000
+    assert (metrics["learning_rate"], metrics["steps_per_second"], metrics["samples_per_second"]) == (2.5e-4, 12.5, 800.0)
     assert metrics["rank0_peak_reserved_bytes"] == 1000 and "rank1_peak_reserved_bytes" not in metrics
     assert (metrics["ranks"], metrics["worst_rank"]) == (2, 0)
     # Lists as JSON text: Tune's TensorBoard logger warns of a list as an invalid value.
@@ -46,6 +48,7 @@ def test_tunes_own_keys_are_read_or_dropped_and_a_refusal_is_a_status():
     assert report.measurements == {"eval_loss": 0.7, "eval_accuracy": 0.9}
     numbers = report.numbers()
     assert numbers["time_total_s"] == 12.5 and numbers["peak_allocated_bytes"] == 800
+    assert numbers["learning_rate"] == 2.5e-4 and numbers["samples_per_second"] == 800.0  # MLflow metrics
     assert not {"done", "training_done", "plan", "precision", "trial_id", "training_iteration"} & set(numbers)
 
     refused = TrialReport.from_result({"epoch": 0, "step": 0, "plan": {**PLAN, "refusal": "needs 9 MiB"}})

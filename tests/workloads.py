@@ -3,12 +3,15 @@
 
 import dataclasses
 import os
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import TensorDataset
 
 from trainables.cnn import CNNWorkload
 from trainables.mlp import MLPWorkload
+from trainables.workload import Workload
 
 
 @dataclasses.dataclass
@@ -192,3 +195,58 @@ class LossFailsWorkload(MLPWorkload):
 
     def loss(self, model, batch):
         raise ValueError("the loss is broken")
+
+
+class _Scalar(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, x):
+        return x.sum(dim=1) * 0 + self.w
+
+
+@dataclasses.dataclass
+class PlateauWorkload(Workload):
+    """One weight ``w`` trained toward 1 under an L1 loss by plain SGD: at lr 0.25 it moves exactly
+    0.25 a step, so the eval loss ``|w - 1|`` falls 0.75, 0.5, 0.25, 0 and then stops improving;
+    ``ReduceLROnPlateau`` (patience 0) divides the lr by 4 at each evaluation after that. From
+    epoch ``heavy_from_epoch`` on, each training micro-batch also holds ``views`` copies of its
+    samples, so a small emulated device runs out of memory there and a smaller micro-batch fits
+    (every sample is the same, so the update does not change)."""
+
+    lr: float = 0.25
+    optimizer: Literal["sgd"] = "sgd"
+    samples: int = 24
+    features: int = 64
+    views: int = 0
+    heavy_from_epoch: int = 1
+
+    def __post_init__(self):
+        self.epoch = 0
+
+    def build_model(self):
+        return _Scalar()
+
+    def build_optimizer(self, model):
+        return torch.optim.SGD(model.parameters(), lr=self.lr)
+
+    def build_scheduler(self, optimizer, total_steps):
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.25, patience=0)
+
+    def train_data(self):
+        return TensorDataset(torch.zeros(self.samples, self.features))
+
+    def eval_data(self):
+        return self.train_data()
+
+    def set_epoch(self, model, epoch):
+        self.epoch = epoch
+
+    def loss(self, model, batch):
+        (x,) = batch
+        out = model(x)
+        if model.training and self.views and self.epoch >= self.heavy_from_epoch:
+            copies = x.unsqueeze(1).expand(-1, self.views, -1) * 1.0  # (b, views, features), held to the end
+            out = out + copies.sum(dim=(1, 2)) * 0
+        return (out - 1).abs().mean()

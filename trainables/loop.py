@@ -27,12 +27,13 @@ from dataclasses import asdict, dataclass
 from typing import Iterator
 
 import torch
+from torch.utils.data import Subset
 
 from orchestrator.config import DataLoading, Every, LrSchedule, Stop, SweepSpec
 from orchestrator.device import Device, MemoryReading, state_tensors
 from trainables.carry import Carry, leaves
 from trainables.data import Batches, Shard, StepCut, eval_batch_sizes, eval_loader, eval_slice, train_loader
-from trainables.schedule import build_lr_scheduler
+from trainables.schedule import build_lr_scheduler, steps_on_metric
 from trainables.step import eval_step, make_grad_scaler, train_step
 from trainables.workload import Workload, to_device
 
@@ -58,10 +59,13 @@ class LoopSettings:
     data: DataLoading = DataLoading()
     schedule: LrSchedule | None = None
     max_grad_norm: float | None = None
+    metric: str = "eval_loss"  # the sweep's: what a scheduler that steps on a metric is given
+    mode: str = "min"  # the sweep's: whether that metric improves downwards or upwards
 
     @classmethod
     def of(cls, spec: SweepSpec) -> LoopSettings:
-        return cls(spec.stop, spec.eval_every, spec.checkpoint.every, spec.data, spec.schedule, spec.max_grad_norm)
+        return cls(spec.stop, spec.eval_every, spec.checkpoint.every, spec.data, spec.schedule, spec.max_grad_norm,
+                   spec.metric, spec.mode)
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,18 @@ class Milestone:
     final: bool  # the budget is spent
     memory: MemoryReading  # peak since the previous milestone (the worst rank's, in a group)
     rank_memory: tuple[MemoryReading, ...] = ()  # in a data-parallel group: each rank's, by rank
+    learning_rate: float | None = None  # the first parameter group's, at the milestone
+    speed: Speed | None = None  # of the training since the previous milestone; None when it made no step
+
+
+@dataclass(frozen=True)
+class Speed:
+    """How fast training went between two milestones: the wall time of its optimizer steps, from
+    the end of the previous milestone (its evaluation, checkpoint and report left out) to the
+    moment this one fell due."""
+
+    steps_per_second: float
+    samples_per_second: float  # effective batches: the whole group's samples, in a group
 
 
 class MetricsMismatch(ValueError):
@@ -111,6 +127,7 @@ class Trainer:
         with device.host():
             train_data, eval_data = workload.train_data(), workload.eval_data()
             self.train_loader, self.sampler = train_loader(workload, train_data, self.cut, seed, settings.data, on_gpu, shard)
+            eval_data = _at_most(eval_data, settings.eval_every.max_batches, plan.effective_batch)
             self.eval_loader = eval_loader(workload, eval_data, plan.eval_batch, settings.data, on_gpu, shard)
         self.eval_samples = len(eval_data)
         first, last = eval_slice(self.eval_samples, shard)
@@ -118,12 +135,14 @@ class Trainer:
         self.steps_per_epoch = self.sampler.steps_per_epoch
         self.total_steps = self._budget_in_steps()
         self.scheduler = build_lr_scheduler(workload, self.optimizer, self.total_steps, settings.schedule)
+        self.scheduler_on_metric = steps_on_metric(self.scheduler)
+        self._check_scheduler_mode()
         self.carry: Carry | None = self._initial_carry()
         self.progress = Progress()
         self.phase, self.position = "train", 0  # for OOM events: optimizer step, or eval batch index
         self._loss_sum = torch.zeros((), device=device.torch_device)
         self._loss_steps = 0
-        self._last_eval = self._last_checkpoint = time.monotonic()
+        self._last_eval = self._last_checkpoint = self._window_start = time.monotonic()
 
     def _initial_carry(self) -> Carry | None:
         """A stateful workload's state for this process's streams (the rows of its share of a step)."""
@@ -154,6 +173,7 @@ class Trainer:
                 milestone = self._milestone_due()
                 if milestone is not None:
                     yield milestone
+                    self._window_start = time.monotonic()  # the report and checkpoint are not training
             del batches  # the epoch's iterator (and its worker processes, unless persistent)
 
     def _epoch_batches(self):
@@ -178,7 +198,7 @@ class Trainer:
 
     def _advance(self, loss: torch.Tensor) -> None:
         """After an optimizer step: the learning rate, the running loss, the position."""
-        if self.scheduler is not None:
+        if self.scheduler is not None and not self.scheduler_on_metric:
             self.scheduler.step()
         self._loss_sum += loss
         self._loss_steps += 1
@@ -206,24 +226,58 @@ class Trainer:
         checkpoint = self.done or (evaluate if every is None else _due(every, self.progress, epoch_ended, now - self._last_checkpoint))
         if not (evaluate or checkpoint):
             return None
+        train_loss = self._train_loss_sum() / self._loss_steps if self._loss_steps else None  # waits for the steps
+        speed = self._speed(time.monotonic() - self._window_start)
         metrics = self.evaluate() if evaluate else {}
         if evaluate:
             self._last_eval = time.monotonic()
+            self._step_on_metric({**metrics, "train_loss": train_loss})
         if checkpoint:
             self._last_checkpoint = time.monotonic()
-        train_loss = self._train_loss_sum() / self._loss_steps if self._loss_steps else None
         self._loss_sum.zero_()
         self._loss_steps = 0
         memory = self.device.reading()
         self.device.reset_peak()
-        return Milestone(self.progress, train_loss, metrics, checkpoint, self.done, memory)
+        learning_rate = float(self.optimizer.param_groups[0]["lr"])
+        return Milestone(self.progress, train_loss, metrics, checkpoint, self.done, memory,
+                         learning_rate=learning_rate, speed=speed)
+
+    def _speed(self, seconds: float) -> Speed | None:
+        if not self._loss_steps or seconds <= 0:
+            return None
+        steps_per_second = self._loss_steps / seconds
+        return Speed(steps_per_second, steps_per_second * self.plan.effective_batch)
+
+    def _check_scheduler_mode(self) -> None:
+        """A plateau scheduler left at ``mode="min"`` on a metric the sweep maximizes would cut the
+        learning rate while the metric improves: refused, in one line, before the first step."""
+        mode = getattr(self.scheduler, "mode", None)
+        if self.scheduler_on_metric and mode in ("min", "max") and mode != self.settings.mode:
+            raise ValueError(
+                f"{type(self.workload).__name__}.build_scheduler: {type(self.scheduler).__name__} has mode={mode!r} "
+                f"but the sweep's metric {self.settings.metric} has mode: {self.settings.mode}; give it mode={self.settings.mode!r}"
+            )
+
+    def _step_on_metric(self, values: dict[str, float | None]) -> None:
+        """Step a scheduler that steps on a metric (``ReduceLROnPlateau``) with the sweep's metric,
+        before the milestone's checkpoint, which therefore holds the state after this step."""
+        if not self.scheduler_on_metric:
+            return
+        value = values.get(self.settings.metric)
+        if value is None:
+            raise MetricsMismatch(
+                f"{type(self.scheduler).__name__} steps on the sweep's metric {self.settings.metric!r}, "
+                f"which this evaluation did not report (it reported: {', '.join(k for k, v in values.items() if v is not None)})"
+            )
+        self.scheduler.step(value)
 
     def _train_loss_sum(self) -> float:
         """The summed mean losses of the steps since the last milestone."""
         return self._loss_sum.item()
 
     def evaluate(self) -> dict[str, float]:
-        """The workload's eval metrics over the whole eval set, as ``eval_<name>``."""
+        """The workload's eval metrics over the eval set (its first samples, under
+        ``eval_every.max_batches``), as ``eval_<name>``."""
         self.model.eval()
         self.phase = "eval"
         self.device.seed(step_seed(self.seed, self.progress.step) + 2**40)
@@ -288,6 +342,14 @@ class Trainer:
         if self.carry is not None:
             self.carry = Carry(to_device(state["carry"], self.device.torch_device), self.workload.state_dim)
             self.carry.check(self.cut.effective_batch, "the checkpoint's carried state")
+
+
+def _at_most(dataset, max_batches: int | None, batch: int):
+    """The first ``max_batches x batch`` samples of ``dataset`` (all of it when None or shorter),
+    under the indices they have in it, so a sample that fails to load is named as in the whole set."""
+    if max_batches is None or max_batches * batch >= len(dataset):
+        return dataset
+    return Subset(dataset, range(max_batches * batch))
 
 
 def step_seed(seed: int, step: int) -> int:

@@ -5,10 +5,17 @@ constant, linear or cosine decay to ``final_lr x lr`` at the last step: the shap
 ``transformers``' ``get_*_schedule_with_warmup``, so a learning rate tuned with them means the
 same here. Either way the scheduler steps once per optimizer step and is checkpointed with the
 trial, so a resumed trial continues its schedule where it stopped.
+
+A scheduler whose ``step`` takes a value (``ReduceLROnPlateau(optimizer, factor=0.25)``: divide the
+learning rate by 4 when the metric stops improving) steps on the sweep's ``metric`` instead, once
+after each evaluation. It too is checkpointed with the trial, after the step of the evaluation the
+checkpoint follows, so an OOM replay, which resumes from that checkpoint and re-evaluates what
+it replays, steps it once per evaluation as an uninterrupted trial would.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -36,3 +43,13 @@ def build_lr_scheduler(
     if own is not None or schedule is None:
         return own
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(schedule, step, total_steps))
+
+
+def steps_on_metric(scheduler: object | None) -> bool:
+    """Whether ``scheduler.step`` needs a value: the first parameter has no default, as
+    ``ReduceLROnPlateau.step(metrics)``'s has not (``LRScheduler.step(epoch=None)``'s has)."""
+    if scheduler is None:
+        return False
+    params = list(inspect.signature(scheduler.step).parameters.values())
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return bool(params) and params[0].kind in positional and params[0].default is inspect.Parameter.empty

@@ -137,7 +137,10 @@ class Workload:
         self, optimizer: torch.optim.Optimizer, total_steps: int
     ) -> torch.optim.lr_scheduler.LRScheduler | None:
         """A learning-rate scheduler stepped once per optimizer step, or None for the sweep's
-        ``schedule`` (warm-up and decay written in YAML; constant when there is none)."""
+        ``schedule`` (warm-up and decay written in YAML; constant when there is none).
+
+        One whose ``step`` takes a value (``ReduceLROnPlateau``) is stepped once after each
+        evaluation with the sweep's ``metric`` instead (``trainables.schedule``)."""
         return None
 
     def activation_schedule(self) -> dict[str, int]:

@@ -283,7 +283,10 @@ class TrialRun:
         report = replace(
             self._plan_report(), measurements=dict(milestone.eval),
             epoch=progress.epoch, step=progress.step, training_done=milestone.final,
-            train_loss=milestone.train_loss, memory_source=memory.source,
+            train_loss=milestone.train_loss, learning_rate=milestone.learning_rate,
+            steps_per_second=milestone.speed.steps_per_second if milestone.speed else None,
+            samples_per_second=milestone.speed.samples_per_second if milestone.speed else None,
+            memory_source=memory.source,
             peak_allocated_bytes=memory.peak_allocated, peak_reserved_bytes=memory.peak_reserved,
             fragmentation=memory.fragmentation if memory.peak_reserved is not None else None,
             device_used_bytes=memory.device_used,
