@@ -146,6 +146,20 @@ def check_workload(workload, spec: SweepSpec, label: str, build_model: bool = Tr
     for name, dataset, count in (("train_data", train, samples), ("eval_data", evaluation, size)):
         pair = _call(lambda: [dataset[0], dataset[min(1, count - 1)]], label, f"{name}()[0]")
         _call(lambda: workload.collate(pair), label, f"collate() of two {name} samples")
+    if workload.stateful:
+        _check_stateful(workload, spec, label)
+
+
+def _check_stateful(workload, spec: SweepSpec, label: str) -> None:
+    """A stateful workload (truncated BPTT) trains in one process, and its ``initial_state`` has
+    one row per stream along its ``state_dim``."""
+    from trainables.carry import Carry
+
+    if spec.resources.workers > 1:
+        raise UserError(f"{label}: resources.workers: a stateful workload (truncated BPTT) trains in one process; "
+                        f"expected 1, got {spec.resources.workers}")
+    state = _call(lambda: workload.initial_state(2), label, "initial_state(2)")
+    _call(lambda: Carry(state, workload.state_dim).check(2, "its state"), label, "initial_state(2)")
 
 
 def check_model_builds(workload, label: str) -> None:

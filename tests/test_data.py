@@ -52,6 +52,36 @@ def test_a_resumed_epoch_continues_where_it_stopped():
     assert steps_of(sampler) == full[3:] and len(sampler) == (5 - 3) * 4
 
 
+def test_an_ordered_epoch_is_parallel_streams_in_the_batchify_layout():
+    """Row j of step s is sample s of stream j (contiguous runs of 25 samples), whatever the
+    cut, the seed or the epoch; in a group, each rank takes its own consecutive streams."""
+    sampler = StepSampler(100, StepCut(4, 4), seed=0, ordered=True)
+    steps = steps_of(sampler)
+    assert len(steps) == 25 and steps[0] == [0, 25, 50, 75] and steps[1] == [1, 26, 51, 76]
+    for cut, seed, epoch in ((StepCut(4, 1), 0, 0), (StepCut(4, 3), 5, 2)):
+        other = StepSampler(100, cut, seed=seed, ordered=True)
+        other.set_position(epoch, 0)
+        assert steps_of(other) == steps
+    assert list(StepSampler(100, StepCut(4, 3), seed=0, ordered=True))[:2] == [[0, 25, 50], [75]]
+    resumed = StepSampler(100, StepCut(4, 2), seed=0, ordered=True)
+    resumed.set_position(0, 7)
+    assert steps_of(resumed) == steps[7:]
+    ranks = [steps_of(StepSampler(100, StepCut(2, 1), seed=0, shard=Shard(r, 2), ordered=True)) for r in (0, 1)]
+    assert [a + b for a, b in zip(*ranks)] == steps
+
+
+def test_a_stateful_workloads_loader_is_ordered():
+    from trainables.examples.lstm_lm import LSTMLanguageModelWorkload
+
+    workload = LSTMLanguageModelWorkload(train_tokens=1025, bptt=16)  # 64 windows: 4 streams of 16
+    loader, _ = train_loader(workload, workload.train_data(), StepCut(4, 2), 0, DataLoading(), on_gpu=False)
+    first, _, third = list(loader)[:3]
+    stream = workload.tokens(1025, "train")
+    assert torch.equal(first[0][1], stream[16 * 16 : 17 * 16])  # row 1: stream 1's first window
+    assert torch.equal(third[0][1], stream[17 * 16 : 18 * 16])  # row 1 of the next step: its second
+    assert torch.equal(first[1][0], stream[1:17])  # the targets: the next tokens
+
+
 class Ragged(Dataset):
     """Sequences of different lengths: only a padding collate can batch them."""
 

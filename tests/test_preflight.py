@@ -53,6 +53,15 @@ def test_a_workload_without_data_is_one_line(sweep_file, overrides, message):
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
+def test_a_stateful_workload_in_a_data_parallel_group_is_one_line():
+    lstm = load_spec("configs/lstm_tbptt_cpu.yaml", ["resources.workers=2"])
+    with pytest.raises(UserError) as err:
+        check_workloads(lstm)
+    assert "resources.workers: a stateful workload (truncated BPTT) trains in one process; expected 1, got 2" in str(
+        err.value)
+    check_workloads(load_spec("configs/lstm_tbptt_cpu.yaml"))
+
+
 def test_a_model_that_does_not_build_is_one_line_naming_the_users_line(sweep_file):
     """Each distinct model is built (on ``meta``) before Ray starts, the estimator set or not."""
     grouped = spec(sweep_file, "workload.name=tests.workloads:GroupedMLPWorkload", "search_space.width=12",

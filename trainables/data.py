@@ -10,6 +10,11 @@ The sampler is what keeps training reproducible whatever the plan:
 * an epoch can start at any step, so a trial resumes mid-epoch without loading the batches it
   already trained on.
 
+A stateful workload's epoch is ordered instead (``ordered``): the samples are cut into
+``effective_batch`` contiguous streams, and step ``s`` takes sample ``s`` of every stream, in
+stream order, so row ``j`` of each step continues row ``j`` of the one before (see
+``trainables.carry``); micro-batches then cut a step into consecutive streams.
+
 The sampler runs in the training process and hands index lists to the DataLoader, whose
 workers (``data.num_workers``) fetch and collate them with the workload's ``collate``.
 
@@ -131,8 +136,8 @@ class StepSampler(Sampler[list[int]]):
     ``shard.rank``-th slice of them, so together the ranks see what one process would.
     """
 
-    def __init__(self, samples: int, cut: StepCut, seed: int, shard: Shard = Shard()):
-        self.samples, self.cut, self.seed, self.shard = samples, cut, seed, shard
+    def __init__(self, samples: int, cut: StepCut, seed: int, shard: Shard = Shard(), ordered: bool = False):
+        self.samples, self.cut, self.seed, self.shard, self.ordered = samples, cut, seed, shard, ordered
         self.epoch, self.start_step = 0, 0
 
     @property
@@ -151,12 +156,20 @@ class StepSampler(Sampler[list[int]]):
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.samples, generator=generator).tolist()
 
-    def __iter__(self) -> Iterator[list[int]]:
-        order = self.order(self.epoch)
+    def _step_indices(self, order: list[int] | None, step: int) -> list[int]:
+        """This rank's samples of optimizer step ``step`` of the epoch, in row order: a slice of
+        the epoch's order, or (``ordered``) sample ``step`` of each of this rank's streams."""
         share = self.cut.effective_batch
+        first = self.shard.rank * share
+        if self.ordered:
+            return [stream * self.steps_per_epoch + step for stream in range(first, first + share)]
+        first += step * self.step_samples
+        return order[first : first + share]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = None if self.ordered else self.order(self.epoch)
         for step in range(self.start_step, self.steps_per_epoch):
-            first = step * self.step_samples + self.shard.rank * share
-            indices = order[first : first + share]
+            indices = self._step_indices(order, step)
             start = 0
             for size in self.cut.sizes:
                 yield indices[start : start + size]
@@ -170,14 +183,15 @@ def train_loader(
     workload: Workload, dataset: Dataset, cut: StepCut, seed: int, settings: DataLoading, on_gpu: bool,
     shard: Shard = Shard(),
 ) -> tuple[DataLoader, StepSampler]:
-    """The training DataLoader and its sampler (move the sampler with ``set_position``)."""
+    """The training DataLoader and its sampler (move the sampler with ``set_position``); ordered
+    streams for a stateful workload."""
     step = cut.effective_batch * shard.ranks
     if len(dataset) < step:  # sampling drops the last partial step: no step at all
         raise DatasetTooSmall(
             f"workload {type(workload).__name__}: train_data has {len(dataset)} samples, fewer than one "
             f"optimizer step (effective_batch_size {step})"
         )
-    sampler = StepSampler(len(dataset), cut, seed, shard)
+    sampler = StepSampler(len(dataset), cut, seed, shard, ordered=workload.stateful)
     return _loader(workload, dataset, sampler, settings, on_gpu), sampler
 
 

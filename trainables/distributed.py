@@ -216,6 +216,8 @@ class DistributedTrainer(Trainer):
 
     def __init__(self, workload: Workload, device: Device, plan: LoopPlan, settings: LoopSettings, seed: int,
                  group: RankGroup):
+        if workload.stateful:  # each rank's streams would need their own checkpointed state
+            raise ValueError(f"workload {type(workload).__name__} is stateful: it trains in one process (resources.workers: 1)")
         self.group = group
         self.bucket: torch.Tensor | None = None
         super().__init__(workload, device, plan, settings, seed=seed, shard=group.shard)

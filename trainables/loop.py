@@ -13,6 +13,11 @@ Replaying is exact where the model allows: the data order of an epoch depends on
 augmentation in the main process) only on ``(seed, step)``, so a step replayed after an OOM
 with smaller micro-batches sees the same samples and, for models without randomness in the
 forward pass, makes the same update.
+
+A stateful workload's state (``trainables.carry``) is the trainer's too: made from
+``initial_state`` at the start of every epoch, carried from step to step, in every checkpoint,
+and cut by the current plan's micro-batches, so a resume (after an OOM with a smaller
+micro-batch too) continues its streams with the same state.
 """
 
 from __future__ import annotations
@@ -26,11 +31,12 @@ from torch.utils.data import Subset
 
 from orchestrator.config import DataLoading, Every, LrSchedule, Stop, SweepSpec
 from orchestrator.device import Device, MemoryReading, state_tensors
+from trainables.carry import Carry, leaves
 from trainables.data import Batches, Shard, StepCut, eval_batch_sizes, eval_loader, eval_slice, train_loader
 from trainables.divergence import Divergence, NonFiniteWatch, TrainingDiverged
 from trainables.schedule import build_lr_scheduler, steps_on_metric
 from trainables.step import eval_step, make_grad_scaler, train_step
-from trainables.workload import Workload
+from trainables.workload import Workload, to_device
 
 
 @dataclass(frozen=True)
@@ -133,12 +139,19 @@ class Trainer:
         self.scheduler = build_lr_scheduler(workload, self.optimizer, self.total_steps, settings.schedule)
         self.scheduler_on_metric = steps_on_metric(self.scheduler)
         self._check_scheduler_mode()
+        self.carry: Carry | None = self._initial_carry()
         self.progress = Progress()
         self.phase, self.position = "train", 0  # for OOM events: optimizer step, or eval batch index
         self._loss_sum = torch.zeros((), device=device.torch_device)
         self._loss_steps = 0
         self._watch = NonFiniteWatch(device.torch_device) if settings.on_nan != "continue" else None
         self._last_eval = self._last_checkpoint = self._window_start = time.monotonic()
+
+    def _initial_carry(self) -> Carry | None:
+        """A stateful workload's state for this process's streams (the rows of its share of a step)."""
+        if not self.workload.stateful:
+            return None
+        return Carry.initial(self.workload, self.cut.effective_batch, self.device.torch_device)  # counted as state_tensors
 
     def _budget_in_steps(self) -> int:
         stop = self.settings.stop
@@ -155,6 +168,8 @@ class Trainer:
         :class:`~trainables.divergence.TrainingDiverged` once a step's loss is not finite."""
         while not self.done:
             self.workload.set_epoch(self.model, self.progress.epoch)
+            if self.progress.step_in_epoch == 0 and self.carry is not None:
+                self.carry = self._initial_carry()  # every epoch's streams start afresh
             batches = self._epoch_batches()
             epoch = self.progress.epoch
             while self.progress.epoch == epoch and not self.done:
@@ -183,6 +198,7 @@ class Trainer:
             loss, grad_norm = train_step(
                 self.workload, self.model, self.optimizer, self._take(batches, len(sizes)), sizes,
                 self.device.torch_device, self.plan.precision, self.scaler, self.settings.max_grad_norm,
+                carry=self.carry,
             )
             self._advance(loss, grad_norm)
 
@@ -314,7 +330,9 @@ class Trainer:
 
     def state_tensors(self):
         """Tensors that exist between steps: what a device holds for this trainer at rest."""
-        return state_tensors(self.model, self.optimizer)
+        yield from state_tensors(self.model, self.optimizer)
+        if self.carry is not None:
+            yield from leaves(self.carry.state)
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -327,6 +345,7 @@ class Trainer:
             "progress": asdict(self.progress),
             "loss_sum": self._loss_sum.item(),
             "loss_steps": self._loss_steps,
+            "carry": self.carry.state if self.carry is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -339,6 +358,9 @@ class Trainer:
         self.progress = Progress(**state["progress"])
         self._loss_sum.fill_(state["loss_sum"])
         self._loss_steps = state["loss_steps"]
+        if self.carry is not None:
+            self.carry = Carry(to_device(state["carry"], self.device.torch_device), self.workload.state_dim)
+            self.carry.check(self.cut.effective_batch, "the checkpoint's carried state")
 
 
 def _at_most(dataset, max_batches: int | None, batch: int):

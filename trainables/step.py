@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from orchestrator.device import Device
-from trainables.workload import Batch, Workload, to_device
+from trainables.carry import Carry, merge_rows, stateful_loss
+from trainables.workload import Batch, Workload, map_tensors, to_device
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -42,14 +43,16 @@ def train_step(
     precision: str = "fp32",
     scaler: torch.amp.GradScaler | None = None,
     max_grad_norm: float | None = None,
+    carry: Carry | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Accumulate gradients over ``micro_batches`` (of ``sizes`` samples) and take one optimizer step.
 
     Returns the mean loss as a detached tensor (no ``.item()`` here: the estimators run this
     step on fake tensors, which have no values, and a GPU should not wait for the host), and
     the gradient norm where clipping computed one (see :func:`apply_gradients`).
+    ``carry``: a stateful workload's state, replaced by the step's (see ``accumulate_gradients``).
     """
-    mean_loss = accumulate_gradients(workload, model, micro_batches, sizes, device, precision, scaler)
+    mean_loss = accumulate_gradients(workload, model, micro_batches, sizes, device, precision, scaler, carry=carry)
     grad_norm = apply_gradients(model, optimizer, scaler, max_grad_norm)
     return mean_loss, grad_norm
 
@@ -63,6 +66,7 @@ def accumulate_gradients(
     precision: str = "fp32",
     scaler: torch.amp.GradScaler | None = None,
     total: int | None = None,
+    carry: Carry | None = None,
 ) -> torch.Tensor:
     """The backward passes of one step: the parameters' ``.grad`` sum each micro-batch's gradient.
 
@@ -72,16 +76,31 @@ def accumulate_gradients(
     weights as micro-batch 32 x 1 does. ``micro_batches`` is consumed one at a time, and each
     is dropped before the next is taken, as memory allows only one micro-batch's activations.
     Returns this rank's share of the mean loss.
+
+    A stateful workload's ``carry`` holds the state of the step's rows: each micro-batch gets
+    its own rows of it (``trainables.carry``), and once every micro-batch has run, ``carry``
+    holds their new states, detached (not before: a step that fails leaves it as it was).
     """
     total = total or sum(sizes)
     mean_loss = torch.zeros((), device=device)
+    states = carry.split(sizes) if carry is not None else None
+    new_states = []
+    # Not enumerate(): its cached result tuple would hold the previous micro-batch while the next is fetched.
     for size, batch in zip(sizes, micro_batches):  # sizes first: no micro-batch is fetched past the last
         batch = to_device(batch, device)
         with autocast(precision, device):
-            loss = workload.loss(model, batch) * (size / total)
+            if states is None:
+                loss = workload.loss(model, batch) * (size / total)
+            else:
+                loss, state = stateful_loss(workload, model, batch, states.pop(0))  # its rows, then held by its graph only
+                loss = loss * (size / total)
+                new_states.append(map_tensors(torch.Tensor.detach, state))  # no graph kept past backward
+                del state
         (scaler.scale(loss) if scaler else loss).backward()
         mean_loss += loss.detach().float()
         del loss, batch  # the next micro-batch must not find this one's graph still alive
+    if carry is not None:
+        carry.state = merge_rows(new_states, carry.dim)
     return mean_loss
 
 

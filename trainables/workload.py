@@ -47,6 +47,19 @@ class Workload:
     #: What :meth:`summarize_metrics` reports, each as ``eval_<name>``. Declared, so that a
     #: sweep's ``metric: eval_accuracy`` is checked before anything starts.
     metrics: ClassVar[tuple[str, ...]] = ("loss",)
+    #: Truncated BPTT: ordered batches of parallel streams and a state carried between steps.
+    #: The rows of a step's batch are ``effective_batch`` streams: the training set is cut into
+    #: that many contiguous runs of samples, and step ``s`` takes sample ``s`` of each run, so row
+    #: ``j`` of a step continues row ``j`` of the step before (the batchify layout); nothing is
+    #: shuffled. ``loss(model, batch, state)`` then receives the state of the micro-batch's rows
+    #: and returns ``(loss, new_state)``; the loop detaches it after each step, gives each
+    #: micro-batch its own rows of it (the streams it computes; an OOM's smaller micro-batch
+    #: re-cuts the same rows), saves it in checkpoints, and starts every epoch from
+    #: :meth:`initial_state`. Eval batches each start from :meth:`initial_state`.
+    stateful: ClassVar[bool] = False
+    #: The dimension of every state tensor along which its rows (streams) lie: 1 for the
+    #: ``(layers, rows, hidden)`` hidden state of ``nn.LSTM``/``nn.GRU``.
+    state_dim: ClassVar[int] = 0
     #: Hyper-parameters that cannot change memory: trials differing only in these share one
     #: estimate. Extend it for such fields of your own (``Workload.memory_neutral + ("dropout",)``).
     memory_neutral: ClassVar[tuple[str, ...]] = ("lr", "seed")
@@ -63,8 +76,16 @@ class Workload:
         raise NotImplementedError
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        """Mean loss over the batch (the loop weights it by the batch's share of the step)."""
+        """Mean loss over the batch (the loop weights it by the batch's share of the step).
+
+        A :attr:`stateful` workload's is ``loss(model, batch, state) -> (loss, new_state)``."""
         raise NotImplementedError
+
+    def initial_state(self, rows: int) -> Any:
+        """A :attr:`stateful` workload's state for ``rows`` streams (zeros, usually): a tensor,
+        or a tuple, list or dict of tensors, each with ``rows`` rows along :attr:`state_dim`.
+        Made on the CPU; the loop moves it to the device."""
+        raise NotImplementedError(f"{type(self).__name__} is stateful: it defines initial_state(rows)")
 
     # -- what a subclass may override ---------------------------------------------------------
     def collate(self, samples: list) -> Batch:
@@ -90,6 +111,9 @@ class Workload:
         "accuracy": (logits.argmax(-1) == y).sum()}``, and declares ``metrics``. Return tensors,
         not Python numbers: the loop reads them once per eval, not once per batch.
         """
+        if self.stateful:
+            state = to_device(self.initial_state(samples), next(model.parameters()).device)
+            return {"loss": self.loss(model, batch, state)[0] * samples}
         return {"loss": self.loss(model, batch) * samples}
 
     def summarize_metrics(self, totals: dict[str, float], samples: int) -> dict[str, float]:
@@ -310,15 +334,20 @@ def build_workload(config: dict[str, Any]) -> Workload:
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
     """Move every tensor of a batch (nested tuples, lists, dicts) to ``device``; others stay."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, tuple):  # a namedtuple
-        return type(batch)(*(to_device(b, device) for b in batch))
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch
+    return map_tensors(lambda t: t.to(device, non_blocking=True), batch)
+
+
+def map_tensors(fn, tree: Any) -> Any:
+    """``tree`` (nested tuples, namedtuples, lists, dicts) with ``fn`` applied to every tensor; others stay."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+        return type(tree)(map_tensors(fn, b) for b in tree)
+    if isinstance(tree, tuple):  # a namedtuple
+        return type(tree)(*(map_tensors(fn, b) for b in tree))
+    if isinstance(tree, dict):
+        return {k: map_tensors(fn, v) for k, v in tree.items()}
+    return tree
 
 
 def sample_batch(workload: Workload, dataset: Dataset, size: int) -> Batch:

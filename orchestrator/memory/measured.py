@@ -32,6 +32,7 @@ from orchestrator.memory.profile import (
     Settings,
     overheads,
 )
+from trainables.carry import Carry
 from trainables.step import eval_step, make_grad_scaler, train_step
 from trainables.workload import Workload, sample_batch
 
@@ -91,10 +92,13 @@ class _Probe:
         self.device.track(self._state())
         self.device.reset_peak()
         with self.device.measuring():
+            carry = (Carry.initial(self.workload, size * micro_batches, self.device.torch_device)
+                     if self.workload.stateful else None)
             train_step(
                 self.workload, self.model, self.optimizer, self._batches(self.train_data, size, micro_batches),
-                [size] * micro_batches, self.device.torch_device, self.settings.precision, self.scaler,
+                [size] * micro_batches, self.device.torch_device, self.settings.precision, self.scaler, carry=carry,
             )
+            del carry
         return self.fb_peak, self.fb_reserved, self.step_peak
 
     def eval(self, size: int) -> tuple[int, int]:

@@ -32,6 +32,7 @@ from orchestrator.memory.fit import line_through
 from orchestrator.memory.phases import Phase, enter_phase, phases_of
 from orchestrator.memory.profile import EstimateRequest, MemoryProfile, PhaseProfile, Settings, overheads
 from orchestrator.units import human
+from trainables.carry import Carry, stateful_loss
 from trainables.step import autocast
 from trainables.workload import Workload, sample_batch, to_device
 
@@ -113,7 +114,10 @@ def _forward_bounds(workload, model, phase: Phase, settings, device, round_to, m
             batch = to_device(host_batch, device)
             del host_batch
             tracker.track(t for t in tree_leaves(batch) if isinstance(t, torch.Tensor))  # already there on the CPU
-            out = workload.loss(model, batch) if phase.kind == "train" else workload.eval_metrics(model, batch, b)
+            if phase.kind == "train" and workload.stateful:
+                out = stateful_loss(workload, model, batch, Carry.initial(workload, b, device).state)
+            else:
+                out = workload.loss(model, batch) if phase.kind == "train" else workload.eval_metrics(model, batch, b)
             del out, batch
         if phase.kind == "train":
             bounds[b] = tracker.total + GRADIENTS_IN_FLIGHT * tracker.largest

@@ -41,6 +41,7 @@ from orchestrator.memory.phases import Phase, enter_phase, phases_of
 from orchestrator.memory.profile import EstimateRequest, MemoryProfile, PhaseProfile, Settings, overheads
 from orchestrator.memory.sequence import TrialSequence, fit_log, states_in_creation_order, without_prefix
 from orchestrator.memory.static import static_profile
+from trainables.carry import Carry
 from trainables.step import eval_step, train_step
 from trainables.workload import Workload
 
@@ -147,7 +148,8 @@ def _trace(setup: FakeSetup, workload, settings, phases, probes, logged: bool):
 
     def train(size: int, micro_batches: int) -> None:
         batches = (setup.batch(size) for _ in range(micro_batches))  # taken one at a time, as in the loop
-        train_step(workload, model, optimizer, batches, [size] * micro_batches, device, settings.precision)
+        carry = Carry.initial(workload, size * micro_batches, device) if workload.stateful else None  # the step's rows
+        train_step(workload, model, optimizer, batches, [size] * micro_batches, device, settings.precision, carry=carry)
 
     runs: dict[str, dict[int, _Run]] = {p.name: {} for p in phases}
     logs: dict[str, dict[int, tuple[list[int], int, int]]] = {p.name: {} for p in phases}
