@@ -1,5 +1,6 @@
 """The installed ``orchestrator`` command, run as a user runs it: the README's own-model example
-from the folder that holds ``my_models/``, and the one line a broken user package gets.
+from the folder that holds ``my_models/``, the one line a broken user package gets, and sweeps
+stopped (Ctrl-C, SIGTERM) or killed (kill -9), then resumed.
 
 Every command here is the console script ``pip install`` wrote (not ``python -m``, which puts
 the working directory on Python's path by itself) in a subprocess whose working directory is
