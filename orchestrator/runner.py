@@ -44,6 +44,7 @@ from orchestrator.outcome import (
 from orchestrator.preflight import check_shared_storage, check_storage, check_workloads, taken_back_if_refused
 from orchestrator.ray_token import secure_token_files
 from orchestrator.run_request import RunRequest
+from orchestrator.stop_signal import sigterm_stops_like_sigint
 from orchestrator.sweep_guard import claim_sweep
 from orchestrator.table import format_table
 from orchestrator.trial_report import TrialReport
@@ -178,6 +179,7 @@ def run_sweep(
                 raise
         claim.record(spec)
         trainable = _trainable(spec, estimates)
+        _tune_settings()
         if restore_from:
             print(f"Resuming {restore_from}: finishing the trials that did not finish")
             tuner = tune.Tuner.restore(restore_from, trainable=trainable, resume_unfinished=True, resume_errored=False)
@@ -188,7 +190,7 @@ def run_sweep(
                 tune_config=_tune_config(spec),
                 run_config=_run_config(spec, name, storage, tracking_uri, wait, verbose),
             )
-        with recording() as record, tune_lines_told_here(verbose):
+        with sigterm_stops_like_sigint(), recording() as record, tune_lines_told_here(verbose):
             results = tuner.fit()
         # A restored sweep lists its trials in the order they were restored: the table keeps the sweep's.
         rows = sorted((_row(result, spec, record) for result in results), key=lambda row: row.name)
@@ -357,6 +359,15 @@ def _param_space(spec: SweepSpec) -> dict[str, Any]:
     return tune_param_space(spec)
 
 
+def _tune_settings() -> None:
+    """Tune's process-wide settings, made in one place for a new and a restored sweep alike:
+    ``Tuner.restore`` (``--resume``, a SLURM requeue) builds no ``TuneConfig`` of ours, so a
+    setting made while building one would be missing exactly when a sweep resumes."""
+    # Checkpoint-only reports (checkpoint.every apart from eval_every) carry no eval metric; the
+    # metric's name was checked against every workload's declared metrics before Ray started.
+    os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")
+
+
 def _tune_config(spec: SweepSpec):
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
@@ -372,9 +383,6 @@ def _tune_config(spec: SweepSpec):
         )
     else:
         inner = FIFOScheduler()
-    # Checkpoint-only reports (checkpoint.every apart from eval_every) carry no eval metric; the
-    # metric's name was checked against every workload's declared metrics before Ray started.
-    os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")
     return tune.TuneConfig(
         metric=spec.metric, mode=spec.mode, num_samples=spec.num_samples, search_alg=search_algorithm(spec),
         scheduler=OomAwareScheduler(inner, max_failures=spec.max_failures), reuse_actors=spec.reuse,

@@ -1,5 +1,6 @@
 """The installed ``orchestrator`` command, run as a user runs it: the README's own-model example
-from the folder that holds ``my_models/``, and the one line a broken user package gets.
+from the folder that holds ``my_models/``, the one line a broken user package gets, and sweeps
+stopped (Ctrl-C, SIGTERM) or killed (kill -9), then resumed.
 
 Every command here is the console script ``pip install`` wrote (not ``python -m``, which puts
 the working directory on Python's path by itself) in a subprocess whose working directory is
@@ -186,3 +187,154 @@ def test_ctrl_c_then_the_printed_command_resumes_where_the_trials_were(own_model
     for r in runs:
         assert sorted(m.value for m in client.get_metric_history(r.info.run_id, "epoch")) == list(range(1, 21))
         assert "moves" not in r.data.tags
+
+
+# -- stopped or killed, then resumed: sweeps whose evaluations and checkpoints count steps -------
+
+# Evaluations every 50 steps, checkpoints every 20 (so most reports are checkpoint-only ones,
+# without the metric), a budget in steps: the README's PacedWideNet, 32 steps an epoch.
+STEP_SWEEP = """\
+experiment: steps
+workload: {name: my_models.paced:PacedWideNet}
+search_space:
+  hidden: {grid: [256, 1024]}
+effective_batch_size: 128
+stop: {steps: 150}
+eval_every: {steps: 50}
+checkpoint: {every: {steps: 20}}
+metric: eval_loss
+resources: {cpu: 1, gpu: 0}
+"""
+# The steps each trial reports at: every checkpoint and every evaluation, the last step once.
+STEP_REPORTS = sorted({*range(20, 151, 20), *range(50, 151, 50), 150})
+# ASHA's rungs by steps (40 and 80), apart from both cadences.
+ASHA_BY_STEPS = ("--set", "scheduler.type=asha", "--set", "scheduler.time_attr=step",
+                 "--set", "scheduler.grace_period=40")
+
+
+@pytest.fixture
+def step_sweep(own_model_project) -> Path:
+    """The README's own-model folder with a paced WideNet and ``steps.yaml`` (STEP_SWEEP): about
+    80 ms a step, so a trial trains for some 15 s, long enough for both trials to checkpoint before
+    either ends however slowly the second one's worker starts."""
+    folder = own_model_project.folder
+    (folder / "my_models" / "paced.py").write_text(PACED.replace("time.sleep(0.015)", "time.sleep(0.08)"))
+    (folder / "steps.yaml").write_text(STEP_SWEEP)
+    return folder
+
+
+def _run_steps(name: str, *extra: str, resume: bool = False) -> list[str]:
+    """``run steps.yaml`` as the sweep prints its resume command (flags in that order)."""
+    command = [installed_command(), "run", "steps.yaml", *extra, "--num-cpus", "2", "--name", name]
+    return command + ["--resume"] if resume else command
+
+
+def _stopped_midway(folder: Path, command: list[str], stop) -> str:
+    """Start the sweep in a session of its own, call ``stop(process)`` once every trial has a
+    checkpoint (and none has reached its last step), and return what it printed."""
+    sweep = subprocess.Popen(command, cwd=folder, env=command_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    pattern = f"{folder}/orchestrator_results/{command[command.index('--name') + 1]}/*/result.json"
+    try:
+        deadline = time.monotonic() + 400
+        while sweep.poll() is None and time.monotonic() < deadline:
+            reported = trial_results(pattern)
+            if len(reported) == 2 and all(glob.glob(f"{trial}/checkpoint_*") for trial in reported):
+                break
+            time.sleep(0.2)
+        assert sweep.poll() is None, "the sweep ended before every trial had a checkpoint"
+        assert max(lines[-1]["step"] for lines in trial_results(pattern).values()) < 150
+        stop(sweep)
+        out, _ = sweep.communicate(timeout=300)
+    finally:
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)
+            sweep.wait()
+    return out
+
+
+def _trial_histories(folder: Path, name: str, metrics=("step", "epoch", "train_loss", "eval_loss")):
+    """The MLflow runs of sweep ``name``'s trials, by their ``hidden``: status and each metric's
+    (step, value) history in step order."""
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{folder}/mlflow.db")
+    [experiment] = [e for e in client.search_experiments() if e.name == "steps"]
+    found = {}
+    for run in client.search_runs([experiment.experiment_id]):
+        if run.data.tags.get("orchestrator.role") == "trial" and f"/{name}/" in run.data.tags.get("tune.trial_path", ""):
+            history = {key: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+                       for key in metrics}
+            assert run.data.params["config.hidden"] not in found, "a trial has two MLflow runs"
+            found[run.data.params["config.hidden"]] = (run.info.status, history)
+    return found
+
+
+def _assert_resumes_to_the_end(folder: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
+    """``run ... --name NAME --resume`` finishes every trial, prints no traceback, and MLflow has
+    each trial's reports once."""
+    proc = run(_run_steps(name, *extra, resume=True), folder, timeout=600)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0, said[-3000:]
+    assert "Traceback" not in said and "Error" not in said, said[-3000:]
+    assert f"Resuming {folder}/orchestrator_results/{name}" in proc.stdout
+    assert "2/2 trials finished" in proc.stdout
+    for hidden, (status, history) in _trial_histories(folder, name).items():
+        assert status == "FINISHED", hidden
+        steps = [step for step, _ in history["step"]]
+        assert steps == sorted(set(steps)), (hidden, steps)  # each report once
+    return proc
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("signum, extra", [
+    (signal.SIGINT, ()),
+    (signal.SIGTERM, ()),
+    (signal.SIGTERM, ASHA_BY_STEPS),
+], ids=["sigint", "sigterm", "sigterm-asha-by-steps"])
+def test_a_step_cadence_sweep_stopped_by_a_signal_resumes_with_the_printed_command(step_sweep, signum, extra):
+    """SIGINT to the process group (Ctrl-C in a terminal), SIGTERM to the driver alone (``kill``,
+    Kubernetes, SLURM): the same graceful stop, the table with both trials INTERRUPTED, the
+    resume command, MLflow's runs marked KILLED, exit 1 and no stack dump. The printed command
+    then resumes the sweep, whose checkpoint-only reports lack the metric, to the end."""
+    def stop(sweep):
+        if signum == signal.SIGINT:
+            os.killpg(sweep.pid, signal.SIGINT)
+        else:
+            sweep.send_signal(signum)
+
+    out = _stopped_midway(step_sweep, _run_steps("cut", *extra), stop)
+    assert "Traceback" not in out, out[-3000:]
+    assert "0/2 trials finished" in out and out.count("INTERRUPTED") >= 2, out[-3000:]
+    [printed] = re.findall(r"^Interrupted trials continue from their last checkpoints with: (.*)$", out, re.M)
+    assert shlex.split(printed)[1:] == _run_steps("cut", *extra, resume=True)[1:]
+    assert {status for status, _ in _trial_histories(step_sweep, "cut").values()} == {"KILLED"}
+
+    proc = _assert_resumes_to_the_end(step_sweep, "cut", *extra)
+    if not extra:  # ASHA may stop a trial at a rung
+        assert proc.stdout.count("150/150 steps") == 2
+        for hidden, (_, history) in _trial_histories(step_sweep, "cut").items():
+            assert [step for step, _ in history["step"]] == STEP_REPORTS, hidden
+
+
+@pytest.mark.integration
+def test_a_killed_driver_resumes_to_the_losses_of_an_uninterrupted_sweep(step_sweep):
+    """``kill -9`` of the driver mid-sweep (no graceful stop: Tune's state is what it saved last,
+    the MLflow runs stay RUNNING), then ``--resume``: no traceback, every step's report in MLflow
+    once, and the same losses at every step as a sweep that ran through."""
+    whole = run(_run_steps("whole"), step_sweep, timeout=600)
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+
+    def kill_the_driver(sweep):
+        sweep.kill()
+        sweep.wait()
+        os.killpg(sweep.pid, signal.SIGKILL)  # what was left of its embedded Ray, as a batch system would
+
+    _stopped_midway(step_sweep, _run_steps("cut"), kill_the_driver)
+    assert {status for status, _ in _trial_histories(step_sweep, "cut").values()} == {"RUNNING"}
+    _assert_resumes_to_the_end(step_sweep, "cut")
+    resumed, uninterrupted = _trial_histories(step_sweep, "cut"), _trial_histories(step_sweep, "whole")
+    assert sorted(resumed) == sorted(uninterrupted) == ["1024", "256"]
+    for hidden, (_, history) in resumed.items():
+        assert [step for step, _ in history["step"]] == STEP_REPORTS, hidden
+        assert history == uninterrupted[hidden][1], hidden

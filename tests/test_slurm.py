@@ -680,6 +680,49 @@ def test_time_limit_requeues_and_resumes_only_unfinished_trials(slurm, tmp_path)
 
 
 @pytest.mark.integration
+def test_time_limit_requeue_resumes_a_sweep_that_checkpoints_between_evaluations(slurm, tmp_path):
+    """USR1 once both trials have a checkpoint of their own cadence (every 40 steps, evaluations
+    every 100): the requeued attempt resumes them, their checkpoint-only reports lacking the
+    metric as before, and the job completes with each report in MLflow once (it used to fail
+    Tune's strict metric check on the first such report, and the job ended FAILED)."""
+    config = small_sweep(tmp_path, epochs=20, train_samples=[16384, 16384 + 64])
+    sweep = yaml.safe_load(config.read_text())
+    sweep.update(stop={"steps": 3000}, eval_every={"steps": 100}, checkpoint={"every": {"steps": 40}})
+    config.write_text(yaml.safe_dump(sweep))
+    job_id, job_dir = orchestrator_submit(
+        slurm, tmp_path, str(config), "--cpus-per-node", "2", "--time", "00:15:00",
+        "--storage-path", str(tmp_path / "store"), "--log-dir", str(tmp_path / "logs"),
+    )
+    log = tmp_path / "logs" / f"orch-{config.stem}-{job_id}.out"
+    trials = tmp_path / "store" / job_dir.name
+
+    def both_checkpointed() -> bool:
+        folders = [p for p in trials.glob("*") if p.is_dir()]
+        return len(folders) == 2 and all(any(p.glob("checkpoint_*")) for p in folders)
+
+    wait_for(both_checkpointed, 400, "both trials' first checkpoints", slurm, log)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm.env(), check=True)
+    wait_for(lambda: int(job_state(slurm, job_id).get("Restarts", "0")) >= 1, 300, "the requeue", slurm, log)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+3"], env=slurm.env(), check=True)
+    state = wait_for(lambda: (s := job_state(slurm, job_id)).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED",
+                     "TIMEOUT") and s, 600, "the resumed job to end", slurm, log)
+    text = log.read_text()
+    assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", text[-6000:]
+    resumed = text[text.index("attempt 2"):]
+    assert "Resuming " in resumed and "2/2 trials finished" in resumed, text[-6000:]
+    assert "Traceback" not in resumed and "did not include the specified metric" not in text, text[-6000:]
+    runs = trial_runs(f"sqlite:///{job_dir}/mlflow.db", config.stem)
+    assert len(runs) == 2 and {r.info.status for r in runs} == {"FINISHED"}
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{job_dir}/mlflow.db")
+    for run in runs:
+        steps = [int(m.step) for m in client.get_metric_history(run.info.run_id, "step")]
+        assert sorted(steps) == sorted(set(steps)) and max(steps) == 3000, steps
+    assert processes_left(job_id, job_dir) == []
+
+
+@pytest.mark.integration
 def test_submit_runs_on_two_slurm_nodes(slurm_two_nodes, tmp_path, monkeypatch):
     """A sweep of four one-CPU trials submitted to two SLURM nodes of two CPUs: the Ray head on
     node1 and a worker on node2 (each its own slurmd, on its own ports), trials on both, the
