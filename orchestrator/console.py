@@ -143,6 +143,15 @@ def format_event(event: Event) -> str:
     return "\n".join([text + (f" (traceback: {event.log})" if event.log else ""), *more])
 
 
+def cluster_text(nodes: Sequence[Mapping[str, float]]) -> str:
+    """What the sweep's Ray holds, in the one line Ray's start-up gets here (Tune's resource line,
+    which used to say it, is off unless ``--verbose``): where a SLURM job's gres or a cluster's
+    GPUs did not reach Ray, this is where a user sees it."""
+    cpus = sum(node.get("CPU", 0) for node in nodes)
+    gpus = sum(node.get("GPU", 0) for node in nodes)
+    return f"Ray: {len(nodes)} node(s), {_short(cpus)} CPUs, {_short(gpus)} GPUs"
+
+
 def config_text(config: Mapping[str, Any], keys: Sequence[str]) -> str:
     """The hyper-parameters that differ between trials, ``workload=mlp, lr=0.003``."""
     return ", ".join(f"{k}={_short(v)}" for k, v in config.items() if k in keys)

@@ -26,7 +26,7 @@ from orchestrator.capacity import (
 )
 from orchestrator.config import SweepSpec
 from orchestrator.console import (
-    TUNE_QUIET, TUNE_VERBOSE, config_text, plan_text, quiet_libraries, ray_logging_config, tune_lines_told_here,
+    TUNE_QUIET, TUNE_VERBOSE, cluster_text, config_text, plan_text, quiet_libraries, ray_logging_config, tune_lines_told_here,
 )
 from orchestrator.contract import MEMORY_LABELS, describe_moves
 from orchestrator.errors import UserError
@@ -172,7 +172,9 @@ def run_sweep(
             try:
                 estimates, started_ray = _estimate_while_ray_starts(
                     spec, lambda: _connect_ray(ray_address, num_cpus, num_gpus, dashboard, dashboard_host, verbose))
-                check_shared_storage(storage_path or spec.storage_path, storage, len(alive_nodes()))
+                nodes = alive_nodes()
+                print(cluster_text(nodes))
+                check_shared_storage(storage_path or spec.storage_path, storage, len(nodes))
                 wait = check_schedulable(trial_request(spec), spec.resources.wait_minutes, spec.resources.workers)
             except UserError:
                 claim.release(refused=True)

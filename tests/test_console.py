@@ -27,6 +27,7 @@ from orchestrator.console import (
     Refused,
     Seen,
     Started,
+    cluster_text,
     config_text,
     finished_event,
     format_event,
@@ -77,6 +78,12 @@ def test_each_event_is_one_line_naming_the_trial():
     gave_up = Failed("t", "OomRetriesExhausted: out of memory in train; 2 OOM event(s):\n  epoch 1 train step 1: ...", "e.txt")
     assert format_event(gave_up) == ("t failed: OomRetriesExhausted: out of memory in train; 2 OOM event(s): (traceback: e.txt)\n"
                                      "  epoch 1 train step 1: ...")
+
+
+def test_ray_s_resources_are_one_line_as_they_reached_ray():
+    nodes = [{"CPU": 2.0, "GPU": 2.0, "memory": 1e9}, {"CPU": 4.0, "node:10.0.0.2": 1.0}]
+    assert cluster_text(nodes) == "Ray: 2 node(s), 6 CPUs, 2 GPUs"
+    assert cluster_text([{"CPU": 1.0}]) == "Ray: 1 node(s), 1 CPUs, 0 GPUs"
 
 
 def test_a_report_tells_the_plan_once_and_each_oom_and_move_once():

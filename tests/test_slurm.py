@@ -616,7 +616,7 @@ def test_submit_runs_the_readmes_own_model_on_slurm(slurm, own_model_project, tm
     assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", text[-6000:]
     assert "2/2 trials finished" in text
     if slurm.has_gpus:
-        assert "/2 GPUs" in text  # Tune's resource line: gres -> ray start --num-gpus
+        assert re.search(r"Ray: 1 node\(s\), 2 CPUs, 2 GPUs", text), text[-3000:]  # gres -> ray start --num-gpus
     assert "ssh -N -L 8265:" in text
 
     runs = trial_runs(f"sqlite:///{job_dir}/mlflow.db", "wide")
@@ -642,10 +642,10 @@ def test_time_limit_requeues_and_resumes_only_unfinished_trials(slurm, tmp_path)
     log = tmp_path / "logs" / f"orch-{config.stem}-{job_id}.out"
 
     def trials_finished() -> int | None:
-        """Trials Tune reported complete in the job log (the driver prints unbuffered), while the job runs."""
+        """Trials the live view reported finished in the job log (the driver prints unbuffered), while the job runs."""
         if job_state(slurm, job_id).get("JobState") != "RUNNING" or not log.exists():
             return None
-        return log.read_text().count("completed after 4 iterations")
+        return log.read_text().count(" finished: 4/4 epochs")
 
     # The job's MLflow server answers its own credentials only (slurm/README.md).
     wait_for(lambda: (job_dir / "cluster.env").exists(), 400, "the job's cluster", slurm, log)
@@ -670,8 +670,8 @@ def test_time_limit_requeues_and_resumes_only_unfinished_trials(slurm, tmp_path)
     assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", text[-6000:]
     assert "time limit near" in text and "attempt 2" in text and "Resuming " in text
     # Each trial completed exactly once across both attempts: the resumed one ran only the rest.
-    assert text.count("completed after 4 iterations") == 3
-    assert "completed after" in text[text.index("attempt 2"):]
+    assert text.count(" finished: 4/4 epochs") == 3
+    assert " finished: 4/4 epochs" in text[text.index("attempt 2"):]
     # The requeued attempt's Ray gave the node a new id; the node is the same, so no trial moved.
     assert not re.search(r"moved \S+->", text[text.index("attempt 2"):]), text[-3000:]
     runs = trial_runs(f"sqlite:///{job_dir}/mlflow.db", config.stem)
