@@ -110,6 +110,15 @@ def trial_results(pattern: str) -> dict[str, list[dict]]:
     return found
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def installed_command() -> str:
     """The console script ``pip install`` made next to this Python, as a user's shell finds it."""
     script = Path(sys.executable).parent / "orchestrator"

@@ -13,6 +13,8 @@ import sys
 import textwrap
 import time
 
+from tests.conftest import alive
+
 PARENT = textwrap.dedent("""
     import multiprocessing, os, sys, time
     from concurrent.futures import ProcessPoolExecutor
@@ -36,14 +38,6 @@ def spawned_worker(tmp_path, mode: str) -> tuple[subprocess.Popen, int]:
     parent = subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, text=True,
                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return parent, int(parent.stdout.readline())
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def killed_parent_leaves(tmp_path, mode: str) -> bool:

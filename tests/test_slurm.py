@@ -626,6 +626,19 @@ def test_submit_runs_the_readmes_own_model_on_slurm(slurm, own_model_project, tm
     print(f"SLURM sweep: 2 trials in {elapsed:.0f} s from submit to end")
 
 
+def signal_time_limit_and_wait_for_the_requeued_end(slurm, job_id: str, log: Path) -> dict:
+    """USR1 to the batch step (what ``--signal`` sends before the time limit), then the requeued
+    attempt run to its end; the job's final state."""
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm.env(), check=True)
+    wait_for(lambda: int(job_state(slurm, job_id).get("Restarts", "0")) >= 1, 300, "the requeue", slurm, log)
+    # SLURM holds a requeued job back ~2 minutes (BeginTime); a test need not wait for that, but it
+    # must not start the job in the second its last attempt was killed: slurmd compares the new
+    # credential's time with the revocation's to the second and refuses it ("credential revoked").
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+3"], env=slurm.env(), check=True)
+    return wait_for(lambda: (s := job_state(slurm, job_id)).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED",
+                    "TIMEOUT") and s, 600, "the resumed job to end", slurm, log)
+
+
 @pytest.mark.integration
 def test_time_limit_requeues_and_resumes_only_unfinished_trials(slurm, tmp_path):
     """USR1 (what --signal sends before the limit) mid-sweep: stop, requeue, resume, finish the rest.
@@ -657,15 +670,7 @@ def test_time_limit_requeues_and_resumes_only_unfinished_trials(slurm, tmp_path)
     assert requests.get(search, auth=(settings["admin_username"], settings["admin_password"]), timeout=30).ok
 
     wait_for(lambda: 0 < (trials_finished() or 0) < 3, 400, "a first trial to finish", slurm, log)
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm.env(), check=True)
-
-    wait_for(lambda: int(job_state(slurm, job_id).get("Restarts", "0")) >= 1, 300, "the requeue", slurm, log)
-    # SLURM holds a requeued job back ~2 minutes (BeginTime); a test need not wait for that, but it
-    # must not start the job in the second its last attempt was killed: slurmd compares the new
-    # credential's time with the revocation's to the second and refuses it ("credential revoked").
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+3"], env=slurm.env(), check=True)
-    state = wait_for(lambda: (s := job_state(slurm, job_id)).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED",
-                     "TIMEOUT") and s, 600, "the resumed job to end", slurm, log)
+    state = signal_time_limit_and_wait_for_the_requeued_end(slurm, job_id, log)
     text = log.read_text()
     assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", text[-6000:]
     assert "time limit near" in text and "attempt 2" in text and "Resuming " in text
@@ -701,11 +706,7 @@ def test_time_limit_requeue_resumes_a_sweep_that_checkpoints_between_evaluations
         return len(folders) == 2 and all(any(p.glob("checkpoint_*")) for p in folders)
 
     wait_for(both_checkpointed, 400, "both trials' first checkpoints", slurm, log)
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm.env(), check=True)
-    wait_for(lambda: int(job_state(slurm, job_id).get("Restarts", "0")) >= 1, 300, "the requeue", slurm, log)
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+3"], env=slurm.env(), check=True)
-    state = wait_for(lambda: (s := job_state(slurm, job_id)).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED",
-                     "TIMEOUT") and s, 600, "the resumed job to end", slurm, log)
+    state = signal_time_limit_and_wait_for_the_requeued_end(slurm, job_id, log)
     text = log.read_text()
     assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", text[-6000:]
     resumed = text[text.index("attempt 2"):]

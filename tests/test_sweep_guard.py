@@ -21,6 +21,7 @@ import pytest
 from orchestrator.config import parse_spec
 from orchestrator.errors import UserError
 from orchestrator.sweep_guard import CONFIG_FILE, LOCK_FILE, changed_keys, claim_sweep, config_values
+from tests.conftest import alive
 
 RAW = {
     "experiment": "guard",
@@ -213,14 +214,6 @@ def command_line(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def estimate_processes(driver: subprocess.Popen, marks: Path, timeout: float = 180) -> list[int]:
