@@ -44,7 +44,8 @@ def test_an_ignored_sigint_ignores_sigterm_too(sigint_handler):
         signal.raise_signal(signal.SIGTERM)
 
 
-def test_the_sigterm_handler_before_is_back_after():
+def test_the_sigterm_handler_before_is_back_after(sigint_handler):
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # whatever an earlier test left there
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(KeyboardInterrupt), sigterm_stops_like_sigint():
         assert signal.getsignal(signal.SIGTERM) is not before
