@@ -174,7 +174,7 @@ def _as_text(policy, target: str, budget: int | None, results: list[dict]) -> st
     from orchestrator.table import format_table
 
     headers = ["trial", "workload", "phase", "params", "grads", "optim", "act/sample", "fixed", "ctx", "alloc@b",
-               "peak@b", "worst"]
+               "peak@b", *(["reserved by"] if target == "cuda" else []), "worst"]
     rows, plans, notes = [], [], []
     for r in results:
         searched = " ".join(f"{k}={v}" for k, v in r["config"].items() if k != "workload")
@@ -190,15 +190,17 @@ def _as_text(policy, target: str, budget: int | None, results: list[dict]) -> st
                 allocated = phase.replay(b, plan.micro_batch, limit).peak_allocated
             else:
                 allocated = phase.allocated_at(b)
-                if phase.fragmentation:
-                    note = f"{phase.name}: reserved = allocated x {1 + phase.fragmentation:g} (memory.fragmentation)"
-                    notes.extend([note] if note not in notes else [])
+            # on CUDA, whether the allocator model gave reserved memory or a flat factor did
+            reserved_by = "allocator model" if phase.sequence is not None else f"x {1 + phase.fragmentation:.3g}"
             worst = "yes" if phase.name == plan.predicted_phase else ""  # the phase the plan was made for
             rows.append([
                 r["trial"], r["config"]["workload"], phase.name, _size(phase.params), _size(phase.grads),
                 _size(phase.optimizer), _size(phase.activations_per_sample), _size(phase.buffers + phase.fixed_other),
-                _size(phase.context + phase.workspace), _size(allocated), f"{_size(peak)}@{b}", worst,
+                _size(phase.context + phase.workspace), _size(allocated), f"{_size(peak)}@{b}",
+                *([reserved_by] if target == "cuda" else []), worst,
             ])
+        gap = profile.allocator_model_gap()
+        notes.extend([gap] if gap and gap not in notes and gap not in plan.note else [])
         fill = ""
         if limit is not None and plan.predicted_peak_bytes is not None:
             fill = (f"; peak {_size(plan.predicted_peak_bytes)} of {_size(limit)} "

@@ -287,6 +287,7 @@ def _plan(profile: MemoryProfile, micro: int, effective: int, eval_batch: int, b
     phases = profile.phase_peaks(micro, eval_batch, limit)
     worst = profile.worst(phases, micro, eval_batch)
     fallback = next((n for n in profile.notes if n.startswith("trace impossible")), None)
+    flat = profile.allocator_model_gap()  # a flat factor where the allocator model is not used: say so
     return Plan(
         micro_batch=micro,
         accum_steps=math.ceil(effective / micro),
@@ -299,7 +300,7 @@ def _plan(profile: MemoryProfile, micro: int, effective: int, eval_batch: int, b
         predicted_peak_bytes=phases[worst],
         predicted_phase=worst,
         predicted_phases=phases,
-        note="; ".join(n for n in (note, fallback) if n),
+        note="; ".join(n for n in (note, fallback, flat) if n),
     )
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from orchestrator.allocator_conf import AllocatorConfig
-from orchestrator.memory.sequence import TrialSequence, fit_log, without_prefix
+from orchestrator.allocator_conf import AllocatorConfig, parse_alloc_conf
+from orchestrator.memory.allocator import replay
+from orchestrator.memory.sequence import TrialSequence, canonical, fit_log, without_prefix
 
 MiB = 2**20
 
@@ -22,6 +23,27 @@ def test_logs_that_differ_beyond_affine_sizes_have_no_fit():
     assert fit_log([100, 200, ~0], [100, 200, ~1], 2, 16) is None  # freed in another order
     assert fit_log([100], [107], 2, 16) is None  # 0.5 bytes per sample: not a tensor's size
     assert fit_log([100], [50], 2, 16) is None  # shrinks with the batch
+
+
+def test_a_canonical_log_frees_each_run_of_frees_oldest_first():
+    # three weight casts freed at once (autocast's cache, in its hash table's order), then two
+    # activations: the same steps logged twice, freed in other orders, give one canonical log
+    first = [10, 20, 30, ~2, ~0, ~1, 40, 50, ~4, ~3]
+    second = [10, 20, 30, ~1, ~2, ~0, 40, 50, ~3, ~4]
+    assert canonical(first) == canonical(second) == [10, 20, 30, ~0, ~1, ~2, 40, 50, ~3, ~4]
+    assert fit_log(first, second, 2, 16) is None and fit_log(canonical(first), canonical(second), 2, 16) is not None
+    # a run is not sorted across the cut (where the measured step starts)
+    assert canonical([10, 20, ~1, ~0], cut=3) == [10, 20, ~1, ~0]
+    assert canonical([10, 20, 30, ~2, ~1, ~0], cut=4) == [10, 20, 30, ~2, ~0, ~1]
+
+
+def test_the_order_of_a_run_of_frees_does_not_change_what_the_allocator_holds():
+    # blocks freed together merge with their neighbours whatever the order: the canonical order
+    # replays to the same peaks as the one the process happened to take, at every later step
+    for conf in ("", "expandable_segments:True"):
+        config = parse_alloc_conf(conf)
+        logged = [MiB, 3 * MiB, 2 * MiB, 5 * MiB, ~2, ~0, ~3, 6 * MiB, 512, ~1, ~4, 9 * MiB, ~6]
+        assert replay(canonical(logged), config) == replay(logged, config)
 
 
 def test_without_prefix_is_the_log_as_started_later():

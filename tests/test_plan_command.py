@@ -58,6 +58,8 @@ def test_table_shows_every_phase_of_every_trial_and_the_plan(sweep, capsys):
     assert header[-1] == "worst" and len(header) == len(max(rows, key=len))  # every column has a header
     worst = {r[0]: r[2] for r in rows if r[-1] == "yes"}
     assert worst["0"] == "train@epoch3" and worst["2"] == "eval"  # the aux block; the 4x eval batch
+    # a CUDA target: every phase's reserved memory is the allocator model's, and the table says so
+    assert "reserved by" in out and all(" allocator model " in f" {' '.join(r)} " for r in rows)
     assert "trial 0 (staged_mlp" in out and "32 x 1 (eval 128, fp32); peak 0." in out
     assert "of 1.96G (2.00G x safety margin 0.98)" in out  # the plan's peak against its limit
     assert "target cuda, budget 2.00G" in out and "ctx" in out  # a card of that size, with its context
@@ -66,6 +68,16 @@ def test_table_shows_every_phase_of_every_trial_and_the_plan(sweep, capsys):
     lines = sorted(line for line in err.splitlines() if line.startswith("["))
     assert len(lines) == 2
     assert "staged_mlp (trials 0, 1): trace" in err and "cnn (trials 2, 3): trace" in err
+
+
+def test_table_and_plan_say_where_reserved_memory_is_not_the_allocator_model(sweep, capsys):
+    assert plan_command(args(sweep(), device_memory="2GiB", estimator="static")) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line[:1].isdigit() and "trials," not in line]
+    assert rows and all(" x 1.1 " in f"{row} " and "allocator model" not in row for row in rows)
+    plans = [line for line in out.splitlines() if line.startswith("trial ") and "):" in line]
+    assert all("reserved = allocated x 1.1, not the allocator model (the static estimator logs no allocations)" in p
+               for p in plans), plans
 
 
 def test_json_has_the_plan_and_the_profile_of_every_trial(sweep, capsys):

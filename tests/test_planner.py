@@ -202,6 +202,29 @@ def test_the_eval_batch_is_planned_in_the_cache_training_leaves(profiles):
     assert plan.predicted_phases["eval"] == (20 + 180) * MiB
 
 
+def test_the_note_says_where_a_cuda_plan_does_not_use_the_allocator_model(profiles):
+    train, evaluate = modelled(log((0, 20 * MiB), ~0), log((0, 1024), ~1))
+    flat_eval = PhaseProfile("eval", "eval", 0, 0, 0, 0, 1024, 0, fragmentation=0.1)
+    cases = {  # estimator, notes, phases -> what the note says
+        "did not line up": ("trace", (), (train, flat_eval)),
+        "PYTORCH_CUDA_ALLOC_CONF backend:cudaMallocAsync is not modelled": (
+            "trace", ("backend:cudaMallocAsync is not modelled: reserved = allocated x (1 + 0.1)",),
+            (PhaseProfile("train", "train", 0, 0, 0, 0, 20 * MiB, 0, fragmentation=0.1), flat_eval)),
+        "the static estimator logs no allocations": (
+            "static", (), (PhaseProfile("train", "train", 0, 0, 0, 0, 20 * MiB, 0, fragmentation=0.1), flat_eval)),
+    }
+    for why, (estimator, notes, phases) in cases.items():
+        profiles[FP32] = MemoryProfile(estimator, FP32, "cuda", phases, notes)
+        plan = make_plan(MLPWorkload(eval_samples=100), policy(), 4, 200 * MiB, target="cuda", profiles=profiles)
+        assert why in plan.note and "not the allocator model" in plan.note, plan.note
+        flat = ", ".join(p.name for p in phases if p.sequence is None)
+        assert f"{flat}: reserved = allocated x 1.1, not the allocator model" in plan.note, plan.note
+    profiles[FP32] = MemoryProfile("trace", FP32, "cuda", (train, evaluate))
+    assert make_plan(MLPWorkload(eval_samples=100), policy(), 4, 200 * MiB, target="cuda", profiles=profiles).note == ""
+    profiles[FP32] = profile(FP32, phase("train", "train", 100, 10), phase("eval", "eval", 100, 1))
+    assert make_plan(MLPWorkload(), policy(), 4, 1000, target="emulated", profiles=profiles).note == ""  # no allocator
+
+
 def test_no_estimator_and_unbounded_budget(profiles):
     plan = make_plan(MLPWorkload(), policy(estimator="none"), 64, 1000, target="emulated", profiles=profiles)
     assert (plan.micro_batch, plan.eval_batch, plan.estimator, plan.predicted_peak_bytes) == (64, 64, "none", None)

@@ -72,6 +72,12 @@ class EstimationError(Exception):
     """No estimate could be made (e.g. not even the smallest probe fit on the device)."""
 
 
+#: The trace's note where a phase's allocation logs at the probe batch sizes did not line up.
+LOGS_DIFFER = "the allocations change with the batch size beyond their sizes"
+#: The trace's note where the allocator configuration is one the model does not cover.
+NOT_MODELLED = "is not modelled"
+
+
 @dataclass(frozen=True)
 class PhaseProfile:
     """Peak memory of one phase as a function of its batch size, with its breakdown.
@@ -228,6 +234,32 @@ class MemoryProfile:
         reserves whole segments), the one with more tensor bytes."""
         allocated = {p.name: p.allocated_at(self.batch_for(p, micro_batch, eval_batch)) for p in self.phases}
         return max(peaks, key=lambda name: (peaks[name], allocated[name]))
+
+    def allocator_model_gap(self) -> str | None:
+        """On a CUDA target, which phases' reserved memory is not the allocator model's and why,
+        in one line (what ``plan`` and the plan's note show); None where every phase's is, and on
+        targets without a caching allocator. A flat factor misses how the cache is carved up, so
+        a plan made with it can be off by 10-40 %: a person should know which one they got."""
+        flat = [p for p in self.phases if p.sequence is None]
+        if self.target != "cuda" or not flat:
+            return None
+        factors = {f"{1 + p.fragmentation:.3g}" for p in flat}
+        if len(factors) == 1:
+            reserved = f"{', '.join(p.name for p in flat)}: reserved = allocated x {factors.pop()}"
+        else:
+            reserved = "reserved = allocated x " + ", ".join(f"{1 + p.fragmentation:.3g} in {p.name}" for p in flat)
+        return f"{reserved}, not the allocator model ({self._why_flat()})"
+
+    def _why_flat(self) -> str:
+        if self.estimator == "trace":
+            backend = next((n.partition(f" {NOT_MODELLED}")[0] for n in self.notes
+                            if n.startswith("backend:") and NOT_MODELLED in n), None)
+            if backend is not None:
+                return f"PYTORCH_CUDA_ALLOC_CONF {backend} {NOT_MODELLED}"
+            return f"the probe traces' allocation logs did not line up: {LOGS_DIFFER}"
+        if self.estimator == "measured":
+            return "the factor measured on the device"
+        return f"the {self.estimator} estimator logs no allocations"
 
     def phases_of(self, kind: str) -> tuple[PhaseProfile, ...]:
         return tuple(p for p in self.phases if p.kind == kind)

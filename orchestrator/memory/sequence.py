@@ -83,6 +83,31 @@ def fit_log(log_1: list[int], log_2: list[int], b1: int, b2: int) -> AffineLog |
     return AffineLog(codes.tobytes(), tuple(shapes), allocations)
 
 
+def canonical(log: list[int], cut: int = 0) -> list[int]:
+    """``log`` with every run of consecutive frees in one order: the oldest allocation first.
+
+    Frees with no allocation between them happen in an order that can change from run to run
+    and from one probe to the next: leaving ``torch.autocast`` frees its weight-cast cache in the
+    order of a hash table keyed by the weights' addresses, and the thread's first fill of that
+    table (the first probe's first micro-batch) grows it on the way, which can order its entries
+    differently from every later fill. Such a run leaves the allocator (and the real one) in the
+    same state in any order (freed blocks merge with their free neighbours whatever the order),
+    so sorting it loses nothing and makes logs of the same steps equal. ``cut``: a position no
+    run is sorted across (where the log is split later: the measured step's start).
+    """
+    out: list[int] = []
+    run: list[int] = []
+    for i, event in enumerate(log):
+        if event >= 0 or i == cut:
+            out += sorted(run, reverse=True)  # ~k descending: k ascending
+            run = []
+        if event >= 0:
+            out.append(event)
+        else:
+            run.append(event)
+    return out + sorted(run, reverse=True)
+
+
 def without_prefix(events: list[int], start: int, allocations: int) -> list[int]:
     """``events[start:]`` as a log that began there, ``allocations`` allocations in: the frees of
     earlier allocations dropped, the others renumbered (what a log started at ``start`` holds)."""

@@ -38,8 +38,10 @@ from orchestrator.memory.fake import FakeSetup, Untraceable, describe, fake_setu
 from orchestrator.memory.fit import envelope_points, event_lines, line_through
 from orchestrator.memory.measured import measured_profile
 from orchestrator.memory.phases import Phase, enter_phase, phases_of
-from orchestrator.memory.profile import EstimateRequest, MemoryProfile, PhaseProfile, Settings, overheads
-from orchestrator.memory.sequence import TrialSequence, fit_log, states_in_creation_order, without_prefix
+from orchestrator.memory.profile import (
+    LOGS_DIFFER, NOT_MODELLED, EstimateRequest, MemoryProfile, PhaseProfile, Settings, overheads,
+)
+from orchestrator.memory.sequence import TrialSequence, canonical, fit_log, states_in_creation_order, without_prefix
 from orchestrator.memory.static import static_profile
 from trainables.carry import Carry
 from trainables.step import eval_step, train_step
@@ -99,14 +101,14 @@ def trace_profile(
     sequences = _sequences(phases, logs, probes) if logged else {}
     allocator = allocator or AllocatorConfig()
     if logged and not allocator.modelled:
-        notes.append(f"backend:{allocator.backend} is not modelled: reserved = allocated x (1 + {fragmentation:g})")
+        notes.append(f"backend:{allocator.backend} {NOT_MODELLED}: reserved = allocated x (1 + {fragmentation:g})")
     profiles = []
     for phase in phases:
         modelled = {}
         if logged and allocator.modelled and sequences[phase.name] is not None:
             modelled = {"sequence": sequences[phase.name], "allocator": allocator, "fragmentation": 0.0}
         elif logged and allocator.modelled:
-            notes.append(f"{phase.name}: the allocations change with the batch size beyond their sizes; "
+            notes.append(f"{phase.name}: {LOGS_DIFFER}; "
                          f"reserved = allocated x (1 + {fragmentation:g}) instead of the allocator model")
         profile, note = _fit(phase, runs[phase.name], probes, {**extra, **modelled})
         profiles.append(profile)
@@ -182,7 +184,7 @@ def _trace(setup: FakeSetup, workload, settings, phases, probes, logged: bool):
                 )
                 tracker.events = None
                 if logged:
-                    logs[phase.name][b] = (tracker.stop_recording(), *second)
+                    logs[phase.name][b] = (canonical(tracker.stop_recording(), second[0]), *second)
     return runs, logs
 
 
