@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from orchestrator.allocator_conf import AllocatorConfig, parse_alloc_conf
 from orchestrator.memory.allocator import replay
-from orchestrator.memory.sequence import TrialSequence, canonical, fit_log, without_prefix
+from orchestrator.memory.sequence import (
+    TrialSequence,
+    canonical,
+    fit_log,
+    without_prefix,
+)
 
 MiB = 2**20
 

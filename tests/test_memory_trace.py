@@ -303,3 +303,90 @@ def test_cuda_autocast_policy_matches_cuda_autocast():
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]
+
+
+ENCODER = '''
+# my_models/encoder.py
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from trainables.workload import Workload
+
+
+class Classifier(nn.Module):
+    def __init__(self, layers: int):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(32, 4, 128, 0.1, batch_first=True)
+        self.body = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.head(self.body(x).mean(1))
+
+
+@dataclass
+class Encoder(Workload):
+    layers: int = 32
+
+    def build_model(self):
+        return Classifier(self.layers)
+
+    def _data(self):
+        return TensorDataset(torch.randn(4096, 16, 32), torch.randint(0, 10, (4096,)))
+
+    def train_data(self):
+        return self._data()
+
+    def eval_data(self):
+        return self._data()
+
+    def loss(self, model, batch):
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+'''
+
+
+@pytest.mark.integration  # seven processes of the installed command, and busy ones beside them
+def test_the_same_sweep_plans_the_same_in_every_process_under_load(tmp_path):
+    """Planning one model over and over, each time in a fresh process as a user does, under CPU
+    load, gives one plan, made with the allocator model every time. A transformer encoder in
+    bf16 with AdamW and many layers: leaving autocast frees its weight-cast cache in the order of
+    a hash table keyed by the weights' addresses, which differ per process; before the log was
+    made canonical, most of these processes planned with the flat fragmentation instead."""
+    from tests.conftest import command_env, installed_command
+
+    (tmp_path / "my_models").mkdir()
+    (tmp_path / "my_models" / "encoder.py").write_text(ENCODER.lstrip())
+    (tmp_path / "sweep.yaml").write_text(textwrap.dedent("""
+        experiment: encoder
+        workload: {name: "my_models.encoder:Encoder"}
+        search_space: {lr: {grid: [0.001]}}
+        effective_batch_size: 4096
+        stop: {epochs: 1}
+        memory: {estimator: trace, precision: bf16}
+    """))
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        runs = [subprocess.Popen([installed_command(), "plan", "sweep.yaml", "--device-memory", "1200MiB", "--json"],
+                                 cwd=tmp_path, env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for _ in range(7)]
+        outputs = [run.communicate(timeout=1200) for run in runs]
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+    plans, notes = set(), set()
+    for run, (out, err) in zip(runs, outputs):
+        assert run.returncode == 0, err[-2000:]
+        [trial] = json.loads(out)["trials"]
+        plan = trial["plan"]
+        plans.add((plan["micro_batch"], plan["accum_steps"], plan["eval_batch"], plan["predicted_peak_bytes"], plan["note"]))
+        notes.update(trial["profile"]["notes"])
+        assert all(phase["sequence"] is not None for phase in trial["profile"]["phases"]), trial["profile"]["notes"]
+    assert len(plans) == 1, plans
+    assert "not the allocator model" not in plans.pop()[-1]
+    assert not any("allocations change" in n for n in notes), notes
