@@ -1,7 +1,7 @@
 """Which micro-batch each tool picks for a memory budget, how long it takes, and how often it OOMs.
 
     python bench/batch_pick.py                    # GPU: a 24 GiB card emulated on the GPU
-    python bench/batch_pick.py --budget 16GiB --models resnet50,gpt2_bf16_seq1024
+    python bench/batch_pick.py --budget 16GiB --models resnet50,gpt2_bf16_seq1024   # any zoo's names (library too)
     python bench/batch_pick.py --cpu              # no GPU: an emulated device on the CPU tracker
 
 Per workload of the zoo (``bench.zoo``), with the budget enforced by
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.zoo import CPU_ZOO, GPU_ZOO, Entry, StepRunner  # noqa: E402
+from bench.zoo import CPU_ZOO, GPU_ZOO, LIBRARY_ZOO, Entry, StepRunner  # noqa: E402
 from orchestrator.device import release  # noqa: E402
 
 EFFECTIVE_BATCH = 1_000_003  # prime: the planned micro-batch is the largest that fits
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = parse_bytes(args.budget or ("24GiB" if on_gpu else "96MiB"))
     zoo = [e for e in GPU_ZOO if e.name in PICK_MODELS] if on_gpu else [e for e in CPU_ZOO if e.name in CPU_PICK_MODELS]
     if args.models:
-        zoo = [e for e in (*GPU_ZOO, *CPU_ZOO) if e.name in args.models.split(",")]
+        zoo = [e for e in (*GPU_ZOO, *CPU_ZOO, *LIBRARY_ZOO) if e.name in args.models.split(",")]
     print(f"# batch pick, budget {args.budget or budget} on {_machine(on_gpu)}", flush=True)
     results = []
     for entry in zoo:

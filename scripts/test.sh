@@ -29,4 +29,7 @@ fi
 export MLFLOW_DISABLE_TELEMETRY=true RAY_USAGE_STATS_ENABLED=0
 # The layers of pyproject.toml [tool.importlinter]: an import against them fails before any test runs.
 .venv/bin/lint-imports --no-cache
+# The one-command GPU proof (bench/gpu_acceptance.py) cannot run here, but its list must not rot:
+# every measurement's command, imports and sweep overrides are checked without a GPU.
+.venv/bin/python bench/gpu_acceptance.py --dry-run > /dev/null
 exec .venv/bin/python -m pytest "$@"
