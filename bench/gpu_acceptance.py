@@ -18,8 +18,8 @@ puts it on each measurement's ``PYTHONPATH``. The measurements:
   (``estimator_accuracy.py``), and the planned micro-batch against the true largest batch found
   by bisection on the device under a 24 GiB per-process cap, both settings (``batch_pick.py``);
 * the demo sweep on CUDA with ``resources.gpu: auto`` (several trials packed on the one GPU),
-  and the same sweep with no estimate, so trials start at the full batch and meet real CUDA
-  OOMs under their per-process memory fraction and shrink;
+  and the same sweep with no estimate and an eighth of the GPU per trial, so trials start at the
+  full batch and meet real CUDA OOMs under that per-process memory fraction, and shrink;
 * plan verification on real kernels (issue 24 item 1), where the config has ``memory.verify``;
 * a reused worker's memory: ``torch.cuda.memory_allocated`` back to its baseline after each of
   several trials run in one process (issue 25);
@@ -87,9 +87,11 @@ def measurements(out: Path, gpus: int) -> list[Measurement]:
                     env={"PYTORCH_CUDA_ALLOC_CONF": DEFAULT_CONF}),
         Measurement("sweep_packed", "demo sweep on CUDA, trials packed on one GPU by resources.gpu: auto",
                     [PY, "-m", "orchestrator", "run", SWEEP, *sweep_args, "--set", "stop.epochs=1"], 150),
-        Measurement("sweep_oom", "the same sweep with no estimate: real CUDA OOMs at each trial's memory cap",
+        # an eighth of the card each: a per-process memory fraction that batch 64 overflows for real
+        Measurement("sweep_oom", "the same sweep, no estimate, 1/8 GPU each: real CUDA OOMs at the memory cap",
                     [PY, "-m", "orchestrator", "run", SWEEP, *sweep_args, "--set", "stop.epochs=1",
-                     "--set", "memory.estimator=none", "--set", "experiment=gpu_sweep_oom"], 150),
+                     "--set", "memory.estimator=none", "--set", "resources.gpu=0.125",
+                     "--set", "experiment=gpu_sweep_oom"], 150),
         Measurement("plan_verification", "plan verification on real kernels (issue 24 item 1)",
                     [PY, "-m", "orchestrator", "run", SWEEP, *sweep_args, "--set", "stop.epochs=1",
                      "--set", "memory.verify=true", "--set", "experiment=gpu_sweep_verify"], 120,
