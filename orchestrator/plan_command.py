@@ -3,7 +3,8 @@
 For every trial configuration of the sweep (random search: the sampled ones) it estimates the
 memory profile, prints the breakdown and the predicted peak of each phase at the planned batch
 sizes (allocated, and reserved as it would be within the plan's limit: the budget times the
-safety margin), marks the worst phase, and shows the plan (micro-batch x accumulation, eval
+safety margin; for a CUDA target, "reserved by" says whether the allocator model gave it or a
+flat factor did, and the plan's note says why), marks the worst phase, and shows the plan (micro-batch x accumulation, eval
 batch, precision, checkpointing) with its peak against that limit, or why the trial would be
 refused. ``static`` and ``trace`` need no GPU: ``--device-memory 24GiB`` plans for a card of
 that size from any machine.
