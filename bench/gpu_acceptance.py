@@ -120,7 +120,7 @@ def _site(dest: Path) -> str | None:
     site = dest / "site"
     if not site.exists():
         with tarfile.open(PACK) as archive:
-            archive.extractall(site)
+            archive.extractall(site, filter="data")
     return str(site)
 
 
