@@ -105,6 +105,9 @@ class TrialReport:
     #: (``trainables.divergence``): the trial's last report; ``diverged_at_step`` is that step.
     diverged: str | None = None
     diverged_at_step: int | None = None
+    #: What the trials its reused worker ran before still held on the device when it started
+    #: (``orchestrator.trial.reuse``); None in a fresh worker
+    left_behind_bytes: int | None = None
 
     # -- filled in by Tune on the driver's side; a worker leaves them unset -----------------
     trial_id: str | None = None

@@ -285,3 +285,18 @@ class NanLossWorkload(MLPWorkload):
             weight = next(model.parameters())
             return loss + torch.sqrt(weight - weight.detach()).sum()  # 0, with an infinite derivative
         return loss * float("nan")
+
+
+#: The models every ``KeepsItsModelWorkload`` built in this process: a module-level cache that
+#: outlives its trial, as a workload's own cache can.
+_KEPT_MODELS: list = []
+
+
+@dataclasses.dataclass
+class KeepsItsModelWorkload(MLPWorkload):
+    """Keeps each model it builds past its trial."""
+
+    def build_model(self):
+        model = super().build_model()
+        _KEPT_MODELS.append(model)
+        return model

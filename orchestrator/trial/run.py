@@ -51,6 +51,7 @@ class TrialRun:
         self.policy = spec.memory
         self.loop_settings = LoopSettings.of(spec)
         configure_allocator(self.policy.allocator_conf)  # before anything touches CUDA
+        self.left_behind = HISTORY.left_behind()  # before this trial allocates anything
         self.workload = build_workload(config)
         self.checkpointable = type(self.workload).supports_activation_checkpointing
         self.context = tune.get_context()
@@ -80,6 +81,7 @@ class TrialRun:
         finally:
             self.checkpoints.remove()
             self._remember_cuda_context()
+            HISTORY.last_device = self.device
 
     def _train(self) -> None:
         """Train to the end; after an OOM, release the attempt, shrink the plan, resume."""
@@ -291,6 +293,7 @@ class TrialRun:
             oom_retries=len(self.events) + self.applied_shrinks, oom_events=tuple(self.events),
             node_id=self.node.node_id, node_name=self.node.name, moves=tuple(self.moves),
             gpu_name=gpu.name if gpu else None, gpu_total_bytes=gpu.total if gpu else None,
+            left_behind_bytes=self.left_behind,
         )
 
     def _milestone_report(self, milestone: Milestone) -> TrialReport:
