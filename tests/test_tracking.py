@@ -25,6 +25,7 @@ from fake_sweep import (
 )
 from mlflow_server import MlflowServer
 from ports import free_port
+from postgres_server import PostgresServer, why_not_here
 
 from orchestrator.config import parse_spec
 from orchestrator.errors import UserError
@@ -36,6 +37,7 @@ from orchestrator.tracking.flatten import plan_params, result_metrics, spec_para
 from orchestrator.tracking.outbox import is_outage
 from orchestrator.tracking.store import reading, unusable
 from orchestrator.trial_report import TrialReport
+from tests.conftest import command_env, installed_command
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:
@@ -456,3 +458,41 @@ def test_interrupted_and_restored_sweep_continues_the_same_runs(local_ray, tmp_p
     for run in after.values():
         assert run.info.status == "FINISHED"
         assert steps(client, run) == [1, 2, 3, 4, 5] and steps(client, run, "train_loss") == [1, 2, 3, 4, 5]
+
+
+POSTGRES_TRIALS = 24  # bench/sweep_scale.py --tracking-uri runs the 512 of the issue; this keeps CI to a minute or two
+
+
+@pytest.mark.integration
+def test_a_tracking_server_backed_by_postgresql_takes_a_sweep_with_nothing_lost(tmp_path):
+    """What a team sharing one tracking server runs: ``mlflow server`` on a PostgreSQL database
+    (a cluster of the test's own), and ``orchestrator run --tracking-uri http://...`` from a
+    user's folder. Every trial has its run, every epoch of it is there once, and ``report``
+    reads the sweep back."""
+    reason = why_not_here()
+    if reason:
+        pytest.skip(f"PostgreSQL-backed MLflow server: {reason}")
+    import yaml
+
+    sweep = {
+        "experiment": "postgres_test", "workload": {"name": "mlp", "params": {"width": 16, "train_samples": 256}},
+        "search_space": {"lr": {"loguniform": [1e-4, 1e-1]}}, "num_samples": POSTGRES_TRIALS,
+        "effective_batch_size": 64, "stop": {"epochs": 2}, "resources": {"cpu": 1}, "memory": {"device": "cpu"},
+        "storage_path": str(tmp_path / "results"),
+    }
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(sweep))
+    with PostgresServer() as database, MlflowServer(tmp_path / "server", backend_store_uri=database.uri) as server:
+        done = subprocess.run([installed_command(), "run", "sweep.yaml", "--tracking-uri", server.uri],
+                              cwd=tmp_path, env=command_env(), capture_output=True, text=True, timeout=600, check=False)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        client, parents, children = runs_of(server.uri, "postgres_test")
+        assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+        assert len(children) == POSTGRES_TRIALS
+        for run in children.values():
+            assert run.info.status == "FINISHED"
+            assert sorted(int(m.value) for m in client.get_metric_history(run.info.run_id, "epoch")) == [1, 2]
+        report = subprocess.run([installed_command(), "report", "postgres_test", "--tracking-uri", server.uri,
+                                 "--out", str(tmp_path / "report")],
+                                cwd=tmp_path, env=command_env(), capture_output=True, text=True, timeout=300, check=False)
+        assert report.returncode == 0, report.stdout[-3000:] + report.stderr[-3000:]
+        assert report.stdout.count(" FINISHED") >= POSTGRES_TRIALS
