@@ -80,6 +80,10 @@ class MlflowWriter:
         else:
             self._running.discard(run_id)
             self.client.set_terminated(run_id, status)
+            # An ended run is written again only if its trial restarts, which re-reads these:
+            # the driver keeps nothing per ended trial that grows with the sweep.
+            self._params.pop(run_id, None)
+            self._steps.pop(run_id, None)
 
     def steps(self, run_id: str) -> set[int]:
         if run_id not in self._steps:
