@@ -4,8 +4,8 @@ Three families:
 
 * the library zoo (``LIBRARY_ZOO``): models people train, from timm (ConvNeXt, Swin,
   EfficientNet, ViT), torchvision (ResNet, DeepLabV3, Faster R-CNN), transformers (BERT, GPT-2,
-  Llama) and torch.nn (Transformer, TransformerEncoder, LSTM, GRU, a UNet), at small sizes
-  that trace in seconds. ``tests/test_zoo.py`` plans them all on fake tensors (``bash
+  Llama) and torch.nn (Transformer, TransformerEncoder with and without masks, LSTM, GRU, a
+  UNet), at small sizes that trace in seconds. ``tests/test_zoo.py`` plans them all on fake tensors (``bash
   scripts/setup.sh --zoo`` installs the libraries); the accuracy benchmark compares them with a
   GPU's truth.
 * GPU models (``GPU_ZOO``), at their published sizes: ResNet-50 (torchvision), ViT-B/16 in bf16
@@ -454,6 +454,61 @@ class NNEncoder(_Sequences):
 @dataclasses.dataclass
 class NNEncoderSeqFirst(NNEncoder):
     """The same, sequence first (``batch_first=False``, torch's default)."""
+
+    batch_first: bool = False
+
+
+class _MaskedEncoder(nn.Module):
+    def __init__(self, encoder: nn.Module, dim: int, classes: int, batch_first: bool, causal: bool):
+        super().__init__()
+        self.encoder, self.head = encoder, nn.Linear(dim, classes)
+        self.batch_first, self.causal = batch_first, causal
+
+    def forward(self, x, padding):  # x: (batch, seq, features); padding: (batch, seq), True = padded
+        seq = x.shape[1]
+        # what people write: the mask made from the size, and the encoder left to detect that it is causal
+        mask = nn.Transformer.generate_square_subsequent_mask(seq, device=x.device) if self.causal else None
+        h = self.encoder(x if self.batch_first else x.transpose(0, 1), mask=mask, src_key_padding_mask=padding)
+        h = h if self.batch_first else h.transpose(0, 1)
+        kept = (~padding).unsqueeze(-1).to(h.dtype)
+        return self.head((h * kept).sum(dim=1) / kept.sum(dim=1))
+
+
+@dataclasses.dataclass
+class NNEncoderMasked(NNEncoder):
+    """``torch.nn.TransformerEncoder`` given a causal mask (``mask``, which the encoder checks for
+    causality by reading its values) and a padding mask from the data (``src_key_padding_mask``,
+    the last quarter of every sequence padded; in eval, batch first, the encoder's nested-tensor
+    fast path checks it): the data-dependent checks of torch's own layers."""
+
+    causal: bool = True
+
+    def _data(self):
+        g = torch.Generator().manual_seed(0)
+        padding = torch.zeros(SAMPLES, self.seq, dtype=torch.bool)
+        padding[:, self.seq - self.seq // 4:] = True
+        x, y = torch.randn(SAMPLES, self.seq, self.dim, generator=g), torch.randint(0, self.classes, (SAMPLES,), generator=g)
+        return _repeated(x, padding, y)
+
+    def train_data(self):
+        return self._data()
+
+    def eval_data(self):
+        return self._data()
+
+    def build_model(self):
+        layer = nn.TransformerEncoderLayer(self.dim, self.heads, 4 * self.dim, self.dropout, batch_first=self.batch_first)
+        encoder = nn.TransformerEncoder(layer, self.layers, enable_nested_tensor=self.batch_first)
+        return _MaskedEncoder(encoder, self.dim, self.classes, self.batch_first, self.causal)
+
+    def loss(self, model, batch):
+        x, padding, y = batch
+        return F.cross_entropy(model(x, padding), y)
+
+
+@dataclasses.dataclass
+class NNEncoderMaskedSeqFirst(NNEncoderMasked):
+    """The same, sequence first (``batch_first=False``)."""
 
     batch_first: bool = False
 
@@ -943,6 +998,8 @@ LIBRARY_ZOO = (
     Entry("nn_transformer", NNTransformer, "bf16", (8, 32, 64)),
     Entry("nn_encoder", NNEncoder, "bf16", (8, 32, 64)),
     Entry("nn_encoder_seq_first", NNEncoderSeqFirst, "bf16", (8, 32, 64)),
+    Entry("nn_encoder_masked", NNEncoderMasked, "bf16", (8, 32, 64)),
+    Entry("nn_encoder_masked_seq_first", NNEncoderMaskedSeqFirst, "bf16", (8, 32, 64)),
     Entry("lstm", LSTM, "bf16", (8, 32, 64)),
     Entry("gru", GRU, "bf16", (8, 32, 64)),
     Entry("unet", UNet, "bf16", (8, 32, 64)),
