@@ -120,7 +120,3 @@ def test_nested_arguments_are_walked():
     assert len([t for t in ti.tree_leaves(tree) if isinstance(t, torch.Tensor)]) == 2
     doubled = ti.tree_map(lambda t: t * 2 if isinstance(t, torch.Tensor) else t, tree)
     assert doubled[0]["a"].item() == 2 and doubled[1][1] == 3
-    flat, spec = ti.tree_flatten(tree)
-    assert len(flat) == 3, "torch changed: tree_flatten"
-    rebuilt = ti.tree_unflatten([x + 1 for x in flat], spec)
-    assert rebuilt[0]["a"].item() == 2 and rebuilt[1][1] == 4, "torch changed: tree_unflatten"

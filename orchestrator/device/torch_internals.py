@@ -15,8 +15,7 @@ What each is for:
   data, the trace itself (``orchestrator.memory.fake``, ``construction``, ``workspaces``).
 * ``TorchDispatchMode``, ``disable_current_modes``: seeing every op a step runs (the CPU tensor
   tracker, the trace's helpers) and running host work unseen by them.
-* ``tree_leaves``, ``tree_map``, ``tree_flatten``, ``tree_unflatten``: the tensors in an op's
-  nested arguments and results, and putting them back (``memory.known_values``).
+* ``tree_leaves``, ``tree_map``: the tensors in an op's nested arguments and results.
 * ``OpOverload``, :func:`op_schema`: which op is running, and its arguments' names and types.
 * :func:`parameter_slots`, :func:`buffer_slots`: an ``nn.Module``'s own parameter and buffer
   dictionaries, replaced in place so that tied parameters stay tied.
@@ -44,7 +43,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = [
     "FAKE_TENSOR_LOGGER",
@@ -64,10 +63,8 @@ __all__ = [
     "ops_with_kernel",
     "parameter_slots",
     "remove_library",
-    "tree_flatten",
     "tree_leaves",
     "tree_map",
-    "tree_unflatten",
     "unset_fake_temporarily",
 ]
 

@@ -36,8 +36,6 @@ from orchestrator.device.torch_internals import (
     TorchDispatchMode,
     disable_current_modes,
     op_schema,
-    tree_flatten,
-    tree_unflatten,
 )
 
 #: Tensors with more elements than this get no known value: masks and index tables are small
@@ -91,8 +89,7 @@ class KnownValues(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        flat, spec = tree_flatten((args, kwargs))
-        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        tensors = [t for t in _leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         values = [self.value(t) for t in tensors]
         knowable = all(v is not None for v in values) and torch.Tag.nondeterministic_seeded not in func.tags
         try:
@@ -100,12 +97,11 @@ class KnownValues(TorchDispatchMode):
         except (DataDependentOutputException, DynamicOutputShapeException):
             if not knowable:
                 raise
-            return self._from_values(func, flat, spec, tensors, values)
-        out_flat, _ = tree_flatten(out)
-        out_tensors = [t for t in out_flat if isinstance(t, FakeTensor)]
+            return self._from_values(func, args, kwargs, tensors, values)
+        out_leaves = _leaves(out)
+        out_tensors = [t for t in out_leaves if isinstance(t, FakeTensor)]
         if knowable and all(t.numel() <= self.limit and t.layout == torch.strided for t in out_tensors):
-            real_flat, _ = tree_flatten(self._real(func, flat, spec, tensors, values))
-            for fake, real in zip(out_flat, real_flat):
+            for fake, real in zip(out_leaves, _leaves(self._real(func, args, kwargs, tensors, values))):
                 if isinstance(fake, FakeTensor) and isinstance(real, torch.Tensor):
                     if real.shape == fake.shape and real.dtype == fake.dtype:
                         self.know(fake, real)
@@ -118,33 +114,47 @@ class KnownValues(TorchDispatchMode):
             self._values.pop(id(t), None)
         return out
 
-    def _real(self, func, flat, spec, tensors, values):
+    def _real(self, func, args, kwargs, tensors, values):
         """``func`` on the real values, on the CPU, outside every mode (nothing counts it)."""
         by_id = {id(t): v for t, v in zip(tensors, values)}
-        real_flat = [
-            by_id[id(a)] if isinstance(a, torch.Tensor)
-            else _CPU if isinstance(a, torch.device)
-            else a
-            for a in flat
-        ]
-        real_args, real_kwargs = tree_unflatten(real_flat, spec)
+
+        def real(a):
+            if isinstance(a, torch.Tensor):
+                return by_id[id(a)]
+            if isinstance(a, torch.device):
+                return _CPU
+            if isinstance(a, (list, tuple)):
+                return type(a)(real(x) for x in a)
+            return a
+
+        real_args, real_kwargs = real(args), {k: real(v) for k, v in kwargs.items()}
         if real_kwargs.get("pin_memory"):
             real_kwargs["pin_memory"] = False
         with disable_current_modes(), torch.autocast("cpu", enabled=False), torch.no_grad():
             return func(*real_args, **real_kwargs)
 
-    def _from_values(self, func, flat, spec, tensors, values):
+    def _from_values(self, func, args, kwargs, tensors, values):
         """The result of an op the fake mode cannot give: from the real op, its tensors made fake
         (on the device of the op's fake inputs) with their values known."""
-        real = self._real(func, flat, spec, tensors, values)
         device = next((t.device for t in tensors if isinstance(t, FakeTensor)), _CPU)
 
         def fake(r):
+            if isinstance(r, (list, tuple)):
+                return type(r)(fake(x) for x in r)
             if not isinstance(r, torch.Tensor):
                 return r
             made = torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device=device)  # the fake mode below us
             self.know(made, r)
             return made
 
-        real_flat, real_spec = tree_flatten(real)
-        return tree_unflatten([fake(r) for r in real_flat], real_spec)
+        return fake(self._real(func, args, kwargs, tensors, values))
+
+
+def _leaves(tree) -> list:
+    """The leaves of an aten op's arguments or results: values, or tuples, lists and dicts of them
+    (an op's schema nests no deeper than a list of tensors inside its arguments or results)."""
+    if isinstance(tree, (list, tuple)):
+        return [leaf for item in tree for leaf in _leaves(item)]
+    if isinstance(tree, dict):
+        return [leaf for item in tree.values() for leaf in _leaves(item)]
+    return [tree]
