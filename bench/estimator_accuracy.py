@@ -49,7 +49,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.zoo import GPU_ZOO, ZOOS, Entry, StepRunner, describe_bytes, relative  # noqa: E402
+from bench.zoo import GPU_ZOO, ZOOS, Entry, StepRunner, describe_bytes, initial_carry, relative  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,7 +234,8 @@ def measure_trial(entry: Entry, b: int, device):
     model.train()
     for _ in range(2):
         batches = (sample_batch(workload, train_data, b) for _ in range(2))  # taken one at a time, as in the loop
-        train_step(workload, model, optimizer, batches, [b, b], dev, entry.precision, scaler)
+        train_step(workload, model, optimizer, batches, [b, b], dev, entry.precision, scaler,
+                   carry=initial_carry(workload, 2 * b, dev))
     torch.cuda.synchronize(dev)
     train = device.reading()
     device.reset_peak()

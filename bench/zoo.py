@@ -12,13 +12,17 @@ Three families:
   (torchvision), GPT-2 124M in bf16 at sequence 1024 (transformers), a temporal conv net on
   (b, 19, 15360) EEG-like input, a GAT (torch_geometric) on batches of small graphs, and GPT-2
   written with plain PyTorch in transformers' ops (a model whose every op we can see, to tell
-  the CUDA emulation's error from transformers' specifics). The first four are the models of
+  the CUDA emulation's error from transformers' specifics), torch.nn's encoder at the original
+  Transformer's base size with a causal and a padding mask, and the stateful LSTM language
+  model at Zaremba et al.'s medium size (truncated BPTT). The first four are the models of
   the H100 ground truth (the JSON given to ``estimator_accuracy.py --truth``, ``Entry.truth``),
   built the same way.
 * CPU stand-ins (``CPU_ZOO``), hand-written with plain PyTorch so they run where those
   libraries are not installed: a bottleneck ResNet on small images, the same 1-d conv net on
   a shorter signal, a GPT-style causal transformer (``scaled_dot_product_attention`` with
-  dropout, tied embeddings, bf16) and a ViT-style encoder, plus the project's own workloads.
+  dropout, tied embeddings, bf16) and a ViT-style encoder, plus the project's own workloads:
+  torch.nn's encoder with a causal and a padding mask (both layouts) and the stateful LSTM
+  language model (``trainables/examples/lstm_lm.py``, truncated BPTT).
 
 Data are synthetic and small (the benchmarks index them modulo their length): memory depends
 on shapes, not values. A sweep names a zoo model as ``bench.zoo:Swin`` (run from the project
@@ -39,6 +43,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from trainables.cnn import CNNWorkload
+from trainables.examples.lstm_lm import LSTMLanguageModelWorkload
 from trainables.mlp import MLPWorkload
 from trainables.staged import StagedMLPWorkload
 from trainables.workload import Workload
@@ -968,6 +973,13 @@ GPU_ZOO = (
     Entry("tcn_eeg", TCNWorkload, "fp32", (32, 64, 128, 256), truth="tcn_eeg"),
     Entry("gat", GAT, "fp32", (8, 32, 128), ("torch_geometric",)),
     Entry("gpt2_standin_bf16_seq1024", GPT2StandInWorkload, "bf16", (2, 4, 8, 12)),
+    # torch.nn's encoder at the original Transformer's base size, given a causal mask it checks by
+    # its values and a padding mask; an LSTM language model at Zaremba et al.'s medium size on a
+    # WikiText-2-sized vocabulary, trained by truncated BPTT (a stateful workload)
+    Entry("nn_encoder_masked_base", NNEncoderMasked, "bf16", (16, 32, 64, 128),
+          params={"layers": 6, "dim": 512, "heads": 8, "seq": 512}),
+    Entry("lstm_lm_tbptt_medium", LSTMLanguageModelWorkload, "fp32", (20, 80, 320, 1280),
+          params={"vocab": 33278, "hidden": 650, "layers": 2, "bptt": 35}),
 )
 
 CPU_ZOO = (
@@ -978,6 +990,9 @@ CPU_ZOO = (
     Entry("conv1d_19x1536", Conv1d, "fp32", (4, 16, 32), params={"length": 1536}),
     Entry("tiny_gpt_bf16", TinyGPTWorkload, "bf16", (2, 4, 8)),
     Entry("vit_ish_bf16", ViTIsh, "bf16", (4, 16, 32)),
+    Entry("nn_encoder_masked", NNEncoderMasked, "bf16", (8, 32, 64)),
+    Entry("nn_encoder_masked_seq_first", NNEncoderMaskedSeqFirst, "bf16", (8, 32, 64)),
+    Entry("lstm_lm_tbptt", LSTMLanguageModelWorkload, "fp32", (8, 32, 64)),
 )
 
 #: Models people train, from timm, torchvision, transformers and torch.nn, at the small sizes
@@ -1048,14 +1063,16 @@ class StepRunner:
         return self.device.measuring()
 
     def train(self, b: int, micro_batches: int = 2):
-        """One train step; the device's reading (peak allocated, peak reserved) for it."""
+        """One train step; the device's reading (peak allocated, peak reserved) for it. A stateful
+        workload's step starts from its initial state, as the trace's does."""
         from trainables.step import train_step
 
         self.model.train()
         with self._window():
             batches = (self.batch(self.train_data, b) for _ in range(micro_batches))
             train_step(self.workload, self.model, self.optimizer, batches, [b] * micro_batches,
-                       self.device.torch_device, self.precision, self.scaler)
+                       self.device.torch_device, self.precision, self.scaler,
+                       carry=initial_carry(self.workload, b * micro_batches, self.device.torch_device))
         return self.device.reading()
 
     def eval(self, b: int):
@@ -1082,6 +1099,13 @@ class StepRunner:
             exc.__traceback__ = None
             self.recover()
             return False
+
+
+def initial_carry(workload: Workload, rows: int, device: torch.device):
+    """A stateful workload's initial state for a step of ``rows`` streams (None for the others)."""
+    from trainables.carry import Carry
+
+    return Carry.initial(workload, rows, device) if workload.stateful else None
 
 
 def describe_bytes(n: float) -> str:
