@@ -91,6 +91,25 @@ def test_checks_on_the_samples_values_are_answered_as_the_real_batch_answers_the
             assert fake.allocated_at(b) == measured.allocated_at(b), (fake.name, b)
 
 
+class CheckedActivationsMLP(MLPWorkload):
+    """A Python check on the model's activations: no input value tells its answer."""
+
+    def loss(self, model, batch):
+        x, y = batch
+        logits = model(x)
+        if bool(logits.isnan().any()):
+            raise FloatingPointError("nan logits")
+        return F.cross_entropy(logits, y)
+
+
+def test_a_check_whose_answer_is_not_knowable_falls_back_naming_the_op_and_the_line():
+    profile = estimate(CheckedActivationsMLP(), "trace", target="cpu")
+    assert profile.estimator == "static"
+    assert profile.notes[0].startswith("trace impossible (aten._local_scalar_dense"), profile.notes[0]
+    line = inspect.getsourcelines(CheckedActivationsMLP.loss)[1] + 3  # the isnan check
+    assert f"in tests/test_memory_trace.py:{line} (loss)" in profile.notes[0]
+
+
 def test_stages_and_eval_are_distinct_phases():
     profile = estimate(StagedMLPWorkload(aux_width=256, aux_start_epoch=3), "trace", target="cpu")
     phases = {p.name: p for p in profile.phases}
