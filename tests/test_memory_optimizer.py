@@ -77,3 +77,4 @@ def test_implementation_names_how_the_optimizer_steps():
     mixed = torch.optim.AdamW([{"params": params, "foreach": True},
                                {"params": [torch.nn.Parameter(torch.zeros(2))], "foreach": False}])
     assert implementation(mixed) == "foreach+for-loop"
+    assert implementation(torch.optim.LBFGS(params)) == ""  # no foreach or fused setting: its own step

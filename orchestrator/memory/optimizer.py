@@ -37,14 +37,18 @@ def build_for_target(workload: Workload, model: nn.Module, target: str) -> torch
 
 def implementation(optimizer: torch.optim.Optimizer) -> str:
     """``fused``, ``foreach`` or ``for-loop``: how ``optimizer`` steps (its groups' settings; a
-    group left to the default on a CPU steps by the loop). Mixed groups are listed in order."""
+    group left to the default on a CPU steps by the loop). Mixed groups are listed in order; an
+    optimizer whose groups have neither setting (not one of torch's) has its own way: ``""``."""
     kinds = []
     for group in optimizer.param_groups:
+        if "fused" not in group and "foreach" not in group:
+            continue
         kind = "fused" if group.get("fused") else "foreach" if group.get("foreach") else "for-loop"
         kinds.extend([kind] if kind not in kinds else [])
-    return "+".join(kinds) or "for-loop"
+    return "+".join(kinds)
 
 
 def describe(optimizer: torch.optim.Optimizer, target: str) -> str:
     """The profile's note: which optimizer was counted, and for which device."""
-    return f"optimizer {type(optimizer).__name__} ({implementation(optimizer)}), as built for a {trains_on(target)} device"
+    how = implementation(optimizer)
+    return f"optimizer {type(optimizer).__name__}{f' ({how})' if how else ''}, as built for a {trains_on(target)} device"
