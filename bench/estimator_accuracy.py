@@ -445,8 +445,7 @@ def _setup_from_real_model(workload):
                 buffers[name] = mode.from_tensor(b)
     with mode:
         optimizer = build_for_target(workload, model, "cuda")  # as fake_setup builds it for a CUDA target
-    sample = workload.collate([workload.largest_sample()])
-    return FakeSetup(mode, torch.device("cpu"), model, optimizer, sample, CUDA_BLOCK, True)
+    return FakeSetup(mode, torch.device("cpu"), model, optimizer, workload, workload.largest_sample(), CUDA_BLOCK, True)
 
 
 def _truth_replay(log, config, b: int, capacity: int | None = None, held: tuple[int, ...] = ()):
