@@ -62,6 +62,9 @@ class Plan:
     ranks: int = 1
     rank_budgets: tuple[int | None, ...] = ()  # each rank's budget, as the group was planned
     exchange_bytes: int = 0  # what each rank holds for the gradient exchange (taken from its budget)
+    #: The model is ``torch.compile``d and the estimate is its eager modules' (the profile's
+    #: ``compiled``): the compiled graph's memory may differ (``contract.COMPILED_MODEL_NOTE``).
+    compiled: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -300,6 +303,7 @@ def _plan(profile: MemoryProfile, micro: int, effective: int, eval_batch: int, b
         predicted_phase=worst,
         predicted_phases=phases,
         note="; ".join(n for n in (note, fallback) if n),
+        compiled=profile.compiled,
     )
 
 
@@ -318,6 +322,7 @@ def _refuse(workload, policy, effective: int, budget: int, limit: int, profiles:
     return Plan(
         1, effective, effective, 1, False, policy.precision, profile.estimator if profile else policy.estimator,
         budget, phases.get(worst), worst, phases, refusal=message, safety_margin=policy.safety_margin,
+        compiled=profile.compiled if profile else False,
     )
 
 
