@@ -135,7 +135,7 @@ class TrialRun:
             self.verification.begin(trainer, self.plan)
         for milestone in trainer.run():
             before = self.plan
-            if self.verification is not None:
+            if self.verification is not None and not milestone.final:  # nothing is left to switch for
                 self.plan = self.verification.check(trainer, milestone, self.plan)
             if milestone.pause:
                 self.unreported = milestone.memory if self.unreported is None else self.unreported.merged(milestone.memory)
