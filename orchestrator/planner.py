@@ -18,8 +18,10 @@ here touches a GPU, Ray or MLflow, so every rule is unit-tested on its own.
 * A trial that verifies its plan (``memory.verify``, ``orchestrator.trial.verify``) plans with
   ``error_bound`` first: every phase's prediction raised by the estimator's own error bound, so
   its first steps fit even where the estimate is that far too low; then with ``corrections``,
-  each measured phase's prediction scaled by measured / predicted, for the plan it switches to.
-  Both keep the settings (``settings``): verification moves batch sizes, not precision.
+  each measured phase's prediction scaled by measured / predicted, interpolated between the
+  batch sizes it was measured at, for the plan it switches to; ``micro_cap`` keeps the
+  micro-batch below one that measured too much. Both keep the settings (``settings``):
+  verification moves batch sizes, not precision.
 * :func:`plan_for_ranks` plans a data-parallel group: each rank computes ``effective / ranks``
   samples of every step on its own device, so each rank is planned for its own budget (less
   what the gradient exchange holds, ``memory.parallel``) and the group runs the smallest rank's
@@ -67,16 +69,12 @@ class Plan:
     ranks: int = 1
     rank_budgets: tuple[int | None, ...] = ()  # each rank's budget, as the group was planned
     exchange_bytes: int = 0  # what each rank holds for the gradient exchange (taken from its budget)
-    #: Plan verification (``orchestrator.trial.verify``): each measured phase's measured / predicted
-    #: peak, which the plan's predictions were scaled by; the other phases' were raised by
-    #: ``error_bound`` (the estimator's, while they are not measured yet; 0 without verification).
-    corrections: dict[str, float] = field(default_factory=dict)
-    measured_phases: dict[str, int] = field(default_factory=dict)  # phase -> peak measured on the device
+    #: Plan verification (``orchestrator.trial.verify``): each measured phase's (batch size,
+    #: measured / predicted peak) points, which the plan's predictions were scaled by; the other
+    #: phases' were raised by ``error_bound`` (the estimator's, while they are not measured yet).
+    corrections: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    measured_phases: dict[str, int] = field(default_factory=dict)  # phase -> its last peak measured on the device
     error_bound: float = 0.0
-
-    def factor(self, phase: str) -> float:
-        """What the plan multiplies ``phase``'s predicted peak by: its correction, else 1 + the bound."""
-        return self.corrections.get(phase, 1.0 + self.error_bound)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -85,8 +83,9 @@ class Plan:
     def from_dict(cls, d: dict) -> "Plan":
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in d.items() if k in known}
-        for name in ("predicted_phases", "corrections", "measured_phases"):
+        for name in ("predicted_phases", "measured_phases"):
             values[name] = dict(values.get(name) or {})
+        values["corrections"] = {k: tuple((int(b), float(f)) for b, f in v) for k, v in (values.get("corrections") or {}).items()}
         values["rank_budgets"] = tuple(values.get("rank_budgets") or ())
         return cls(**values)
 
@@ -111,7 +110,8 @@ class Plan:
 def make_plan(
     workload, policy, effective_batch: int, budget_bytes: int | None, *, target: str, device=None,
     profiles: ProfileCache | None = None, settings: Settings | None = None,
-    corrections: dict[str, float] | None = None, error_bound: float = 0.0,
+    corrections: dict[str, tuple[tuple[int, float], ...]] | None = None, error_bound: float = 0.0,
+    micro_cap: int | None = None,
 ) -> Plan:
     """The plan for one trial of ``workload`` on a device of kind ``target`` with ``budget_bytes``.
 
@@ -123,17 +123,18 @@ def make_plan(
     far (the driver's, handed to a trial), which the plan adds to where it needs more.
     ``settings``: only these (precision, activation checkpointing), not the policy's candidates;
     ``corrections`` and ``error_bound``: what a verifying trial scales each phase's predictions
-    by (:meth:`Plan.factor`).
+    by (:func:`correction_at`); ``micro_cap``: the largest micro-batch it may pick.
     """
     return plan_with_profile(workload, policy, effective_batch, budget_bytes, target=target, device=device,
                              profiles=profiles, settings=settings, corrections=corrections,
-                             error_bound=error_bound)[0]
+                             error_bound=error_bound, micro_cap=micro_cap)[0]
 
 
 def plan_with_profile(
     workload, policy, effective_batch: int, budget_bytes: int | None, *, target: str, device=None,
     profiles: ProfileCache | None = None, settings: Settings | None = None,
-    corrections: dict[str, float] | None = None, error_bound: float = 0.0,
+    corrections: dict[str, tuple[tuple[int, float], ...]] | None = None, error_bound: float = 0.0,
+    micro_cap: int | None = None,
 ) -> tuple[Plan, MemoryProfile | None]:
     """:func:`make_plan`, and the profile of the settings it planned with (to show its breakdown)."""
     if effective_batch < 1:
@@ -160,7 +161,7 @@ def plan_with_profile(
         profile = profiles.get(candidate)
         if profile is None:
             continue
-        micro = _largest(lambda m: _train_fits(profile, m, limit, trust), effective_batch)
+        micro = _largest(lambda m: _train_fits(profile, m, limit, trust), min(effective_batch, micro_cap or effective_batch))
         if not micro:
             continue
         micro, note = _prefer_divisor(micro, effective_batch)
@@ -273,25 +274,39 @@ def _eval_samples(workload) -> int:
 
 @dataclass(frozen=True)
 class _Trust:
-    """How far a plan trusts each phase's prediction (:meth:`Plan.factor`): a phase whose peak is
-    ``factor`` x its prediction fits ``limit`` when its prediction fits ``limit / factor``."""
+    """How far a plan trusts each phase's prediction: a phase whose peak is ``factor`` x its
+    prediction fits ``limit`` when its prediction fits ``limit / factor``."""
 
-    corrections: dict[str, float] = field(default_factory=dict)
+    corrections: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     error_bound: float = 0.0
 
-    def limit(self, phase: str, limit: int) -> int:
-        return int(limit / self.corrections.get(phase, 1.0 + self.error_bound))
+    def limit(self, phase: str, limit: int, batch: int) -> int:
+        return int(limit / correction_at(self.corrections.get(phase, ()), batch, 1.0 + self.error_bound))
+
+
+def correction_at(points: tuple[tuple[int, float], ...], batch: int, default: float) -> float:
+    """measured / predicted at ``batch``: linear between the batch sizes it was measured at, the
+    nearest one's beyond them, ``default`` where it was never measured."""
+    if not points:
+        return default
+    points = tuple(sorted(points))
+    if batch <= points[0][0]:
+        return points[0][1]
+    for (b0, f0), (b1, f1) in zip(points, points[1:]):
+        if batch <= b1:
+            return f0 + (f1 - f0) * (batch - b0) / (b1 - b0)
+    return points[-1][1]
 
 
 TRUSTED = _Trust()
 
 
 def _train_fits(profile: MemoryProfile, micro: int, limit: int, trust: _Trust = TRUSTED) -> bool:
-    return all(p.fits(micro, trust.limit(p.name, limit)) for p in profile.phases_of("train"))
+    return all(p.fits(micro, trust.limit(p.name, limit, micro)) for p in profile.phases_of("train"))
 
 
 def _eval_fits(profile: MemoryProfile, batch: int, micro: int, limit: int, trust: _Trust = TRUSTED) -> bool:
-    return all(p.fits(batch, trust.limit(p.name, limit), micro_batch=micro) for p in profile.phases_of("eval"))
+    return all(p.fits(batch, trust.limit(p.name, limit, batch), micro_batch=micro) for p in profile.phases_of("eval"))
 
 
 def _largest(fits: Callable[[int], bool], cap: int) -> int:
@@ -329,7 +344,8 @@ def _plan(profile: MemoryProfile, micro: int, effective: int, eval_batch: int, b
         phases = profile.phase_peaks(micro, eval_batch, limit)
     else:  # each phase's replay within the limit its trust leaves it
         phases = {p.name: p.reserved_at(profile.batch_for(p, micro, eval_batch), micro_batch=micro,
-                                        limit=trust.limit(p.name, limit)) for p in profile.phases}
+                                        limit=trust.limit(p.name, limit, profile.batch_for(p, micro, eval_batch)))
+                  for p in profile.phases}
     worst = profile.worst(phases, micro, eval_batch)
     fallback = next((n for n in profile.notes if n.startswith("trace impossible")), None)
     return Plan(

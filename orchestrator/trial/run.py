@@ -207,14 +207,16 @@ class TrialRun:
         profile = self._profiles().get(self.plan.settings)
         overheads = {p.name: p.overhead for p in profile.phases} if profile is not None else {}
         limit = int(self.plan.budget_bytes * self.policy.safety_margin)
-        return PlanVerification(phases_of(self.workload), self._corrected_plan, limit, overheads, self.plan_checks)
+        fixed_size = not type(self.workload).overrides("largest_sample")  # else a step's batch may be a small one
+        return PlanVerification(phases_of(self.workload), self._corrected_plan, limit, overheads, self.plan_checks,
+                                grows=fixed_size)
 
-    def _corrected_plan(self, corrections: dict[str, float]) -> Plan:
+    def _corrected_plan(self, corrections: dict, micro_cap: int | None) -> Plan:
         """The plan in force's settings and budget, planned with the verification's corrections."""
         return make_plan(
             self.workload, self.policy, self.spec.effective_batch_size, self.plan.budget_bytes,
             target=self.device.target, device=self.device, profiles=self._profiles(), settings=self.plan.settings,
-            corrections=corrections, error_bound=self.plan.error_bound,
+            corrections=corrections, error_bound=self.plan.error_bound, micro_cap=micro_cap,
         )
 
     def _plan_from_estimates(self, profiles: ProfileCache) -> Plan:

@@ -8,12 +8,20 @@ No estimate made away from the device is exact for every kernel, so a trial that
    that far too low still fits.
 2. The device's peak over those steps (:attr:`MemoryReading.peak`: reserved bytes on a GPU,
    tensor bytes on the CPU and the emulated device) is compared with the phase's prediction,
-   and the prediction is corrected by measured / predicted (``Plan.corrections``).
+   and the prediction is corrected by measured / predicted (``Plan.corrections``: one point per
+   batch size measured; between them the correction is interpolated, so each new measurement
+   refines the curve where the plan needs it, as a secant does).
 3. The trial re-plans with the correction and, at that optimizer-step boundary, switches to the
    corrected plan the way an OOM recovery does (the newest checkpoint, a new trainer, the
    effective batch unchanged): larger where the estimate was pessimistic, smaller, before any
    OOM, where it was optimistic. The new plan is verified in turn, so the plan a trial settles
-   on has had its own peak measured within ``budget x memory.safety_margin``.
+   on has had its own peak measured within ``budget x memory.safety_margin``: a micro-batch
+   that measured more is never planned again, and when a phase's checks run out above the
+   limit the trial goes back to the largest micro-batch measured within it.
+
+A workload whose batches vary in size (it overrides ``largest_sample``, which the estimators plan
+for) is measured on batches that may be smaller than its largest: its measurements may raise a
+prediction, never lower it, so its plan shrinks where the estimate was low but does not grow.
 
 Each phase is verified when it first runs: the train phase over its first ``VERIFY_STEPS``
 steps, the eval phase at its first evaluation, and each stage of an activation schedule
@@ -36,27 +44,33 @@ from trainables.loop import Milestone, Trainer
 #: optimizer's state, the second runs with it.
 VERIFY_STEPS = 2
 #: Checks of one phase, at most: each corrected plan is measured again, until one holds.
-MAX_CHECKS = 3
+MAX_CHECKS = 4
 
 
 class PlanVerification:
     """What a trial knows of its phases' real peaks, and when it measures the next one.
 
-    ``replan(corrections)`` is the trial's planner with these corrections (same budget, same
-    settings, the plan's error bound for the phases not measured yet); ``overheads`` what each
+    ``replan(corrections, micro_cap)`` is the trial's planner with these corrections and at most
+    that micro-batch (same budget, same settings, the plan's error bound for the phases not
+    measured yet); ``overheads`` what each
     phase's prediction holds outside what the device's reading sees (a GPU's CUDA context and
-    library workspaces; none elsewhere); ``limit`` what a plan may fill (budget x margin).
+    library workspaces; none elsewhere); ``limit`` what a plan may fill (budget x margin);
+    ``grows``: False where the measured batches may be smaller than the largest the estimate is for.
     """
 
-    def __init__(self, phases: list[Phase], replan: Callable[[dict[str, float]], Plan], limit: int,
-                 overheads: dict[str, int] | None = None, checks: list[PlanCheck] | None = None):
+    def __init__(self, phases: list[Phase], replan: Callable[[dict, int | None], Plan], limit: int,
+                 overheads: dict[str, int] | None = None, checks: list[PlanCheck] | None = None,
+                 grows: bool = True):
         self.phases = phases
         self.replan = replan
         self.limit = limit
         self.overheads = overheads or {}
+        self.grows = grows
         self.checks: list[PlanCheck] = checks if checks is not None else []  # the trial's own list
         self.checked_at: dict[str, tuple[int, int]] = {}  # phase -> the batch sizes it was measured at
         self.window_from = 0  # the optimizer step after which the device's peak was last reset
+        self.within: dict[str, int] = {}  # train phase -> the largest micro-batch measured within the limit
+        self.above: dict[str, int] = {}  # train phase -> the smallest micro-batch measured above it
 
     # -- which phase a step belongs to -----------------------------------------------------------
     def _stage(self, epoch: int) -> int:
@@ -70,9 +84,8 @@ class PlanVerification:
         """Measured at the plan in force, or checked as often as it may be, or not predicted at all."""
         if not plan.predicted_phases.get(name):
             return True
-        kind = next(p.kind for p in self.phases if p.name == name)
         at = self.checked_at.get(name)
-        sizes = (plan.micro_batch, plan.eval_batch if kind == "eval" else 0)
+        sizes = (plan.micro_batch, plan.eval_batch if self._kind(name) == "eval" else 0)
         return at == sizes or sum(c.phase == name for c in self.checks) >= MAX_CHECKS
 
     # -- the trial's hooks ---------------------------------------------------------------------
@@ -139,24 +152,50 @@ class PlanVerification:
     # -- correcting --------------------------------------------------------------------------
     def _correct(self, plan: Plan, measured: dict[str, int], milestone: Milestone) -> Plan:
         corrections, peaks = dict(plan.corrections), dict(plan.measured_phases)
+        cap = None
         for name, peak in measured.items():
             peak += self.overheads.get(name, 0)  # the whole of what the prediction counts
-            corrections[name] = peak / plan.predicted_phases[name]
+            train = self._kind(name) == "train"
+            batch = plan.micro_batch if train else plan.eval_batch
+            points = {b: f for b, f in corrections.get(name, ())}
+            factor = peak / plan.predicted_phases[name]
+            points[batch] = factor if self.grows else max(factor, 1.0)
+            corrections[name] = tuple(sorted(points.items()))
             peaks[name] = peak
-        corrected = self.replan(corrections)
+            if train:
+                cap = self._micro_cap(name, batch, peak, cap)
+        corrected = self.replan(corrections, cap)
         if corrected.refusal:  # not even micro-batch 1 fits as corrected: the OOM reductions take over
             corrected = plan
         new = replace(corrected, corrections=corrections, measured_phases=peaks, reductions=plan.reductions)
         progress = milestone.progress
         for name, peak in measured.items():
-            kind = next(p.kind for p in self.phases if p.name == name)
-            self.checked_at[name] = (plan.micro_batch, plan.eval_batch if kind == "eval" else 0)
+            self.checked_at[name] = (plan.micro_batch, plan.eval_batch if self._kind(name) == "eval" else 0)
             self.checks.append(PlanCheck(
                 phase=name, epoch=progress.epoch if progress.step_in_epoch == 0 else progress.epoch + 1,
                 step=progress.step, predicted_bytes=plan.predicted_phases[name], measured_bytes=peak,
                 limit_bytes=self.limit, plan=plan.describe(), new_plan=new.describe(),
             ))
         return new
+
+    def _kind(self, name: str) -> str:
+        return next(p.kind for p in self.phases if p.name == name)
+
+    def _micro_cap(self, name: str, micro: int, peak: int, cap: int | None) -> int | None:
+        """The largest micro-batch the next plan may take after ``name`` measured ``peak`` at
+        ``micro``: below any that measured above the limit; at the last check above it, the
+        largest measured within it (where there is one)."""
+        if peak <= self.limit:
+            self.within[name] = max(self.within.get(name, 0), micro)
+        else:
+            self.above[name] = min(self.above.get(name, micro), micro)
+        bound = self.above[name] - 1 if name in self.above else None
+        last = sum(c.phase == name for c in self.checks) + 1 >= MAX_CHECKS
+        if last and peak > self.limit and name in self.within:
+            bound = self.within[name]
+        if bound is None:
+            return cap
+        return bound if cap is None else min(cap, bound)
 
 
 def changes_batches(old: Plan, new: Plan) -> bool:
