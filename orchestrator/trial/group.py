@@ -90,10 +90,10 @@ class _GroupRank:
         self.group.agree(failure, "setup", 0)
         return trainer
 
-    def _verification(self) -> None:
+    def _verifies(self, plan: Plan) -> bool:
         """Not yet in a group: its ranks would have to agree on each pause and switch, as they
         agree on an OOM; a group trusts its plan until an OOM (``memory.verify`` aside)."""
-        return None
+        return False
 
     def _oom_event(self, trainer: Trainer, exc: BaseException) -> OomEvent:
         event = replace(super()._oom_event(trainer, exc), rank=failed_rank(exc))

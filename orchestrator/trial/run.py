@@ -185,6 +185,8 @@ class TrialRun:
 
     # -- plan verification (orchestrator.trial.verify) -------------------------------------------
     def _verifies(self, plan: Plan) -> bool:
+        """Whether this trial checks ``plan`` on its device: ``memory.verify``, and an estimate
+        against a budget to check (not ``estimator: none``, not an unbounded CPU)."""
         return self.policy.verify and plan.refusal is None and plan.budget_bytes is not None and bool(plan.predicted_phases)
 
     def _verified_start(self, plan: Plan) -> Plan:
