@@ -962,11 +962,12 @@ class StepRunner:
 
     def __init__(self, workload: Workload, precision: str, device):
         from trainables.step import make_grad_scaler
+        from trainables.workload import optimizer_for
 
         self.workload, self.precision, self.device = workload, precision, device
         torch.manual_seed(0)
         self.model = workload.build_model().to(device.torch_device)
-        self.optimizer = workload.build_optimizer(self.model)
+        self.optimizer = optimizer_for(workload, self.model, device.torch_device.type)
         self.scaler = make_grad_scaler(precision, device)
         self.train_data, self.eval_data = workload.train_data(), workload.eval_data()
 

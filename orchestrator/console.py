@@ -231,7 +231,8 @@ def _estimate(report: TrialReport) -> str:
     estimator = report.estimator or "none"
     if report.predicted_peak_bytes:
         phase = f" in {report.predicted_phase}" if report.predicted_phase else ""
-        return f"estimated peak {human(report.predicted_peak_bytes)}{phase} ({estimator})"
+        compiled = ", of the compiled model's eager modules" if (report.plan or {}).get("compiled") else ""
+        return f"estimated peak {human(report.predicted_peak_bytes)}{phase} ({estimator}{compiled})"
     return "no estimate (memory.estimator: none)" if estimator == "none" else f"no estimate ({estimator})"
 
 

@@ -54,6 +54,14 @@ TRIAL_LOG_FILE = "trial.log"
 #: How each kind of device measures the peak a report carries, as the tables label it.
 MEMORY_LABELS = {"cuda_allocator": "reserved", "cpu_tensor_tracker": "tensor bytes", "emulated": "emulated"}
 
+#: Said wherever a plan's estimate comes from a ``torch.compile``d model's eager modules (the
+#: profile's notes, so ``plan``; the trial's MLflow run, as its ``compiled_model`` tag): the
+#: trace runs the modules the compiled graph was made from, whose memory the graph may not keep.
+COMPILED_MODEL_NOTE = (
+    "the model is compiled (torch.compile): planned from its eager modules' trace; "
+    "the compiled graph's memory may differ (fused kernels, saved tensors, its own workspaces)"
+)
+
 #: Messages of allocation failures that do not come as ``torch.OutOfMemoryError`` (cuBLAS/cuDNN
 #: workspaces, the CUDA driver itself): the trial recognises an OOM by them, the driver reads
 #: them in a dead trial's error text.

@@ -75,6 +75,9 @@ class Plan:
     corrections: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     measured_phases: dict[str, int] = field(default_factory=dict)  # phase -> its last peak measured on the device
     error_bound: float = 0.0
+    #: The model is ``torch.compile``d and the estimate is its eager modules' (the profile's
+    #: ``compiled``): the compiled graph's memory may differ (``contract.COMPILED_MODEL_NOTE``).
+    compiled: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -361,6 +364,7 @@ def _plan(profile: MemoryProfile, micro: int, effective: int, eval_batch: int, b
         predicted_phase=worst,
         predicted_phases=phases,
         note="; ".join(n for n in (note, fallback) if n),
+        compiled=profile.compiled,
     )
 
 
@@ -379,6 +383,7 @@ def _refuse(workload, policy, effective: int, budget: int, limit: int, profiles:
     return Plan(
         1, effective, effective, 1, False, policy.precision, profile.estimator if profile else policy.estimator,
         budget, phases.get(worst), worst, phases, refusal=message, safety_margin=policy.safety_margin,
+        compiled=profile.compiled if profile else False,
     )
 
 

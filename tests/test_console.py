@@ -120,6 +120,13 @@ def test_a_plan_the_verification_changed_is_told_once_with_the_plan_it_started_w
     assert report_events("t", dataclasses.replace(PLANNED, plan_checks=(grown, kept)), seen) == []
 
 
+def test_the_plan_of_a_compiled_model_says_it_is_the_eager_modules_estimate():
+    compiled = dataclasses.replace(PLANNED, plan={"compiled": True})
+    [event] = report_events("t", TrialReport.from_result(compiled.to_metrics()), Seen())
+    assert format_event(event) == ("t plan: micro-batch x accumulation 64 x 2, estimated peak 5.0 MiB in train "
+                                   "(trace, of the compiled model's eager modules)")
+
+
 def test_a_refused_trial_says_why_instead_of_a_plan():
     result = TrialReport(refusal="micro-batch 1 needs 9.0 GiB", micro_batch=0, accum_steps=0)
     assert report_events("t", result, Seen()) == [Refused("t", "micro-batch 1 needs 9.0 GiB")]

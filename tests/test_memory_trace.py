@@ -16,9 +16,11 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from bench.zoo import GRU, LSTM, NNEncoder, NNEncoderSeqFirst, NNTransformer, UNet
+from orchestrator.contract import COMPILED_MODEL_NOTE
 from orchestrator.device import CpuDevice
 from orchestrator.memory import Settings, estimate
 from orchestrator.memory.cuda_emulation import cuda_autocast_policy
+from tests.workloads import COMPILED_GRAPHS, CompiledMLPWorkload
 from trainables.cnn import CNNWorkload
 from trainables.mlp import MLPWorkload
 from trainables.staged import StagedMLPWorkload
@@ -67,6 +69,20 @@ def test_untraceable_workload_falls_back_with_a_note_naming_the_op_and_the_line(
     measured = estimate(NonzeroMLP(), "trace", target="cpu", device=CpuDevice())
     assert measured.estimator == "measured" and "fell back to measured" in measured.notes[0]
     assert measured.phases[0].allocated_at(64) <= static.phases[0].allocated_at(64)
+
+
+def test_a_compiled_model_is_traced_through_its_eager_modules_without_compiling():
+    """``build_model`` returning ``torch.compile(model)``: the trace runs the eager modules (dynamo
+    never sees the fake tensors: the compiler is given no graph), profiles what eager would, and
+    says the compiled graph's memory may differ."""
+    compiled = CompiledMLPWorkload(width=16)
+    profile = estimate(compiled, "trace", target="cuda")
+    assert COMPILED_GRAPHS == []
+    assert profile.estimator == "trace" and profile.compiled and COMPILED_MODEL_NOTE in profile.notes
+    eager = estimate(MLPWorkload(width=16), "trace", target="cuda")
+    assert not eager.compiled and COMPILED_MODEL_NOTE not in eager.notes
+    for c, e in zip(profile.phases, eager.phases):
+        assert c.allocated_at(64) == e.allocated_at(64) and c.reserved_at(64) == e.reserved_at(64), c.name
 
 
 def test_stages_and_eval_are_distinct_phases():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -241,6 +242,14 @@ def test_plan_round_trips_through_json(profiles):
     profiles[FP32] = profile(FP32, phase("train", "train", 100, 10), phase("eval", "eval", 100, 1))
     plan = make_plan(MLPWorkload(), policy(), 256, 1000, target="emulated", profiles=profiles)
     assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+
+
+def test_a_plan_from_a_compiled_models_eager_profile_says_so_through_its_reductions(profiles):
+    profiles[FP32] = replace(profile(FP32, phase("train", "train", 100, 10), phase("eval", "eval", 100, 1)),
+                             compiled=True)
+    plan = make_plan(MLPWorkload(), policy(), 64, 1000, target="emulated", profiles=profiles)
+    assert plan.compiled and Plan.from_dict(plan.to_dict()).compiled
+    assert next_reduction(plan, policy(), "train").compiled  # an OOM's smaller plan is still the eager one's
 
 
 def ranked_phase(name, kind, fixed, grads, per_sample):

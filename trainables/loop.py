@@ -36,7 +36,7 @@ from trainables.data import Batches, Shard, StepCut, eval_batch_sizes, eval_load
 from trainables.divergence import Divergence, NonFiniteWatch, TrainingDiverged
 from trainables.schedule import build_lr_scheduler, steps_on_metric
 from trainables.step import eval_step, make_grad_scaler, train_step
-from trainables.workload import Workload, to_device
+from trainables.workload import Workload, optimizer_for, to_device
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ class Trainer:
         torch.manual_seed(seed)
         self.model = workload.build_model().to(device.torch_device)
         workload.set_activation_checkpointing(self.model, plan.activation_checkpointing)
-        self.optimizer = workload.build_optimizer(self.model)
+        self.optimizer = optimizer_for(workload, self.model, device.torch_device.type)
         self.scaler = make_grad_scaler(plan.precision, device)
         on_gpu = device.pins_host_memory
         self.cut = StepCut(plan.effective_batch // shard.ranks, plan.micro_batch)

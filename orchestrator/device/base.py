@@ -66,6 +66,10 @@ class Device:
 
     kind: str  # what a reading measured: cuda_allocator | cpu_tensor_tracker | emulated
     target: str  # what plans for this device count: its registered kind (orchestrator.device_kinds)
+    #: The torch device type its tensors live on (``cuda`` | ``cpu``): what a workload that picks
+    #: its optimizer by device is told (``Workload.build_optimizer``), by the trial and by the
+    #: estimate made for it (``target.trains_on``).
+    torch_type: str
     torch_device: torch.device
     #: ``torch.distributed``'s backend for a data-parallel group of such devices
     collective_backend = "gloo"

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from orchestrator.contract import COMPILED_MODEL_NOTE
 from orchestrator.device.tensor_tracker import CUDA_BLOCK, StorageTracker, model_tensors, optimizer_tensors
 from orchestrator.device.torch_internals import (
     FAKE_TENSOR_LOGGER,
@@ -21,12 +22,15 @@ from orchestrator.device.torch_internals import (
     FakeTensorMode,
     UnsupportedFakeTensorException,
     disable_current_modes,
+    eager_module,
     tree_map,
     unset_fake_temporarily,
 )
 from orchestrator.memory.construction import build_fake
 from orchestrator.memory.cuda_emulation import cuda_semantics, mha_fast_path
 from orchestrator.memory.failure import where
+from orchestrator.memory.optimizer import build_for_target
+from orchestrator.memory.optimizer import describe as describe_optimizer
 from orchestrator.memory.workspaces import KernelWorkspaces
 from trainables.workload import Workload
 
@@ -47,6 +51,8 @@ class FakeSetup:
     sample: object  # the workload's largest sample (real): every probe batch is copies of it
     round_to: int
     emulate_cuda: bool
+    notes: tuple[str, ...] = ()  # what was built: the optimizer counted, a compiled model's eager modules
+    compiled: bool = False  # the workload's model is torch.compile'd: its eager modules run here
     _host_batches: dict = field(default_factory=dict)  # collated host batches by size
 
     def tracker(self) -> StorageTracker:
@@ -98,18 +104,13 @@ def fake_setup(workload: Workload, target: str, trace_on: str | None = None) -> 
     emulate = target == "cuda" and device.type == "cpu"
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with translate_errors():
-        model = build_fake(workload.build_model, mode, device)
+        model, compiled = eager_module(build_fake(workload.build_model, mode, device))  # never compiled here
         with mode, device:
-            optimizer = workload.build_optimizer(model)
-    if target == "cuda":
-        # On CUDA, optimizers default to the foreach implementation, whose temporaries span every
-        # parameter at once. Fake parameters are not plain tensors, so the default would pick the
-        # per-parameter loop (CPU's default too): ask for foreach, as a real CUDA model gets.
-        for group in optimizer.param_groups:
-            if group.get("foreach", False) is None:
-                group["foreach"] = True
+            optimizer = build_for_target(workload, model, target)
+    notes = (describe_optimizer(optimizer, target), *((COMPILED_MODEL_NOTE,) if compiled else ()))
     sample = workload.largest_sample()
-    return FakeSetup(mode, device, model, optimizer, workload, sample, CUDA_BLOCK if target == "cuda" else 1, emulate)
+    return FakeSetup(mode, device, model, optimizer, workload, sample, CUDA_BLOCK if target == "cuda" else 1, emulate,
+                     notes, compiled)
 
 
 def _host_fakes(mode: FakeTensorMode, tree):

@@ -92,7 +92,7 @@ def trace_profile(
     logged = target == "cuda"
     with running(setup) as emulation_notes:
         runs, logs = _trace(setup, workload, settings, phases, probes, logged)
-    notes = [f"traced on {describe(setup)} at batch sizes {', '.join(map(str, probes))}", *emulation_notes]
+    notes = [f"traced on {describe(setup)} at batch sizes {', '.join(map(str, probes))}", *setup.notes, *emulation_notes]
     if settings.precision == "fp16" and setup.device.type == "cpu":
         notes.append("fp16 loss scaling not traced (GradScaler needs CUDA); it adds a few scalars")
     extra = overheads(target, fragmentation)
@@ -114,7 +114,7 @@ def trace_profile(
             notes.append(note)
     if logged and allocator.modelled and any(p.sequence is not None for p in profiles):
         notes.append(f"reserved memory from a model of the CUDA caching allocator ({allocator.describe()})")
-    return MemoryProfile("trace", settings, target, tuple(profiles), tuple(notes))
+    return MemoryProfile("trace", settings, target, tuple(profiles), tuple(notes), compiled=setup.compiled)
 
 
 class _Run:

@@ -15,7 +15,7 @@ from ray import tune
 
 from orchestrator.atomic_file import atomic_write
 from orchestrator.config import SweepSpec
-from orchestrator.contract import describe_moves
+from orchestrator.contract import COMPILED_MODEL_NOTE, describe_moves
 from orchestrator.failures import exception_line, last_failure
 from orchestrator.outcome import DIVERGED, TrackingDelivery, current_record, finished, sweep_run_status, trial_status
 from orchestrator.tracking.flatten import param_text, plan_params, result_metrics, spec_params
@@ -108,6 +108,8 @@ class MlflowTracking(tune.Callback):
         if plan and (not log.plans or log.plans[-1]["plan"] != plan):
             log.plans.append({"step": report.step, "epoch": report.epoch, "plan": plan})
             self._put(LogArtifact(log.ref, "plan_history.json", list(log.plans)))
+        if plan and plan.get("compiled"):  # planned from a compiled model's eager modules
+            tags["compiled_model"] = COMPILED_MODEL_NOTE
         if report.refusal:
             tags["refusal"] = report.refusal[:MAX_TAG_CHARS]
         if report.diverged:

@@ -48,6 +48,7 @@ from orchestrator.trial.checkpoint import LocalCheckpoints
 from orchestrator.trial.errors import OomRetriesExhausted
 from orchestrator.trial.node import NodeInfo, current_node
 from orchestrator.trial.run import TrialRun
+from orchestrator.trial.worker_exit import exit_requests_survive_finalisers
 from orchestrator.trial_report import RankPeak, TrialReport
 from trainables.distributed import DistributedTrainer, GroupFailure, GroupOutOfMemory, RankGroup, failed_rank
 from trainables.divergence import Divergence
@@ -248,6 +249,7 @@ class RankActor:
     """One rank's process; Ray places it in its bundle of the trial's placement group."""
 
     def run(self, config, spec, trial_id, address, rank, ranks, state) -> None:
+        exit_requests_survive_finalisers()
         RankRun(config, spec, trial_id, address, rank, ranks, state).run()
 
 
