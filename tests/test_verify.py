@@ -152,5 +152,20 @@ def test_the_installed_command_verifies_a_plan_from_a_users_folder(tmp_path, lar
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "plan verified on the device: train after step 2 (epoch 1)" in proc.stdout, proc.stdout
     assert " OOM in " not in proc.stdout
-    plan = final_state(str(tmp_path / "results"))["plan"]
+    state = final_state(str(tmp_path / "results"))
+    plan = state["plan"]
     assert 0.95 * largest <= plan["micro_batch"] <= largest
+    # MLflow keeps the estimate, the correction and the measured peak: the checks, and the final plan's params.
+    import json
+
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    [trial] = [r for r in client.search_runs([client.get_experiment_by_name("verify_trace_high").experiment_id])
+               if "mlflow.parentRunId" in r.data.tags]
+    params = trial.data.params
+    assert int(params["plan.measured_phases.train"]) == plan["measured_phases"]["train"]
+    assert json.loads(params["plan.corrections.train"]) == [list(p) for p in plan["corrections"]["train"]]
+    assert int(params["plan.predicted_phases.train"]) == plan["predicted_phases"]["train"]
+    logged = json.loads(open(client.download_artifacts(trial.info.run_id, "plan_checks.json")).read())
+    assert logged == state["plan_checks"]
