@@ -185,20 +185,23 @@ class TrialRun:
 
     # -- plan verification (orchestrator.trial.verify) -------------------------------------------
     def _verifies(self, plan: Plan) -> bool:
-        """Whether this trial checks ``plan`` on its device: ``memory.verify``, and an estimate
-        against a budget to check (not ``estimator: none``, not an unbounded CPU)."""
-        return self.policy.verify and plan.refusal is None and plan.budget_bytes is not None and bool(plan.predicted_phases)
+        """Whether this trial checks ``plan`` on its device: ``memory.verify`` and the workload's
+        ``verify_plan``, and an estimate against a budget to check (not ``estimator: none``, not
+        an unbounded CPU)."""
+        wanted = self.policy.verify and type(self.workload).verify_plan
+        return wanted and plan.refusal is None and plan.budget_bytes is not None and bool(plan.predicted_phases)
 
     def _verified_start(self, plan: Plan) -> Plan:
         """The plan of the first steps of a verifying trial: with the settings ``plan`` chose, the
         largest batches that fit with every prediction raised by the estimator's error bound
         (``plan`` itself where nothing does: the verification then shrinks it, if need be)."""
-        if not self._verifies(plan) or self.policy.estimator not in ESTIMATORS:
+        # The estimator whose profile the plan used (a trace that fell back names the fallback).
+        estimator = ESTIMATORS.get(plan.estimator) or ESTIMATORS.get(self.policy.estimator)
+        if not self._verifies(plan) or estimator is None:
             return plan
         safe = make_plan(
             self.workload, self.policy, self.spec.effective_batch_size, plan.budget_bytes, target=self.device.target,
-            device=self.device, profiles=self._profiles(), settings=plan.settings,
-            error_bound=ESTIMATORS[self.policy.estimator].error_bound,
+            device=self.device, profiles=self._profiles(), settings=plan.settings, error_bound=estimator.error_bound,
         )
         return plan if safe.refusal else safe
 
