@@ -11,14 +11,15 @@ import glob
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
 
+from orchestrator import estimator_registry
 from orchestrator.config import Every, Stop, parse_spec
 from orchestrator.device.emulated import EmulatedDevice
 from tests.conftest import ROOT, command_env, installed_command
-from tests.scaled_estimates import DeepMLP
 from trainables.loop import LoopPlan, LoopSettings, Trainer
 
 pytestmark = pytest.mark.integration
@@ -26,6 +27,17 @@ pytestmark = pytest.mark.integration
 CAPACITY = 1_200_000  # bytes of the emulated device: weights and SGD's momentum fill 0.66 MB of it
 EFFECTIVE = 512
 PARAMS = {"train_samples": 4096, "eval_samples": 256}  # 8 optimizer steps an epoch
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registry():
+    """The scaled estimators register when the sweep's config imports their module: undone after
+    this module's tests, so the registry other tests see is the product's."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(estimator_registry, "ESTIMATORS", dict(estimator_registry.ESTIMATORS))
+        patch.delitem(sys.modules, "tests.scaled_estimates", raising=False)
+        yield
+        sys.modules.pop("tests.scaled_estimates", None)
 
 
 def raw_sweep(estimator: str, *, margin: float = 1.0, verify: bool = True, workload: str = "tests.scaled_estimates:DeepMLP") -> dict:
@@ -44,6 +56,8 @@ def raw_sweep(estimator: str, *, margin: float = 1.0, verify: bool = True, workl
 def true_largest_micro_batch(limit: int) -> int:
     """The largest micro-batch whose training steps (accumulated to the effective batch) run on an
     emulated device of ``limit`` bytes: bisection, each probe two real steps."""
+    from tests.scaled_estimates import DeepMLP
+
     workload = DeepMLP(**PARAMS)
     settings = LoopSettings(Stop(steps=2), eval_every=Every("steps", 2, max_batches=1))
 

@@ -52,10 +52,10 @@ class PlanVerification:
 
     ``replan(corrections, micro_cap)`` is the trial's planner with these corrections and at most
     that micro-batch (same budget, same settings, the plan's error bound for the phases not
-    measured yet); ``overheads`` what each
-    phase's prediction holds outside what the device's reading sees (a GPU's CUDA context and
-    library workspaces; none elsewhere); ``limit`` what a plan may fill (budget x margin);
-    ``grows``: False where the measured batches may be smaller than the largest the estimate is for.
+    measured yet); ``overheads`` what each phase's prediction holds outside what the device's
+    reading sees (a GPU's CUDA context and library workspaces; none elsewhere); ``limit`` what a
+    plan may fill (budget x margin); ``grows``: False where the measured batches may be smaller
+    than the largest the estimate is for.
     """
 
     def __init__(self, phases: list[Phase], replan: Callable[[dict, int | None], Plan], limit: int,
