@@ -71,6 +71,11 @@ class Workload:
     #: Hyper-parameters that cannot change memory: trials differing only in these share one
     #: estimate. Extend it for such fields of your own (``Workload.memory_neutral + ("dropout",)``).
     memory_neutral: ClassVar[tuple[str, ...]] = ("lr", "seed")
+    #: Whether a trial checks its plan on the device in its first steps and switches to the
+    #: corrected plan (``memory.verify`` turns it off for a whole sweep). False for a workload
+    #: whose first steps say nothing of its later ones (memory that grows as it trains): it then
+    #: trusts the estimate until an OOM.
+    verify_plan: ClassVar[bool] = True
 
     # -- what a subclass must provide ---------------------------------------------------------
     def build_model(self) -> nn.Module:

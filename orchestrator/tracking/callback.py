@@ -39,6 +39,7 @@ class _TrialLog:
     ref: TrialRef
     plans: list[dict] = field(default_factory=list)  # [{"step": s, "epoch": e, "plan": {...}}], one per change
     oom_events_logged: int = 0
+    plan_checks_logged: int = 0
     restarts: int = 0
     tags: dict[str, str] = field(default_factory=dict)  # as last queued: only changes are sent
     described: bool = False  # its once-only params were queued
@@ -122,6 +123,9 @@ class MlflowTracking(tune.Callback):
         if len(report.oom_events) > log.oom_events_logged:
             self._put(LogArtifact(log.ref, "oom_events.json", [e.to_dict() for e in report.oom_events]))
             log.oom_events_logged = len(report.oom_events)
+        if len(report.plan_checks) > log.plan_checks_logged:
+            self._put(LogArtifact(log.ref, "plan_checks.json", [c.to_dict() for c in report.plan_checks]))
+            log.plan_checks_logged = len(report.plan_checks)
         if report.step is not None:
             self._put(LogResult(log.ref, report.step, result_metrics(report), int(time.time() * 1000)))
 

@@ -91,6 +91,11 @@ class _GroupRank:
         self.group.agree(failure, "setup", 0)
         return trainer
 
+    def _verifies(self, plan: Plan) -> bool:
+        """Not yet in a group: its ranks would have to agree on each pause and switch, as they
+        agree on an OOM; a group trusts its plan until an OOM (``memory.verify`` aside)."""
+        return False
+
     def _oom_event(self, trainer: Trainer, exc: BaseException) -> OomEvent:
         event = replace(super()._oom_event(trainer, exc), rank=failed_rank(exc))
         if not isinstance(exc, GroupOutOfMemory):
@@ -205,6 +210,7 @@ class RankRun(_GroupRank, TrialRun):
         self.events: list[OomEvent] = []
         self.evidence_folder, self.evidence_written = None, False  # rank 0 writes the group's evidence
         self.applied_shrinks = 0
+        self.plan_checks, self.profiles, self.unreported = [], None, None
         self.estimated_by = "rank 0"
         self.group = RankGroup(rank, ranks, group_address, self.device)
 
