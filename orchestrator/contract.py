@@ -59,7 +59,8 @@ MEMORY_LABELS = {"cuda_allocator": "reserved", "cpu_tensor_tracker": "tensor byt
 #: trace runs the modules the compiled graph was made from, whose memory the graph may not keep.
 COMPILED_MODEL_NOTE = (
     "the model is compiled (torch.compile): planned from its eager modules' trace; "
-    "the compiled graph's memory may differ (fused kernels, saved tensors, its own workspaces)"
+    "the compiled graph's memory may differ (fused kernels, saved tensors, its own workspaces); "
+    "the trial's first steps measure it against the plan unless memory.verify is off"
 )
 
 #: Messages of allocation failures that do not come as ``torch.OutOfMemoryError`` (cuBLAS/cuDNN
