@@ -31,7 +31,10 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.plain_tune import bench_env, installed, train_plain
+
 LRS = [0.0003, 0.0006, 0.001, 0.002, 0.003, 0.006, 0.01, 0.02]
 
 
@@ -42,32 +45,6 @@ def sweep(long: bool) -> dict:
 
 
 # -- plain Ray Tune (runs in its own process) ---------------------------------------------------
-def train_plain(config: dict) -> None:
-    import torch
-    from ray import tune
-    from torch.utils.data import DataLoader
-
-    from trainables.mlp import MLPWorkload
-
-    workload = MLPWorkload(width=config["width"], lr=config["lr"], train_samples=config["samples"])
-    torch.manual_seed(0)
-    model = workload.build_model()
-    optimizer = workload.build_optimizer(model)  # the trial's own (AdamW at lr), not a cheaper one
-    train = DataLoader(workload.train_data(), batch_size=32, shuffle=True, drop_last=True)
-    evaluate = DataLoader(workload.eval_data(), batch_size=64)
-    for epoch in range(1, config["epochs"] + 1):
-        model.train()
-        for batch in train:
-            loss = workload.loss(model, batch)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        model.eval()
-        with torch.no_grad():
-            eval_loss = sum(workload.loss(model, b).item() * len(b[0]) for b in evaluate) / len(evaluate.dataset)
-        tune.report({"epoch": epoch, "eval_loss": eval_loss})
-
-
 def run_plain(long: bool, reuse: bool, folder: str) -> None:
     import ray
     from ray import tune
@@ -109,12 +86,10 @@ def timed(variant: str, long: bool) -> float:
     """Seconds the variant's whole command took, from a fresh process in a fresh folder."""
     with tempfile.TemporaryDirectory(prefix="sweep-overhead-") as folder:
         if variant == "orchestrator":
-            orchestrator = os.path.join(os.path.dirname(sys.executable), "orchestrator")
-            command = [orchestrator, "run", orchestrator_config(long, folder)]
+            command = [installed("orchestrator"), "run", orchestrator_config(long, folder)]
         else:
             command = [sys.executable, __file__, "--child", variant, "--folder", folder] + (["--long"] if long else [])
-        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true",
-               "PYTHONPATH": ROOT, "RAY_ADDRESS": ""}
+        env = bench_env()
         started = time.perf_counter()
         done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True)
         seconds = time.perf_counter() - started
@@ -136,7 +111,6 @@ def main() -> None:
         run_plain(args.long, args.child == "tune-reuse", args.folder)
         return
 
-    sys.path.insert(0, ROOT)
     from orchestrator.table import format_table
 
     seconds: dict[str, list[float]] = {v: [] for v in args.variants}

@@ -16,6 +16,9 @@ what changed; ``pyproject.toml`` pins Ray to the minor series that test passed o
 * :func:`make_next_failure_last`: ``Trial.max_failures`` lowered to ``run_metadata.num_failures``,
   so that ``Trial.should_recover()`` is false for the failure a trial announced (a data error,
   ``orchestrator.retry``): Tune handles a trial's results before its error.
+* :func:`forget_running_statistics`: ``Trial.run_metadata.metric_analysis`` and ``metric_n_steps``,
+  Tune's running max/min/averages of every number a trial reported, which the driver holds for
+  every trial of the sweep (``orchestrator.driver_memory``).
 
 The retry also relies on Tune's failure path calling ``TrialScheduler.on_trial_error`` after Tune
 decided to retry and before it requeues the trial, with ``Trial.error_file`` and
@@ -89,4 +92,20 @@ def make_next_failure_last(trial: Any) -> None:
         raise RayChanged(
             f"Ray changed: Tune's Trial has no {exc.name!r}, so a failure that is not retried cannot be made "
             "the trial's last (orchestrator/ray_internals.py)"
+        ) from exc
+
+
+def forget_running_statistics(trial: Any, keep: str) -> None:
+    """Drops Tune's running statistics of an ended trial's numbers (max, min, average, last-5 and
+    last-10 averages of each, with the deques behind them: about 1.5 KB per number per trial,
+    plus their copy in the trial's cached JSON state), except those of the metric ``keep``, which
+    ``ResultGrid.get_best_result`` reads. The trial's last result stays."""
+    try:
+        metadata = trial.run_metadata
+        metadata.metric_analysis = {k: v for k, v in metadata.metric_analysis.items() if k == keep}
+        metadata.metric_n_steps = {k: v for k, v in metadata.metric_n_steps.items() if k == keep}
+    except AttributeError as exc:
+        raise RayChanged(
+            f"Ray changed: Tune's Trial has no {exc.name!r}, so an ended trial's running statistics cannot be "
+            "dropped (orchestrator/ray_internals.py)"
         ) from exc

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,8 @@ class SweepRecord:
 # -- the command ----------------------------------------------------------------------------------
 
 
+#: Trials whose histories are read from MLflow at once.
+HISTORY_READERS = 8
 #: What a store that cannot be read (a corrupted ``mlflow.db``, a server that does not answer) asks of the user.
 STORE_ADVICE = "pass the sweep's --tracking-uri, or restore its store"
 
@@ -162,7 +165,10 @@ def load_sweep(tracking_uri: str, experiment: str | None = None) -> SweepRecord:
     parent = parents[0]
     trial_filter = f"tags.`{SWEEP_ID_TAG}` = '{parent.data.tags[SWEEP_ID_TAG]}' and tags.`{ROLE_TAG}` = 'trial'"
     runs = _all_runs(client, parent.info.experiment_id, trial_filter)
-    trials = sorted((_trial_record(client, run) for run in runs), key=lambda t: t.name)
+    # One request per metric of every run (MLflow has no bulk read of histories): a sweep of
+    # thousands of trials is tens of thousands of them, so they go out several at a time.
+    with ThreadPoolExecutor(HISTORY_READERS, thread_name_prefix="mlflow-history") as pool:
+        trials = sorted(pool.map(lambda run: _trial_record(client, run), runs), key=lambda t: t.name)
     return SweepRecord(
         experiment=client.get_experiment(parent.info.experiment_id).name,
         name=parent.info.run_name,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command of the README and CI: sets up .venv, installs the system packages the
-# integration tests use (SLURM, Chromium) where it can, then runs the whole suite.
+# integration tests use (SLURM, Chromium, PostgreSQL) where it can, then runs the whole suite.
 #   bash scripts/test.sh [PYTEST ARGS]         # what CI runs; tests/test_zoo.py skips without .venv-zoo
 #   bash scripts/test.sh --zoo [PYTEST ARGS]   # also makes .venv-zoo (timm, torchvision, transformers:
 #                                              # ~6 GB, minutes), so tests/test_zoo.py runs too
@@ -14,15 +14,16 @@ if [[ "${1:-}" == "--zoo" ]]; then
   bash scripts/setup.sh --zoo
 fi
 if [[ "${ORCHESTRATOR_NO_SYSTEM_PACKAGES:-}" == 1 ]]; then
-  echo "test.sh: ORCHESTRATOR_NO_SYSTEM_PACKAGES=1: installing no system packages; the SLURM and browser tests skip"
+  echo "test.sh: ORCHESTRATOR_NO_SYSTEM_PACKAGES=1: installing no system packages; the SLURM, browser and PostgreSQL tests skip"
 else
   cat <<'NOTICE'
 test.sh: the integration tests use system packages; as root, the installers add the missing ones with apt-get:
   slurm-wlm munge            scripts/install_slurm.sh    tests/test_slurm.py runs sweeps on a local SLURM cluster
   chromium chromium-driver   scripts/install_browser.sh  tests/test_dashboard_browser.py opens the Ray dashboard
+  postgresql                 scripts/install_postgres.sh tests/test_tracking.py runs an MLflow server on PostgreSQL
   To install none (those tests then skip): ORCHESTRATOR_NO_SYSTEM_PACKAGES=1 bash scripts/test.sh ...
 NOTICE
-  for installer in scripts/install_slurm.sh scripts/install_browser.sh; do
+  for installer in scripts/install_slurm.sh scripts/install_browser.sh scripts/install_postgres.sh; do
     [[ -f "$installer" ]] && bash "$installer"
   done
 fi

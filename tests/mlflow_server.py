@@ -21,10 +21,12 @@ from ports import free_port
 
 
 class MlflowServer:
-    """``mlflow server`` with a SQLite store and served artifacts under ``root``."""
+    """``mlflow server`` with served artifacts under ``root`` and a SQLite store there, or the
+    database at ``backend_store_uri`` (``postgres_server.PostgresServer``)."""
 
-    def __init__(self, root: Path, port: int | None = None):
+    def __init__(self, root: Path, port: int | None = None, backend_store_uri: str | None = None):
         self.root = Path(root)
+        self.backend_store_uri = backend_store_uri or f"sqlite:///{self.root / 'mlflow.db'}"
         self.root.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.process: subprocess.Popen | None = None
@@ -37,7 +39,7 @@ class MlflowServer:
         mlflow = Path(sys.executable).parent / "mlflow"
         command = [
             str(mlflow), "server",
-            "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+            "--backend-store-uri", self.backend_store_uri,
             "--artifacts-destination", str(self.root / "artifacts"),
             "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
         ]

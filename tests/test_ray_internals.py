@@ -30,6 +30,7 @@ from orchestrator.contract import NOT_RETRIED_KEY, OOM_SHRINKS_KEY, OomEvent
 from orchestrator.ray_internals import (
     RayChanged,
     auth_token_loader,
+    forget_running_statistics,
     make_last_failure,
     make_next_failure_last,
     storage_folder,
@@ -173,3 +174,15 @@ def test_the_token_loader_the_dashboard_uses():
 def test_a_trial_without_its_failure_count_is_an_error():
     with pytest.raises(RayChanged, match="Trial has no 'run_metadata'"):
         make_last_failure(SimpleNamespace(max_failures=3))
+
+
+def test_an_ended_trials_running_statistics_go_but_its_metric_and_last_result_stay():
+    trial = Trial("train_trial", config={"lr": 0.1}, trial_id="abc_00000", stub=True)
+    for step in (1, 2):
+        trial.update_last_result({"training_iteration": step, "eval_loss": 1.0 / step, "micro_batch": 32, "plan": {"accum_steps": 2}})
+    assert {"eval_loss", "micro_batch", "plan/accum_steps"} <= set(trial.metric_analysis)
+    forget_running_statistics(trial, keep="eval_loss")
+    assert set(trial.metric_analysis) == set(trial.metric_n_steps) == {"eval_loss"}
+    assert trial.metric_analysis["eval_loss"]["last"] == 0.5 and trial.last_result["micro_batch"] == 32
+    with pytest.raises(RayChanged, match="Trial has no 'run_metadata'"):
+        forget_running_statistics(SimpleNamespace(), keep="eval_loss")

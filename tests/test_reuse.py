@@ -1,5 +1,12 @@
-"""What a worker remembers between the trials it runs (the sweeps that reuse workers are in
-``test_trainable.py``)."""
+"""What a worker remembers between the trials it runs (the sweeps that reuse workers are also in
+``test_trainable.py``), and that a reused worker starts each trial with nothing left on its
+device by the trials before it."""
+
+import csv
+import glob
+import os
+
+import pytest
 
 from orchestrator.trial.reuse import WorkerHistory
 
@@ -10,3 +17,38 @@ def test_a_reused_workers_budget_adds_back_its_own_cuda_context():
     history.cuda_context_bytes = 600 * 2**20
     assert history.gpu_free_before_context(70 * 2**30) == 70 * 2**30 + 600 * 2**20
     assert history.gpu_free_before_context(None) is None  # no NVML
+
+
+def _reused_sweep(tmp_path, workload: str) -> list[dict]:
+    """Three trials one after another (each takes both CPUs, so one worker runs them all) on the
+    CPU, whose tensor tracker counts what each trial allocates; each trial's first report."""
+    from orchestrator.config import parse_spec
+    from orchestrator.runner import run_sweep
+
+    raw = {
+        "experiment": "reuse_test", "workload": {"name": workload, "params": {"width": 16, "train_samples": 256}},
+        "search_space": {"lr": {"grid": [0.01, 0.003, 0.001]}}, "effective_batch_size": 64, "stop": {"epochs": 2},
+        "resources": {"cpu": 2}, "memory": {"device": "cpu", "estimator": "none"},
+    }
+    outcome = run_sweep(parse_spec(raw), tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", storage_path=str(tmp_path / "results"))
+    assert outcome.ok, outcome.rows
+    firsts = []
+    for folder in glob.glob(os.path.join(outcome.experiment_path, "train_trial_*")):
+        with open(os.path.join(folder, "progress.csv")) as f:
+            firsts.append(next(csv.DictReader(f)))
+    firsts.sort(key=lambda r: float(r["timestamp"]))
+    assert len(firsts) == 3 and len({r["pid"] for r in firsts}) == 1  # one worker ran all three
+    return firsts
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("local_ray")
+def test_a_reused_worker_starts_each_trial_with_nothing_left_by_the_one_before(tmp_path):
+    firsts = _reused_sweep(tmp_path / "clean", "mlp")
+    assert "left_behind_bytes" not in firsts[0]  # a fresh worker: nothing to ask
+    assert [int(r["left_behind_bytes"]) for r in firsts[1:]] == [0, 0]
+    # The check sees what does outlive a trial: a workload that keeps its models in a
+    # module-level list leaves each trial's weights behind, which the next trial finds.
+    kept = _reused_sweep(tmp_path / "kept", "tests.workloads:KeepsItsModelWorkload")
+    weights = 4 * (32 * 16 + 16 + 16 * 16 + 16 + 16 * 8 + 8)  # the width-16 MLP's fp32 parameters
+    assert [int(r["left_behind_bytes"]) for r in kept[1:]] == [weights, weights]

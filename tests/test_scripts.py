@@ -41,7 +41,7 @@ def test_with_the_variable_nothing_is_installed_and_it_says_so(apt_get):
     proc = run_test_sh(apt_get, **{NO_SYSTEM_PACKAGES: "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"{NO_SYSTEM_PACKAGES}=1: installing no system packages" in proc.stdout
-    assert NOTICE not in proc.stdout and "install_slurm:" not in proc.stdout and "install_browser:" not in proc.stdout
+    assert NOTICE not in proc.stdout and not re.search("^install_(slurm|browser|postgres): ", proc.stdout, re.M)
     assert not apt_get.exists()
     assert "tests/test_units.py::" in proc.stdout  # and the tests asked for were collected
 
@@ -50,7 +50,7 @@ def test_without_it_the_packages_and_their_reasons_come_first(apt_get):
     proc = run_test_sh(apt_get, **{NO_SYSTEM_PACKAGES: ""})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     notice = proc.stdout.index(NOTICE)
-    for installer in ("install_slurm", "install_browser"):
+    for installer in ("install_slurm", "install_browser", "install_postgres"):
         said = [m.start() for m in re.finditer(f"^{installer}: ", proc.stdout, re.M)]
         assert said and min(said) > notice, proc.stdout  # each installer reports, after the notice
 
@@ -59,7 +59,7 @@ def test_the_notice_names_what_each_installer_installs():
     """The notice's package list is the installers' own apt-get line."""
     script = (ROOT / "scripts" / "test.sh").read_text()
     notice = script[script.index("<<'NOTICE'\n"):script.index("\nNOTICE\n")].splitlines()[1:]
-    for installer in ("install_slurm.sh", "install_browser.sh"):
+    for installer in ("install_slurm.sh", "install_browser.sh", "install_postgres.sh"):
         [words] = [line.split() for line in notice if f"scripts/{installer}" in line.split()]
         named = words[:words.index(f"scripts/{installer}")]
         installs = re.search(r"apt-get install -y --no-install-recommends ([\w -]+?)(?: >|;|$)",

@@ -25,8 +25,10 @@ from fake_sweep import (
 )
 from mlflow_server import MlflowServer
 from ports import free_port
+from postgres_server import PostgresServer, why_not_here
 
 from orchestrator.config import parse_spec
+from orchestrator.contract import COMPILED_MODEL_NOTE
 from orchestrator.errors import UserError
 from orchestrator.outcome import recording
 from orchestrator.runner import run_sweep
@@ -36,6 +38,7 @@ from orchestrator.tracking.flatten import plan_params, result_metrics, spec_para
 from orchestrator.tracking.outbox import is_outage
 from orchestrator.tracking.store import reading, unusable
 from orchestrator.trial_report import TrialReport
+from tests.conftest import command_env, installed_command
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:
@@ -149,6 +152,44 @@ def test_a_trial_logs_its_learning_rate_and_speed_at_each_report(local_ray, tmp_
     speeds = history("steps_per_second")
     assert len(speeds) == 6 and all(speed > 0 for speed in speeds)
     assert history("samples_per_second") == pytest.approx([8 * speed for speed in speeds])
+
+
+def test_a_plan_made_from_a_compiled_models_eager_trace_says_so_on_the_trials_run(tmp_path):
+    """A ``torch.compile``d model is planned from its eager modules: its run carries the caveat as
+    a tag from its first report, and ``plan.compiled`` among the plan's params at its end."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    callback = MlflowTracking(uri, make_spec())
+    callback.setup()
+    trial = fake_trial_object()
+    callback.on_trial_start(iteration=0, trials=[trial], trial=trial)
+    trial.last_result = result_for({**plan_dict(32, 0), "compiled": True}, 1, [])
+    callback.on_trial_result(iteration=1, trials=[trial], trial=trial, result=trial.last_result)
+    finish(callback, trial)
+    callback.on_experiment_end(trials=[trial])
+    _, _, children = runs_of(uri)
+    (run,) = children.values()
+    assert run.data.tags["compiled_model"] == COMPILED_MODEL_NOTE
+    assert "the compiled graph's memory may differ" in COMPILED_MODEL_NOTE
+    assert run.data.params["plan.compiled"] == "True"
+
+
+@pytest.mark.integration
+def test_a_compiled_models_trial_records_that_it_was_planned_from_the_eager_trace(local_ray, tmp_path):
+    """The real trainable with a model ``build_model`` returns compiled: the driver's trace plans
+    it from its eager modules, the trial trains the compiled model, and its run says so."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = parse_spec({
+        "experiment": "tracking_test", "workload": {"name": "tests.workloads:CompiledMLPWorkload",
+                                                    "params": {"width": 16, "train_samples": 64, "eval_samples": 16}},
+        "search_space": {"lr": 0.01}, "effective_batch_size": 16, "stop": {"steps": 2},
+        "resources": {"cpu": 1}, "memory": {"device": "emulated", "capacity": "64MiB", "estimator": "trace"},
+    })
+    assert run_sweep(spec, tracking_uri=uri, storage_path=str(tmp_path / "results")).ok
+    _, _, children = runs_of(uri)
+    (run,) = children.values()
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["compiled_model"] == COMPILED_MODEL_NOTE
+    assert run.data.params["plan.compiled"] == "True" and run.data.params["plan.estimator"] == "trace"
 
 
 def test_resumed_driver_continues_the_same_runs_without_duplicate_epochs(tmp_path):
@@ -456,3 +497,41 @@ def test_interrupted_and_restored_sweep_continues_the_same_runs(local_ray, tmp_p
     for run in after.values():
         assert run.info.status == "FINISHED"
         assert steps(client, run) == [1, 2, 3, 4, 5] and steps(client, run, "train_loss") == [1, 2, 3, 4, 5]
+
+
+POSTGRES_TRIALS = 24  # bench/sweep_scale.py --tracking-uri runs the 512 of the issue; this keeps CI to a minute or two
+
+
+@pytest.mark.integration
+def test_a_tracking_server_backed_by_postgresql_takes_a_sweep_with_nothing_lost(tmp_path):
+    """What a team sharing one tracking server runs: ``mlflow server`` on a PostgreSQL database
+    (a cluster of the test's own), and ``orchestrator run --tracking-uri http://...`` from a
+    user's folder. Every trial has its run, every epoch of it is there once, and ``report``
+    reads the sweep back."""
+    reason = why_not_here()
+    if reason:
+        pytest.skip(f"PostgreSQL-backed MLflow server: {reason}")
+    import yaml
+
+    sweep = {
+        "experiment": "postgres_test", "workload": {"name": "mlp", "params": {"width": 16, "train_samples": 256}},
+        "search_space": {"lr": {"loguniform": [1e-4, 1e-1]}}, "num_samples": POSTGRES_TRIALS,
+        "effective_batch_size": 64, "stop": {"epochs": 2}, "resources": {"cpu": 1}, "memory": {"device": "cpu"},
+        "storage_path": str(tmp_path / "results"),
+    }
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(sweep))
+    with PostgresServer() as database, MlflowServer(tmp_path / "server", backend_store_uri=database.uri) as server:
+        done = subprocess.run([installed_command(), "run", "sweep.yaml", "--tracking-uri", server.uri],
+                              cwd=tmp_path, env=command_env(), capture_output=True, text=True, timeout=600, check=False)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        client, parents, children = runs_of(server.uri, "postgres_test")
+        assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+        assert len(children) == POSTGRES_TRIALS
+        for run in children.values():
+            assert run.info.status == "FINISHED"
+            assert sorted(int(m.value) for m in client.get_metric_history(run.info.run_id, "epoch")) == [1, 2]
+        report = subprocess.run([installed_command(), "report", "postgres_test", "--tracking-uri", server.uri,
+                                 "--out", str(tmp_path / "report")],
+                                cwd=tmp_path, env=command_env(), capture_output=True, text=True, timeout=300, check=False)
+        assert report.returncode == 0, report.stdout[-3000:] + report.stderr[-3000:]
+        assert report.stdout.count(" FINISHED") >= POSTGRES_TRIALS

@@ -4,8 +4,12 @@ Why not Ray's ``MLflowLoggerCallback``: it re-logs params at every actor start, 
 refuses a changed param ("Changing param values is not allowed", ray #27783) - exactly what a
 trial retried with a smaller plan does. Here what never changes during a trial (workload,
 hyper-parameters, estimator, budget, GPU) is logged as params once; what can change (the plan)
-is logged with every result as metrics, as a ``plan_history.json`` artifact whenever it changes, and as
-``plan.*`` params only when the trial has ended. Params are only ever added, never changed.
+is logged with every result as metrics, as a ``plan_history.json`` artifact once it has changed (the
+first plan and each change), and as ``plan.*`` params only when the trial has ended. Params are only ever added, never changed.
+
+What a trial costs MLflow, since sweeps are hundreds of short trials: a run created with its
+tags, one batch of params and tags at its start, one batch of metrics per result, its final plan
+and its end; a run this driver created is not looked up again, nor its params or status re-read.
 
 Why a queue: a tracking server can be away for a while (restart, network). Every write is an
 operation on an ordered queue that one background thread sends, so the Tune driver never waits

@@ -15,7 +15,7 @@ from ray import tune
 
 from orchestrator.atomic_file import atomic_write
 from orchestrator.config import SweepSpec
-from orchestrator.contract import describe_moves
+from orchestrator.contract import COMPILED_MODEL_NOTE, describe_moves
 from orchestrator.failures import exception_line, last_failure
 from orchestrator.outcome import DIVERGED, TrackingDelivery, current_record, finished, sweep_run_status, trial_status
 from orchestrator.tracking.flatten import param_text, plan_params, result_metrics, spec_params
@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 MAX_TAG_CHARS = 8000
 #: In the sweep's folder: the writes a sweep could not send, for ``run --resume`` to send.
 UNSENT_FILE = "mlflow_unsent.pkl"
+#: This driver process, as opposed to one whose pickled callback ``Tuner.restore`` brings back.
+_THIS_PROCESS = uuid.uuid4().hex
 
 
 @dataclass
@@ -39,6 +41,7 @@ class _TrialLog:
     ref: TrialRef
     plans: list[dict] = field(default_factory=list)  # [{"step": s, "epoch": e, "plan": {...}}], one per change
     oom_events_logged: int = 0
+    plan_checks_logged: int = 0
     restarts: int = 0
     tags: dict[str, str] = field(default_factory=dict)  # as last queued: only changes are sent
     described: bool = False  # its once-only params were queued
@@ -59,6 +62,8 @@ class MlflowTracking(tune.Callback):
         self._restored: list[Operation] = []  # unsent operations of the driver we resume from
         self._outbox: Outbox | None = None
         self._sweep_named = False  # this driver has tagged the sweep run with Tune's experiment
+        self._made_in = _THIS_PROCESS  # with no state set: the sweep's runs can only be ours to create
+        self._resumed = False  # set_state was called: an earlier driver may have created runs
 
     # Tune pickles its callbacks with the run config; the thread and client are not part of that.
     def __getstate__(self) -> dict:
@@ -70,6 +75,7 @@ class MlflowTracking(tune.Callback):
         return {"sweep": self._sweep, "trials": dict(self._trials), "pending": pending}
 
     def set_state(self, state: dict) -> None:
+        self._resumed = True
         self._sweep = state["sweep"]
         self._trials = dict(state["trials"])
         self._restored = list(state["pending"])
@@ -77,7 +83,9 @@ class MlflowTracking(tune.Callback):
     # -- hooks -------------------------------------------------------------------------------
     def setup(self, stop=None, num_samples=None, total_num_samples=None, **info) -> None:
         fail_fast()
-        self._outbox = Outbox(MlflowWriter(self.tracking_uri, self._sweep), self._kept() or self._restored)
+        kept = self._kept()
+        new_sweep = self._made_in == _THIS_PROCESS and not (self._resumed or kept or self._restored)
+        self._outbox = Outbox(MlflowWriter(self.tracking_uri, self._sweep, new_sweep=new_sweep), kept or self._restored)
         self._restored = []
         tags = {"orchestrator.config": self.spec.source} if self.spec.source else {}
         self._put(StartRun(None, params=spec_params(self.spec), tags=tags))
@@ -106,7 +114,10 @@ class MlflowTracking(tune.Callback):
         plan = report.plan
         if plan and (not log.plans or log.plans[-1]["plan"] != plan):
             log.plans.append({"step": report.step, "epoch": report.epoch, "plan": plan})
-            self._put(LogArtifact(log.ref, "plan_history.json", list(log.plans)))
+            if len(log.plans) > 1:  # a first plan is in the metrics and, at the end, the params
+                self._put(LogArtifact(log.ref, "plan_history.json", list(log.plans)))
+        if plan and plan.get("compiled"):  # planned from a compiled model's eager modules
+            tags["compiled_model"] = COMPILED_MODEL_NOTE
         if report.refusal:
             tags["refusal"] = report.refusal[:MAX_TAG_CHARS]
         if report.diverged:
@@ -120,6 +131,9 @@ class MlflowTracking(tune.Callback):
         if len(report.oom_events) > log.oom_events_logged:
             self._put(LogArtifact(log.ref, "oom_events.json", [e.to_dict() for e in report.oom_events]))
             log.oom_events_logged = len(report.oom_events)
+        if len(report.plan_checks) > log.plan_checks_logged:
+            self._put(LogArtifact(log.ref, "plan_checks.json", [c.to_dict() for c in report.plan_checks]))
+            log.plan_checks_logged = len(report.plan_checks)
         if report.step is not None:
             self._put(LogResult(log.ref, report.step, result_metrics(report), int(time.time() * 1000)))
 

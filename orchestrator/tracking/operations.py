@@ -23,10 +23,9 @@ class StartRun:
 
     def apply(self, mlflow: "MlflowWriter") -> None:
         run_id = mlflow.run_id(self.target)
-        mlflow.add_params(run_id, self.params)
-        mlflow.set_tags(run_id, self.tags)
-        if mlflow.client.get_run(run_id).info.status != "RUNNING":  # a resumed sweep or trial
-            mlflow.client.update_run(run_id, status="RUNNING")
+        mlflow.log_batch(run_id, params=mlflow.new_params(run_id, self.params), tags=self.tags)
+        if not mlflow.is_running(run_id):  # a resumed sweep or trial
+            mlflow.set_status(run_id, "RUNNING")
 
 
 @dataclass
@@ -35,7 +34,8 @@ class AddParams:
     params: dict[str, str]
 
     def apply(self, mlflow: "MlflowWriter") -> None:
-        mlflow.add_params(mlflow.run_id(self.target), self.params)
+        run_id = mlflow.run_id(self.target)
+        mlflow.log_batch(run_id, params=mlflow.new_params(run_id, self.params))
 
 
 @dataclass
@@ -44,7 +44,7 @@ class SetTags:
     tags: dict[str, str]
 
     def apply(self, mlflow: "MlflowWriter") -> None:
-        mlflow.set_tags(mlflow.run_id(self.target), self.tags)
+        mlflow.log_batch(mlflow.run_id(self.target), tags=self.tags)
 
 
 @dataclass
@@ -98,7 +98,7 @@ class EndRun:
         status = self.status
         if self.target is None and status == "FINISHED" and mlflow.dropped:
             status = "FAILED"  # its record is incomplete, and `run` exits non-zero for it
-        mlflow.client.set_terminated(mlflow.run_id(self.target), status)
+        mlflow.set_status(mlflow.run_id(self.target), status)
 
 
 Operation = StartRun | AddParams | SetTags | LogResult | LogArtifact | EndRun

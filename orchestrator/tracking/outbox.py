@@ -97,7 +97,7 @@ class Outbox:
             try:
                 op.apply(self._writer)
             except Exception as exc:  # noqa: BLE001 - tracking must never take the sweep down
-                self._writer.forget_steps()
+                self._writer.forget()
                 if is_outage(exc):
                     self._went_offline(exc)
                     self._pause(delay)

@@ -24,13 +24,19 @@ def fail_fast() -> None:
 class MlflowWriter:
     """The outbox thread's MLflow client, with the run ids and logged steps it has looked up."""
 
-    def __init__(self, tracking_uri: str, sweep: SweepIdentity):
+    def __init__(self, tracking_uri: str, sweep: SweepIdentity, *, new_sweep: bool = False):
+        """``new_sweep``: the sweep's identity was made by this driver, so every run of it is one
+        this writer creates, and a run it has not created yet need not be looked for (until a
+        request fails: what landed is then unknown)."""
         self.tracking_uri = tracking_uri
         self._client = None
         self.sweep = sweep
         self._experiment_id: str | None = None
         self._runs: dict[str | None, str] = {}  # trial id (None: the sweep) -> run id
         self._steps: dict[str, set[int]] = {}  # run id -> steps MLflow has
+        self._params: dict[str, dict[str, str]] = {}  # run id -> params MLflow has, where known
+        self._running: set[str] = set()  # runs known to be RUNNING (created by this writer)
+        self._all_runs_ours = new_sweep
         self.dropped: list[str] = []  # operations MLflow rejected, described
 
     @property
@@ -43,9 +49,13 @@ class MlflowWriter:
             self._client = MlflowClient(self.tracking_uri)
         return self._client
 
-    def forget_steps(self) -> None:
-        """After a failed request: what landed is unknown, so re-read it before sending results."""
+    def forget(self) -> None:
+        """After a failed request: what landed is unknown (a run may have been created although
+        the reply was lost), so runs are looked for, and their steps and params re-read."""
         self._steps.clear()
+        self._params.clear()
+        self._running.clear()
+        self._all_runs_ours = False
 
     def experiment_id(self) -> str:
         if self._experiment_id is None:
@@ -55,8 +65,25 @@ class MlflowWriter:
     def run_id(self, target: Target) -> str:
         key = target.trial_id if target else None
         if key not in self._runs:
-            self._runs[key] = self._find_run(target) or self._create_run(target)
+            found = None if self._all_runs_ours else self._find_run(target)
+            self._runs[key] = found or self._create_run(target)
         return self._runs[key]
+
+    def is_running(self, run_id: str) -> bool:
+        """Whether the run is RUNNING (one this writer created is, until it ends it)."""
+        return run_id in self._running or self.client.get_run(run_id).info.status == "RUNNING"
+
+    def set_status(self, run_id: str, status: str) -> None:
+        if status == "RUNNING":
+            self.client.update_run(run_id, status="RUNNING")
+            self._running.add(run_id)
+        else:
+            self._running.discard(run_id)
+            self.client.set_terminated(run_id, status)
+            # An ended run is written again only if its trial restarts, which re-reads these:
+            # the driver keeps nothing per ended trial that grows with the sweep.
+            self._params.pop(run_id, None)
+            self._steps.pop(run_id, None)
 
     def steps(self, run_id: str) -> set[int]:
         if run_id not in self._steps:
@@ -64,30 +91,35 @@ class MlflowWriter:
             self._steps[run_id] = {int(m.step) for m in history}
         return self._steps[run_id]
 
-    def add_params(self, run_id: str, params: dict[str, str]) -> None:
-        """Log the params the run does not have yet. A different value for one it has is kept
-        as it was (MLflow params are immutable) and reported once."""
+    def new_params(self, run_id: str, params: dict[str, str]) -> dict[str, str]:
+        """The params the run does not have yet. A different value for one it has is kept as it
+        was (MLflow params are immutable) and reported once."""
         if not params:
-            return
-        existing = self.client.get_run(run_id).data.params
+            return {}
+        if run_id not in self._params:
+            self._params[run_id] = dict(self.client.get_run(run_id).data.params)
+        existing = self._params[run_id]
         changed = sorted(k for k, v in params.items() if k in existing and existing[k] != v)
         if changed:
             logger.warning(
                 "MLflow run %s keeps its first value of param(s) %s (params cannot change); "
                 "the change is in its metrics and plan_history.json", run_id, ", ".join(changed),
             )
-        self._log_batch(run_id, params={k: v for k, v in params.items() if k not in existing})
+        return {k: v for k, v in params.items() if k not in existing}
 
-    def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
-        self._log_batch(run_id, tags=tags)
-
-    def _log_batch(self, run_id: str, params: dict[str, str] | None = None, tags: dict[str, str] | None = None) -> None:
+    def log_batch(self, run_id: str, params: dict[str, str] | None = None, tags: dict[str, str] | None = None) -> None:
+        """Params and tags, in as few requests (transactions) as MLflow's batch limit allows:
+        one for a trial's start."""
         from mlflow.entities import Param, RunTag
 
-        for kind, items in (("params", params or {}), ("tags", tags or {})):
-            entities = [Param(k, v) if kind == "params" else RunTag(k, v) for k, v in items.items()]
-            for start in range(0, len(entities), MAX_BATCH):
-                self.client.log_batch(run_id, **{kind: entities[start:start + MAX_BATCH]})
+        params, tags = [Param(k, v) for k, v in (params or {}).items()], [RunTag(k, v) for k, v in (tags or {}).items()]
+        while params or tags:
+            some_params, params = params[:MAX_BATCH], params[MAX_BATCH:]
+            some_tags, tags = tags[:MAX_BATCH], tags[MAX_BATCH:]
+            self.client.log_batch(run_id, params=some_params, tags=some_tags)
+            known = self._params.get(run_id)
+            if known is not None:
+                known.update({p.key: p.value for p in some_params})
 
     def _find_run(self, target: Target) -> str | None:
         query = f"tags.`{SWEEP_ID_TAG}` = '{self.sweep.sweep_id}'"
@@ -100,7 +132,10 @@ class MlflowWriter:
         if target:
             tags.update({PARENT_TAG: self.run_id(None), "trial_id": target.trial_id, "workload": target.workload})
         name = target.name if target else self.sweep.run_name
-        return self.client.create_run(self.experiment_id(), run_name=name, tags=tags).info.run_id
+        run_id = self.client.create_run(self.experiment_id(), run_name=name, tags=tags).info.run_id
+        self._params[run_id], self._steps[run_id] = {}, set()
+        self._running.add(run_id)
+        return run_id
 
 
 def get_or_create_experiment(client, name: str, tracking_uri: str) -> str:

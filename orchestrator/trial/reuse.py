@@ -13,6 +13,9 @@ to the device first (``orchestrator.device.release``), and the budget is what is
 process's own CUDA context, which the plan counts itself. A trial that recovered from an OOM
 leaves nothing cached behind it either; tensors that outlive a trial (a workload's module-level
 cache) stay allocated and shrink the next trial's budget instead of overflowing it.
+Each trial reports what the one before it still held on the device when it started
+(``left_behind_bytes``, after collecting reference cycles: 0 unless something outlived its
+trial), so a leak shows in the trial that pays for it.
 
 Tune 2.60 offers no way for a worker to decline reuse: a ``reset_config`` that returns False
 fails the trial it was handed (``TuneController._on_trial_reset``), so the worker makes itself
@@ -32,7 +35,9 @@ trials on a cluster can therefore all run on the nodes whose workers started fir
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -42,6 +47,20 @@ class WorkerHistory:
     #: GPU memory this process holds outside PyTorch's allocator (its CUDA context, cuBLAS
     #: workspaces), measured when its first trial ends
     cuda_context_bytes: int | None = None
+    #: The device (``orchestrator.device.Device``) of the last trial this worker ran: its counter
+    #: (the CPU's tensor tracker, CUDA's allocator) says what that trial still holds
+    last_device: Any = None
+
+    def left_behind(self) -> int | None:
+        """Bytes the trial this worker ran last still holds on its device, read when the next one
+        starts (None in a fresh worker): 0 unless something outlived its trial (a workload's
+        module-level cache, a reference a library kept). Reference cycles are collected first,
+        as the next trial's first allocation that needs the memory would make CUDA's allocator
+        wait for them too."""
+        if self.last_device is None:
+            return None
+        gc.collect()
+        return self.last_device.allocated()
 
     def gpu_free_before_context(self, free_now: int | None) -> int | None:
         """NVML's free memory as the plan counts it (before this process's CUDA context).

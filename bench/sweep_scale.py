@@ -1,0 +1,274 @@
+"""Does a sweep of hundreds of short trials cost what Tune's best case costs, and do the
+driver, MLflow and ``orchestrator report`` stay flat as the trials grow?
+
+    python bench/sweep_scale.py                          # 128 and 512 trials, FIFO
+    python bench/sweep_scale.py --trials 128             # one size
+    python bench/sweep_scale.py --large                  # also 2,048 trials, FIFO and ASHA
+    python bench/sweep_scale.py --trials 512 --variants orchestrator \\
+        --tracking-uri postgresql://USER@127.0.0.1:PORT/DB   # the orchestrator's MLflow in a PostgreSQL store
+
+Each size runs two variants, each in a fresh process that starts its own local Ray:
+
+* ``tune-reuse``: plain Ray Tune, ``reuse_actors=True``, the hand-written loop of
+  ``bench/plain_tune.py`` (an evaluation and a report per epoch, no checkpoints, no MLflow);
+* ``orchestrator``: ``orchestrator run`` on the same sweep (its installed command).
+
+A trial is the demo MLP on 10,240 samples, batch 32, 3 epochs: about a second of training on
+one core; the sweep draws ``lr`` log-uniformly, ``--trials`` samples. Per variant the table gives
+the wall time, its ratio to the compute floor (trials x one trial's training seconds, measured
+here on one thread / cores) and to ``tune-reuse``, the driver's peak RSS and how much its RSS
+grew from the first to the last quarter of the trials (sampled each time a trial ends, from
+``/proc``), and for the orchestrator MLflow's database size, how long the driver still waited
+for MLflow after the last trial ended, and how long ``orchestrator report`` took on the result.
+It also checks that MLflow holds every trial's every epoch exactly once (and stops if not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.plain_tune import bench_env, installed, train_plain, training_seconds
+
+TRIAL = {"width": 64, "samples": 10_240, "epochs": 3, "batch": 32}
+LR_RANGE = (1e-4, 1e-1)
+ASHA = {"grace_period": 1, "reduction_factor": 3}
+#: A line of ``orchestrator run`` (``orchestrator.console``) or of the plain child that says a trial ended.
+TRIAL_ENDED = re.compile(r"^\S+ (finished|refused|diverged|failed): ")
+
+
+# -- plain Ray Tune (runs in its own process) ---------------------------------------------------
+def run_plain(trials: int, scheduler: str, folder: str) -> None:
+    import ray
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    class SayEnded(tune.Callback):
+        """One line per ended trial, which the parent counts (as it counts ``orchestrator run``'s)."""
+
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            print(f"{trial} finished: ", flush=True)
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            print(f"{trial} failed: ", flush=True)
+
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _temp_dir=os.path.join(folder, "ray"))
+    space = {"lr": tune.loguniform(*LR_RANGE), **TRIAL}
+    chosen = (ASHAScheduler(time_attr="epoch", max_t=TRIAL["epochs"], **ASHA) if scheduler == "asha"
+              else FIFOScheduler())
+    tuner = tune.Tuner(
+        train_plain, param_space=space,
+        tune_config=tune.TuneConfig(metric="eval_loss", mode="min", num_samples=trials, scheduler=chosen,
+                                    reuse_actors=True),
+        run_config=tune.RunConfig(storage_path=os.path.join(folder, "results"), verbose=0, callbacks=[SayEnded()]),
+    )
+    results = tuner.fit()
+    assert not results.errors, results.errors
+    ray.shutdown()
+
+
+# -- the orchestrator (its installed command) ---------------------------------------------------
+def orchestrator_config(trials: int, scheduler: str, folder: str, tracking_uri: str) -> str:
+    import yaml
+
+    config = {
+        "experiment": f"sweep_scale_{trials}_{scheduler}",
+        "workload": {"name": "mlp", "params": {"train_samples": TRIAL["samples"], "width": TRIAL["width"]}},
+        "search_space": {"lr": {"loguniform": list(LR_RANGE)}}, "num_samples": trials,
+        "effective_batch_size": TRIAL["batch"], "stop": {"epochs": TRIAL["epochs"]}, "resources": {"cpu": 1},
+        "memory": {"device": "cpu"}, "storage_path": os.path.join(folder, "results"), "tracking_uri": tracking_uri,
+        "scheduler": {"type": "asha", "time_attr": "epoch", **ASHA} if scheduler == "asha" else "fifo",
+    }
+    path = os.path.join(folder, "sweep.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(config, f)
+    return path
+
+
+# -- measuring a variant ------------------------------------------------------------------------
+@dataclass
+class Measured:
+    variant: str
+    trials: int
+    scheduler: str
+    wall_s: float
+    ended: int  # trials the output said ended
+    peak_rss: int  # the driver's, bytes (VmHWM)
+    rss_at_end: list[int] = field(default_factory=list)  # the driver's RSS as each trial ended
+    mlflow_db_bytes: int | None = None
+    mlflow_wait_s: float | None = None  # from the last trial's end to the driver's summary line
+    report_s: float | None = None
+    epochs_logged: int | None = None  # (trial, epoch) pairs in MLflow, each checked to be there once
+
+    def rss_growth(self) -> float | None:
+        """Mean RSS over the last quarter of the trials' ends over that of the first quarter, minus 1."""
+        n = len(self.rss_at_end)
+        if n < 8:
+            return None
+        first, last = self.rss_at_end[: n // 4], self.rss_at_end[n - n // 4:]
+        return statistics.mean(last) / statistics.mean(first) - 1
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM of a process, in bytes (empty once it has gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in f) if k in ("VmRSS", "VmHWM")}
+    except (OSError, ValueError):
+        return {}
+
+
+def measure(variant: str, trials: int, scheduler: str, folder: str, tracking_uri: str | None) -> Measured:
+    """Run the variant in a fresh process, following its output line by line."""
+    if variant == "orchestrator":
+        uri = tracking_uri or f"sqlite:///{folder}/mlflow.db"
+        command = [installed("orchestrator"), "run", orchestrator_config(trials, scheduler, folder, uri)]
+    else:
+        command = [sys.executable, __file__, "--child", "--trials", str(trials), "--scheduler", scheduler,
+                   "--folder", folder]
+    started = time.perf_counter()
+    process = subprocess.Popen(command, cwd=folder, env=bench_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, bufsize=1)
+    peak = 0
+    stop = threading.Event()
+
+    def watch_peak() -> None:  # VmHWM is the peak; read it until the process has gone
+        nonlocal peak
+        while not stop.wait(0.5):
+            peak = max(peak, proc_status(process.pid).get("VmHWM", 0))
+
+    watcher = threading.Thread(target=watch_peak, daemon=True)
+    watcher.start()
+    rss, tail, last_end, summary_at = [], [], None, None
+    for line in process.stdout:
+        tail = (tail + [line])[-60:]
+        if TRIAL_ENDED.match(line):
+            rss.append(proc_status(process.pid).get("VmRSS", 0))
+            last_end = time.perf_counter()
+        elif summary_at is None and re.match(r"^\d+/\d+ trials finished", line):
+            summary_at = time.perf_counter()
+    process.wait()
+    wall = time.perf_counter() - started
+    stop.set()
+    watcher.join()
+    if process.returncode != 0:
+        raise SystemExit(f"{variant} failed ({process.returncode}):\n{''.join(tail)}")
+    measured = Measured(variant, trials, scheduler, wall, len(rss), peak, rss)
+    if variant == "orchestrator":
+        uri = tracking_uri or f"sqlite:///{folder}/mlflow.db"
+        database = os.path.join(folder, "mlflow.db")
+        measured.mlflow_db_bytes = os.path.getsize(database) if tracking_uri is None else None
+        measured.mlflow_wait_s = summary_at - last_end if summary_at and last_end else None
+        measured.epochs_logged = check_every_epoch_once(uri, f"sweep_scale_{trials}_{scheduler}", trials, scheduler)
+        measured.report_s = time_report(uri, f"sweep_scale_{trials}_{scheduler}", folder)
+    return measured
+
+
+def check_every_epoch_once(tracking_uri: str, experiment: str, trials: int, scheduler: str) -> int:
+    """Every trial has a child run, and each run the epochs 1..its last exactly once (all of them
+    under FIFO). Returns how many (trial, epoch) results that is."""
+    from mlflow import MlflowClient
+
+    from orchestrator.tracking.runs import ROLE_TAG
+
+    client = MlflowClient(tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    runs, token = [], None
+    while True:
+        page = client.search_runs([found.experiment_id], f"tags.`{ROLE_TAG}` = 'trial'", max_results=1000, page_token=token)
+        runs.extend(page)
+        token = page.token
+        if not token:
+            break
+    if len(runs) != trials:
+        raise SystemExit(f"MLflow has {len(runs)} trial runs, the sweep ran {trials}")
+    total = 0
+    for run in runs:
+        epochs = sorted(int(m.value) for m in client.get_metric_history(run.info.run_id, "epoch"))
+        expected = list(range(1, (TRIAL["epochs"] if scheduler == "fifo" else max(epochs, default=0)) + 1))
+        if epochs != expected:
+            raise SystemExit(f"MLflow run {run.info.run_name}: epochs {epochs}, expected each of {expected} once")
+        total += len(epochs)
+    return total
+
+
+def time_report(tracking_uri: str, experiment: str, folder: str) -> float:
+    started = time.perf_counter()
+    done = subprocess.run([installed("orchestrator"), "report", experiment, "--tracking-uri", tracking_uri,
+                           "--out", os.path.join(folder, "report")],
+                          cwd=folder, env=bench_env(), capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"orchestrator report failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    return time.perf_counter() - started
+
+
+# -- the table ---------------------------------------------------------------------------------
+def rows(results: list[Measured], trial_s: float, cores: int) -> list[list[str]]:
+    out = []
+    for m in results:
+        floor = m.trials * trial_s / cores
+        base = next((r for r in results if r.variant == "tune-reuse" and (r.trials, r.scheduler) == (m.trials, m.scheduler)), None)
+        growth = m.rss_growth()
+        out.append([
+            f"{m.trials} {m.scheduler}", m.variant, f"{m.wall_s:.0f}s", f"{floor:.0f}s", f"{m.wall_s / floor:.2f}x",
+            f"{m.wall_s / base.wall_s:.2f}x" if base else "-", f"{m.peak_rss / 2**20:.0f} MiB",
+            f"{growth:+.1%}" if growth is not None else "-",
+            f"{m.mlflow_db_bytes / 2**20:.1f} MiB" if m.mlflow_db_bytes else "-",
+            f"{m.mlflow_wait_s:.1f}s" if m.mlflow_wait_s is not None else "-",
+            f"{m.report_s:.1f}s" if m.report_s is not None else "-",
+            f"{m.epochs_logged} once" if m.epochs_logged is not None else "-",
+        ])
+    return out
+
+
+HEADERS = ["trials", "variant", "wall", "floor", "vs floor", "vs tune-reuse", "driver peak RSS", "RSS growth q1->q4",
+           "mlflow.db", "MLflow wait", "report", "epochs in MLflow"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, nargs="+", default=[128, 512])
+    parser.add_argument("--large", action="store_true", help="also 2,048 trials, FIFO and ASHA")
+    parser.add_argument("--scheduler", choices=("fifo", "asha"), default="fifo")
+    parser.add_argument("--variants", nargs="+", default=["tune-reuse", "orchestrator"])
+    parser.add_argument("--tracking-uri", help="the orchestrator's MLflow (default: a SQLite file in its folder)")
+    parser.add_argument("--json", help="write the measurements here")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        run_plain(args.trials[0], args.scheduler, args.folder)
+        return
+
+    from orchestrator.table import format_table
+
+    cores = os.cpu_count() or 1
+    trial_s = training_seconds({"lr": 1e-3, **TRIAL})
+    print(f"one trial's training: {trial_s:.2f}s on one thread; {cores} cores", file=sys.stderr, flush=True)
+    rounds = [(n, args.scheduler) for n in args.trials] + ([(2048, "fifo"), (2048, "asha")] if args.large else [])
+    results = []
+    for trials, scheduler in rounds:
+        for variant in args.variants:
+            with tempfile.TemporaryDirectory(prefix="sweep-scale-") as folder:
+                results.append(measure(variant, trials, scheduler, folder, args.tracking_uri))
+            m = results[-1]
+            print(f"{trials} {scheduler} {variant}: {m.wall_s:.1f}s, {m.ended} trials ended", file=sys.stderr, flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"trial_s": trial_s, "cores": cores, "results": [asdict(r) for r in results]}, f, indent=1)
+    print(format_table(HEADERS, rows(results, trial_s, cores)))
+
+
+if __name__ == "__main__":
+    main()
