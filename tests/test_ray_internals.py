@@ -15,6 +15,7 @@ Ray upgrade that changes any of these fails here, naming what changed, instead o
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -32,6 +33,7 @@ from orchestrator.ray_internals import (
     auth_token_loader,
     make_last_failure,
     make_next_failure_last,
+    ray_processes_in_their_own_group,
     storage_folder,
     trial_storage_folder,
 )
@@ -173,3 +175,20 @@ def test_the_token_loader_the_dashboard_uses():
 def test_a_trial_without_its_failure_count_is_an_error():
     with pytest.raises(RayChanged, match="Trial has no 'run_metadata'"):
         make_last_failure(SimpleNamespace(max_failures=3))
+
+
+def test_the_local_rays_processes_start_in_a_group_of_their_own():
+    """What ``ray.init`` starts its GCS and raylet with leads its own process group within the
+    block (a SIGTERM to the driver's group does not reach it), and is Ray's own class again after."""
+    import os
+    import sys
+
+    from ray._private import services
+
+    before = services.ConsolePopen
+    with ray_processes_in_their_own_group():
+        child = services.ConsolePopen([sys.executable, "-c", "import os; print(os.getpgrp())"], stdout=subprocess.PIPE,
+                                      text=True)
+        out, _ = child.communicate(timeout=30)
+    assert int(out) == child.pid != os.getpgrp()
+    assert services.ConsolePopen is before
