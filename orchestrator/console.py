@@ -102,6 +102,12 @@ class Diverged:
 
 
 @dataclass(frozen=True)
+class StorageFault:
+    trial: str
+    reason: str  # the storage's refusal, naming the path, and how long it was tried
+
+
+@dataclass(frozen=True)
 class Failed:
     trial: str
     reason: str  # the exception line, in full
@@ -109,7 +115,7 @@ class Failed:
     retrying: str = ""  # how Tune restarts it: "retrying from its last checkpoint"
 
 
-Event = Started | Planned | OomSurvived | Moved | Finished | Refused | Diverged | Failed
+Event = Started | Planned | OomSurvived | Moved | Finished | Refused | Diverged | StorageFault | Failed
 
 
 def format_event(event: Event) -> str:
@@ -138,6 +144,9 @@ def format_event(event: Event) -> str:
         return f"{name} refused: {event.reason}"
     if isinstance(event, Diverged):
         return f"{name} diverged: {event.reason}"
+    if isinstance(event, StorageFault):
+        return (f"{name} checkpoint not stored: {event.reason}; stopping the sweep, every trial at its last "
+                "checkpoint (continue it with the command below once the storage is back)")
     first, *more = event.reason.splitlines() or [""]  # more: a trial that gave up lists its OOM events
     text = f"{name} failed{f', {event.retrying}' if event.retrying else ''}: {first}"
     return "\n".join([text + (f" (traceback: {event.log})" if event.log else ""), *more])
@@ -202,6 +211,8 @@ def report_events(trial: str, report: TrialReport, seen: Seen) -> list[Event]:
         seen.planned = True
         started_with = _plan_before(new_events[0], report) if new_events else plan
         events.insert(0, Planned(trial, started_with, _estimate(report)))
+    if report.storage_fault:
+        events.append(StorageFault(trial, report.storage_fault))
     return events
 
 
@@ -398,6 +409,24 @@ class _Dropped(logging.Filter):
         return not self.told_elsewhere(record)
 
 
+class _OneLine(logging.Filter):
+    """Keeps the records ``picks`` picks in one line: the message's first line and the error's
+    (the record's exception, or the last line of a traceback written into the message)."""
+
+    def __init__(self, picks: Callable[[logging.LogRecord], bool]) -> None:
+        super().__init__()
+        self.picks = picks
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.picks(record):
+            lines = [line for line in record.getMessage().splitlines() if line.strip()] or [""]
+            error = str(record.exc_info[1]) if record.exc_info else lines[-1] if len(lines) > 1 else ""
+            error = " ".join(error.split())
+            record.msg, record.args = lines[0].rstrip(": ") + (f": {error}" if error else ""), ()
+            record.exc_info = record.exc_text = record.stack_info = None
+        return True
+
+
 def _starts(*prefixes: str) -> Callable[[logging.LogRecord], bool]:
     return lambda record: record.getMessage().startswith(prefixes)
 
@@ -425,12 +454,23 @@ _TOLD_BY_THE_VIEW = (
 )
 
 
+#: And those kept in one line, unless ``--verbose``: Tune failing to save the experiment's state
+#: to a storage that refuses writes (a trial's refused checkpoint stops the sweep, in a line of
+#: the view's; ``orchestrator.storage_fault``), each with a traceback of Tune's and pyarrow's frames.
+_ONE_LINE = (
+    ("ray.tune.execution.experiment_state", _starts("Saving experiment state to storage")),
+    (_TUNE, _starts("Experiment state snapshotting failed")),
+    ("ray.train._internal.syncer", _starts("Last sync command failed")),
+)
+
+
 @contextlib.contextmanager
 def tune_lines_told_here(verbose: bool) -> Iterator[None]:
     """While the sweep runs, Tune's log records that this console tells in its own words are
-    dropped (and put back after, for whatever the process runs next)."""
+    dropped or cut to one line (and put back after, for whatever the process runs next)."""
     held = [(logging.getLogger(name), _Dropped(picks))
             for name, picks in _TOLD_BY_US + (() if verbose else _TOLD_BY_THE_VIEW)]
+    held += [(logging.getLogger(name), _OneLine(picks)) for name, picks in (() if verbose else _ONE_LINE)]
     for logger, dropped in held:
         logger.addFilter(dropped)
     try:

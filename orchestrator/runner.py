@@ -415,13 +415,16 @@ def _run_config(spec: SweepSpec, name: str, storage: str, tracking_uri: str, wai
 
 def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str) -> list:
     """The driver's Tune callbacks: MLflow, the final errors Tune's results may lack (outcome.py),
-    and the live view of the trials' events (console.py)."""
+    the live view of the trials' events (console.py), and the stop when the storage refuses a
+    checkpoint (storage_fault.py)."""
     from orchestrator.console import LiveView
     from orchestrator.outcome import FinalErrors
+    from orchestrator.storage_fault import StopOnStorageFault
     from orchestrator.tracking.callback import UNSENT_FILE, MlflowTracking
 
     view = LiveView(list(spec.search_space), spec.metric, spec.stop.epochs, spec.stop.steps)
-    return [MlflowTracking(tracking_uri, spec, unsent_file=os.path.join(experiment_path, UNSENT_FILE)), FinalErrors(), view]
+    tracking = MlflowTracking(tracking_uri, spec, unsent_file=os.path.join(experiment_path, UNSENT_FILE))
+    return [tracking, FinalErrors(), view, StopOnStorageFault()]
 
 
 # -- the final table ---------------------------------------------------------------------------

@@ -105,6 +105,9 @@ class TrialReport:
     #: (``trainables.divergence``): the trial's last report; ``diverged_at_step`` is that step.
     diverged: str | None = None
     diverged_at_step: int | None = None
+    #: The storage did not take its checkpoint, in one line (``orchestrator.trial.storage``): the
+    #: driver stops the sweep, this trial to be continued from its last checkpoint.
+    storage_fault: str | None = None
 
     # -- filled in by Tune on the driver's side; a worker leaves them unset -----------------
     trial_id: str | None = None

@@ -111,6 +111,8 @@ class MlflowTracking(tune.Callback):
             tags["refusal"] = report.refusal[:MAX_TAG_CHARS]
         if report.diverged:
             tags["diverged"] = report.diverged[:MAX_TAG_CHARS]
+        if report.storage_fault:
+            tags["storage_fault"] = report.storage_fault[:MAX_TAG_CHARS]
         if report.moves:
             tags["moves"] = describe_moves(report.moves)[:MAX_TAG_CHARS]
         changed = {k: v for k, v in tags.items() if log.tags.get(k) != v}
@@ -120,7 +122,7 @@ class MlflowTracking(tune.Callback):
         if len(report.oom_events) > log.oom_events_logged:
             self._put(LogArtifact(log.ref, "oom_events.json", [e.to_dict() for e in report.oom_events]))
             log.oom_events_logged = len(report.oom_events)
-        if report.step is not None:
+        if report.step is not None and not report.storage_fault:  # the step is logged again after --resume
             self._put(LogResult(log.ref, report.step, result_metrics(report), int(time.time() * 1000)))
 
     def on_trial_recover(self, iteration, trials, trial, **info) -> None:

@@ -29,6 +29,7 @@ from orchestrator.trial.errors import DataError, OomRetriesExhausted
 from orchestrator.trial.evidence import clear_oom_evidence, write_oom_evidence
 from orchestrator.trial.node import NodeInfo, current_node, left_its_node, restart_reason
 from orchestrator.trial.reuse import HISTORY
+from orchestrator.trial.storage import StorageUnavailable, report_with_retries, wait_to_be_stopped
 from orchestrator.trial_report import TrialReport
 from orchestrator.units import human
 from trainables.data import SampleError
@@ -93,6 +94,9 @@ class TrialRun:
                 raise self._data_error(trainer, exc) from None
             except TrainingDiverged as exc:
                 self._report_divergence(exc.divergence)
+                return
+            except StorageUnavailable as exc:
+                self._report_storage_fault(trainer, exc)
                 return
             except Exception as exc:
                 if not is_oom(exc):
@@ -220,7 +224,7 @@ class TrialRun:
             tune.report(report.to_metrics())
             return
         folder = self.checkpoints.save(self._state(trainer))
-        tune.report(report.to_metrics(), checkpoint=tune.Checkpoint.from_directory(folder))
+        report_with_retries(lambda: tune.report(report.to_metrics(), checkpoint=tune.Checkpoint.from_directory(folder)))
 
     def _state(self, trainer: Trainer) -> dict:
         """Everything needed to continue exactly here."""
@@ -265,6 +269,16 @@ class TrialRun:
         report = replace(self._plan_report(), epoch=divergence.epoch - 1, step=divergence.step, training_done=True,
                          measurements={self.spec.metric: worst}, diverged=line, diverged_at_step=divergence.step)
         tune.report(report.to_metrics())
+
+    def _report_storage_fault(self, trainer: Trainer, fault: StorageUnavailable) -> None:
+        """The storage did not take the checkpoint: say so, without one, and wait for the driver
+        to stop the sweep (``orchestrator.trial.storage``); this trial resumes from its last."""
+        from ray import tune
+
+        progress = trainer.progress
+        tune.report(replace(self._plan_report(), epoch=progress.epoch, step=progress.step,
+                            storage_fault=str(fault)).to_metrics())
+        wait_to_be_stopped(fault)
 
     def _report_refusal(self) -> None:
         """A refused trial reports once, with its reason, and ends without training."""
