@@ -34,6 +34,7 @@ from orchestrator.contract import (
     NOT_RETRIED_KEY,
     OOM_GAVE_UP_KEY,
     OOM_SHRINKS_KEY,
+    HostMemoryEvent,
     Move,
     OomEvent,
 )
@@ -102,6 +103,12 @@ class Diverged:
 
 
 @dataclass(frozen=True)
+class HostMemory:
+    trial: str
+    event: HostMemoryEvent  # a DataLoader worker lost, and the fewer workers the trial went on with
+
+
+@dataclass(frozen=True)
 class StorageFault:
     trial: str
     reason: str  # the storage's refusal, naming the path, and how long it was tried
@@ -115,7 +122,7 @@ class Failed:
     retrying: str = ""  # how Tune restarts it: "retrying from its last checkpoint"
 
 
-Event = Started | Planned | OomSurvived | Moved | Finished | Refused | Diverged | StorageFault | Failed
+Event = Started | Planned | OomSurvived | HostMemory | Moved | Finished | Refused | Diverged | StorageFault | Failed
 
 
 def format_event(event: Event) -> str:
@@ -144,6 +151,8 @@ def format_event(event: Event) -> str:
         return f"{name} refused: {event.reason}"
     if isinstance(event, Diverged):
         return f"{name} diverged: {event.reason}"
+    if isinstance(event, HostMemory):
+        return f"{name} {event.event.describe()}"
     if isinstance(event, StorageFault):
         return (f"{name} checkpoint not stored: {event.reason}; stopping the sweep, every trial at its last "
                 "checkpoint (continue it with the command below once the storage is back)")
@@ -190,6 +199,7 @@ class Seen:
 
     planned: bool = False
     oom_events: int = 0
+    host_memory_events: int = 0
     moves: int = 0
 
 
@@ -204,6 +214,9 @@ def report_events(trial: str, report: TrialReport, seen: Seen) -> list[Event]:
     for i, event in enumerate(new_events, 1):
         events.append(OomSurvived(trial, event, plan if i == len(new_events) else ""))
     seen.oom_events = max(seen.oom_events, len(report.oom_events))
+    for host in report.host_memory_events[seen.host_memory_events:]:
+        events.append(HostMemory(trial, host))
+    seen.host_memory_events = max(seen.host_memory_events, len(report.host_memory_events))
     for move in report.moves[seen.moves:]:
         events.append(Moved(trial, move))
     seen.moves = max(seen.moves, len(report.moves))

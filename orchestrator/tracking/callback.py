@@ -111,6 +111,8 @@ class MlflowTracking(tune.Callback):
             tags["refusal"] = report.refusal[:MAX_TAG_CHARS]
         if report.diverged:
             tags["diverged"] = report.diverged[:MAX_TAG_CHARS]
+        if report.host_memory_events:
+            tags["host_memory_events"] = "; ".join(e.describe() for e in report.host_memory_events)[:MAX_TAG_CHARS]
         if report.storage_fault:
             tags["storage_fault"] = report.storage_fault[:MAX_TAG_CHARS]
         if report.moves:

@@ -15,7 +15,9 @@ from dataclasses import replace
 from typing import Any
 
 from orchestrator.config import SweepSpec
-from orchestrator.contract import OOM_SHRINKS_KEY, RESTART_REASON_KEY, STATE_FILE, TRIAL_LOG_FILE, Move, OomEvent
+from orchestrator.contract import (
+    OOM_SHRINKS_KEY, RESTART_REASON_KEY, STATE_FILE, TRIAL_LOG_FILE, HostMemoryEvent, Move, OomEvent,
+)
 from orchestrator.device import Device, configure_allocator, gpu_visible, nvml, open_device, release
 from orchestrator.device.oom import bytes_requested, is_oom
 from orchestrator.device.target import Target, resolve_target
@@ -25,8 +27,9 @@ from orchestrator.memory.cache import ProfileCache
 from orchestrator.planner import Plan, make_plan, next_reduction
 from orchestrator.ray_internals import trial_storage_folder
 from orchestrator.trial.checkpoint import LocalCheckpoints
-from orchestrator.trial.errors import DataError, OomRetriesExhausted
+from orchestrator.trial.errors import DataError, HostMemoryExhausted, OomRetriesExhausted
 from orchestrator.trial.evidence import clear_oom_evidence, write_oom_evidence
+from orchestrator.trial.host_memory import fewer_workers, host_memory_failure
 from orchestrator.trial.node import NodeInfo, current_node, left_its_node, restart_reason
 from orchestrator.trial.reuse import HISTORY
 from orchestrator.trial.storage import StorageUnavailable, report_with_retries, wait_to_be_stopped
@@ -63,6 +66,7 @@ class TrialRun:
         self.device = self._open_device()
         self.checkpoints = LocalCheckpoints(trial_id)
         self.events: list[OomEvent] = []
+        self.host_events: list[HostMemoryEvent] = []  # DataLoader workers lost (orchestrator.trial.host_memory)
         self.evidence_folder = trial_storage_folder()  # where an OOM being recovered from is written down
         self.evidence_written = False
         self.applied_shrinks = 0  # Tune-level shrinks (OOM_SHRINKS_KEY) already in self.plan
@@ -99,6 +103,9 @@ class TrialRun:
                 self._report_storage_fault(trainer, exc)
                 return
             except Exception as exc:
+                if host_memory_failure(exc) is not None:
+                    self._fewer_loader_workers(trainer, host_memory_failure(exc))
+                    continue  # from the last checkpoint, with a new trainer and its loaders
                 if not is_oom(exc):
                     raise
                 event = self._oom_event(trainer, exc)
@@ -126,6 +133,8 @@ class TrialRun:
             self.events = [OomEvent.from_dict(e) for e in saved["oom_events"]]
             self.applied_shrinks = saved["applied_shrinks"]
             self.moves = [Move.from_dict(m) for m in saved.get("moves", [])]
+            for event in saved.get("host_memory_events", []):
+                self._record_host_event(HostMemoryEvent.from_dict(event))
             if saved.get("node_id", self.node.node_id) != self.node.node_id:  # Ray restarted, or another node
                 plan = self._resumed_elsewhere(plan, saved)
         # A worker that died of an OOM cannot shrink its own plan; the scheduler asked for it.
@@ -195,6 +204,28 @@ class TrialRun:
             message=str(exc).splitlines()[0][:500],
         )
 
+    def _fewer_loader_workers(self, trainer: Trainer, line: str) -> None:
+        """A DataLoader worker was lost to host memory: back to the last checkpoint with half the
+        workers, or give up in one line when the trial already loads in its own process."""
+        progress, data = trainer.progress, self.loop_settings.data
+        event = HostMemoryEvent(phase=trainer.phase, epoch=progress.epoch + 1,
+                                step=progress.step + (trainer.phase == "train"), num_workers=data.num_workers,
+                                message=line[:500])
+        smaller = fewer_workers(data)
+        event = replace(event, action="gave up" if smaller is None else
+                        f"data.num_workers {data.num_workers}->{smaller.num_workers}")
+        if smaller is None:
+            self.host_events.append(event)
+            raise HostMemoryExhausted(f"{event.describe()}: the trial's own process ran out of host memory loading its data")
+        self._record_host_event(event)
+
+    def _record_host_event(self, event: HostMemoryEvent) -> None:
+        """Keep the event and the fewer workers it left (replayed from a checkpoint's events)."""
+        self.host_events.append(event)
+        smaller = fewer_workers(self.loop_settings.data)
+        if event.action != "gave up" and smaller is not None:
+            self.loop_settings = replace(self.loop_settings, data=smaller)
+
     def _shrink(self, event: OomEvent) -> None:
         """Move the plan to its next reduction, or give up with every event in the error."""
         if self.metrics is not None:  # rank 0 counts a group's OOMs
@@ -232,6 +263,7 @@ class TrialRun:
             "trainer": trainer.state_dict(), "plan": self.plan.to_dict(),
             "oom_events": [e.to_dict() for e in self.events], "applied_shrinks": self.applied_shrinks,
             "node_id": self.node.node_id, "node_name": self.node.name, "moves": [m.to_dict() for m in self.moves],
+            "host_memory_events": [e.to_dict() for e in self.host_events],
         }
 
     def _data_error(self, trainer: Trainer, exc: SampleError) -> DataError:
@@ -303,6 +335,7 @@ class TrialRun:
             predicted_phase=plan.predicted_phase if plan.predicted_peak_bytes is not None else None,
             # Events recovered in this process, plus workers that died of memory (restarted by Tune).
             oom_retries=len(self.events) + self.applied_shrinks, oom_events=tuple(self.events),
+            host_memory_events=tuple(self.host_events),
             node_id=self.node.node_id, node_name=self.node.name, moves=tuple(self.moves),
             gpu_name=gpu.name if gpu else None, gpu_total_bytes=gpu.total if gpu else None,
         )
