@@ -47,6 +47,16 @@ def test_an_error_that_is_not_the_storage_is_not_retried():
         report_with_retries(send, sleep=pytest.fail)
 
 
+def test_a_refusal_that_names_no_file_is_told_where_the_checkpoint_went():
+    def full():
+        raise OSError(28, "Error writing bytes to file. Detail: [errno 28] No space left on device")
+
+    with pytest.raises(StorageUnavailable) as raised:
+        report_with_retries(full, where="/storage/cut/trial_0", sleep=lambda s: None)
+    assert str(raised.value) == ("[Errno 28] Error writing bytes to file. Detail: [errno 28] No space left on device "
+                                 "(writing a checkpoint into /storage/cut/trial_0) (tried 5 times over 15 s)")
+
+
 @pytest.mark.parametrize("error, fault", [
     (OSError(errno.ENOSPC, "No space left on device"), True),
     (OSError(errno.EROFS, "Cannot create directory '/s/c'.\nDetail: [errno 30] Read-only file system"), True),

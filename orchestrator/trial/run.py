@@ -255,7 +255,8 @@ class TrialRun:
             tune.report(report.to_metrics())
             return
         folder = self.checkpoints.save(self._state(trainer))
-        report_with_retries(lambda: tune.report(report.to_metrics(), checkpoint=tune.Checkpoint.from_directory(folder)))
+        report_with_retries(lambda: tune.report(report.to_metrics(), checkpoint=tune.Checkpoint.from_directory(folder)),
+                            where=self.evidence_folder)  # the trial's folder on the storage
 
     def _state(self, trainer: Trainer) -> dict:
         """Everything needed to continue exactly here."""

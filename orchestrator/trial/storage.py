@@ -49,9 +49,11 @@ def storage_fault(exc: BaseException) -> str | None:
     return None
 
 
-def report_with_retries(send: Callable[[], None], sleep: Callable[[float], None] = time.sleep) -> None:
-    """``send()`` (a report that copies a checkpoint to storage), tried again while the storage
-    refuses it; :class:`StorageUnavailable` once every try failed. Any other error is raised as is."""
+def report_with_retries(send: Callable[[], None], where: str | None = None,
+                        sleep: Callable[[float], None] = time.sleep) -> None:
+    """``send()`` (a report that copies a checkpoint to storage, into the folder ``where``), tried
+    again while the storage refuses it; :class:`StorageUnavailable` once every try failed, naming
+    ``where`` when the refusal does not (a full disk's does not). Any other error is raised as is."""
     for delay in (*RETRY_DELAYS_S, None):
         try:
             send()
@@ -62,6 +64,8 @@ def report_with_retries(send: Callable[[], None], sleep: Callable[[float], None]
                 raise
             if delay is None:
                 tries, waited = len(RETRY_DELAYS_S) + 1, sum(RETRY_DELAYS_S)
+                if where and where not in line:
+                    line += f" (writing a checkpoint into {where})"
                 raise StorageUnavailable(f"{line} (tried {tries} times over {waited:g} s)") from None
             logger.warning("the storage did not take a checkpoint (%s); trying again in %g s", line, delay)
             sleep(delay)
