@@ -103,18 +103,23 @@ class TrialRun:
                 self._report_storage_fault(trainer, exc)
                 return
             except Exception as exc:
-                if host_memory_failure(exc) is not None:
-                    self._fewer_loader_workers(trainer, host_memory_failure(exc))
-                    continue  # from the last checkpoint, with a new trainer and its loaders
-                if not is_oom(exc):
+                lost_worker = host_memory_failure(exc)
+                if lost_worker is not None:
+                    event = self._host_memory_event(trainer, lost_worker)
+                elif not is_oom(exc):
                     raise
-                event = self._oom_event(trainer, exc)
-                write_oom_evidence(self.evidence_folder, event)  # should the recovery kill the worker
-                self.evidence_written = True
+                else:
+                    event = self._oom_event(trainer, exc)
+                    write_oom_evidence(self.evidence_folder, event)  # should the recovery kill the worker
+                    self.evidence_written = True
             # Out of the except block: the exception and the frames of the failed step are gone,
-            # so dropping the trainer frees its weights and optimizer state before the next is built.
+            # so dropping the trainer frees its weights and optimizer state before the next is built
+            # (and its loaders' iterators before the next loaders fork their workers).
             del trainer
             release()
+            if isinstance(event, HostMemoryEvent):
+                self._fewer_loader_workers(event)  # from the last checkpoint, with the new trainer's loaders
+                continue
             self.device.reset_peak()  # the next report's peak covers the recovery, not the failed step
             self._shrink(event)
 
@@ -204,13 +209,16 @@ class TrialRun:
             message=str(exc).splitlines()[0][:500],
         )
 
-    def _fewer_loader_workers(self, trainer: Trainer, line: str) -> None:
+    def _host_memory_event(self, trainer: Trainer, line: str) -> HostMemoryEvent:
+        progress = trainer.progress
+        return HostMemoryEvent(phase=trainer.phase, epoch=progress.epoch + 1,
+                               step=progress.step + (trainer.phase == "train"),
+                               num_workers=self.loop_settings.data.num_workers, message=line[:500])
+
+    def _fewer_loader_workers(self, event: HostMemoryEvent) -> None:
         """A DataLoader worker was lost to host memory: back to the last checkpoint with half the
         workers, or give up in one line when the trial already loads in its own process."""
-        progress, data = trainer.progress, self.loop_settings.data
-        event = HostMemoryEvent(phase=trainer.phase, epoch=progress.epoch + 1,
-                                step=progress.step + (trainer.phase == "train"), num_workers=data.num_workers,
-                                message=line[:500])
+        data = self.loop_settings.data
         smaller = fewer_workers(data)
         event = replace(event, action="gave up" if smaller is None else
                         f"data.num_workers {data.num_workers}->{smaller.num_workers}")
