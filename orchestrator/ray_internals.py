@@ -16,9 +16,9 @@ what changed; ``pyproject.toml`` pins Ray to the minor series that test passed o
 * :func:`make_next_failure_last`: ``Trial.max_failures`` lowered to ``run_metadata.num_failures``,
   so that ``Trial.should_recover()`` is false for the failure a trial announced (a data error,
   ``orchestrator.retry``): Tune handles a trial's results before its error.
-* :func:`ray_processes_in_their_own_group`: ``ray._private.services.ConsolePopen``, the class
-  every process of a local Ray (GCS, raylet, dashboard, log monitor) is started with, so that
-  they start in a process group of their own (``orchestrator.runner``).
+* :func:`ray_processes_in_group`: ``ray._private.services.ConsolePopen``, the class every process
+  of a local Ray (GCS, raylet, dashboard, log monitor) is started with, so that they start in a
+  process group other than the driver's (``orchestrator.ray_group``).
 
 The retry also relies on Tune's failure path calling ``TrialScheduler.on_trial_error`` after Tune
 decided to retry and before it requeues the trial, with ``Trial.error_file`` and
@@ -29,7 +29,6 @@ public, but without a stability promise); the same test drives that path.
 from __future__ import annotations
 
 import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -100,20 +99,9 @@ def make_next_failure_last(trial: Any) -> None:
 
 
 @contextmanager
-def ray_processes_in_their_own_group() -> Iterator[None]:
-    """Within the block, the processes a local ``ray.init`` starts (and so the workers their
-    raylet starts) lead a process group of their own, as Ray does on Windows.
-
-    SLURM and Kubernetes stop a job with SIGTERM to its whole process group. Ray starts its
-    GCS and raylet in the driver's group, so that signal ends them at the same moment as it
-    asks the driver to stop: the driver then cannot stop its trials, save the sweep or print its
-    table, and exits 1 once it notices the GCS is gone (~60 s). In a group of their own only the
-    driver gets it, and stops them itself (``ray.shutdown``). They still end with the driver
-    when it is killed: Ray's kernel fate-sharing (``PR_SET_PDEATHSIG``) does not use the group.
-    """
-    if sys.platform == "win32":  # Ray starts them in a group of their own there already
-        yield
-        return
+def ray_processes_in_group(group: int) -> Iterator[None]:
+    """Within the block, the processes a local ``ray.init`` starts (and so the workers and agents
+    their raylet starts) join the process group ``group`` (``orchestrator.ray_group``: why)."""
     from ray._private import services
 
     original = getattr(services, "ConsolePopen", None)
@@ -121,12 +109,12 @@ def ray_processes_in_their_own_group() -> Iterator[None]:
         raise RayChanged("Ray changed: ray._private.services has no ConsolePopen class, so the local Ray's processes "
                          "cannot be kept out of the driver's process group (orchestrator/ray_internals.py)")
 
-    class OwnGroupPopen(original):
+    class InGroupPopen(original):
         def __init__(self, *args, **kwargs):
-            kwargs.setdefault("process_group", 0)
+            kwargs.setdefault("process_group", group)
             super().__init__(*args, **kwargs)
 
-    services.ConsolePopen = OwnGroupPopen
+    services.ConsolePopen = InGroupPopen
     try:
         yield
     finally:

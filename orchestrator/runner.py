@@ -42,7 +42,7 @@ from orchestrator.outcome import (
     trial_status,
 )
 from orchestrator.preflight import check_shared_storage, check_storage, check_workloads, taken_back_if_refused
-from orchestrator.ray_internals import ray_processes_in_their_own_group
+from orchestrator.ray_group import ray_in_its_own_group
 from orchestrator.ray_token import secure_token_files
 from orchestrator.run_request import RunRequest
 from orchestrator.stop_signal import sigterm_stops_like_sigint
@@ -267,8 +267,8 @@ def _init_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashboar
         ray.init(address=address, logging_config=logging_config)
     else:
         # A SIGTERM to the driver's process group (SLURM, Kubernetes) reaches the driver alone:
-        # it stops the sweep gracefully (orchestrator.stop_signal), then Ray.
-        with ray_processes_in_their_own_group():
+        # it stops the sweep gracefully (orchestrator.stop_signal), then Ray (orchestrator.ray_group).
+        with ray_in_its_own_group():
             context = ray.init(
                 address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=dashboard,
                 dashboard_host=dashboard_host, logging_config=logging_config,

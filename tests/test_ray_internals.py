@@ -33,7 +33,7 @@ from orchestrator.ray_internals import (
     auth_token_loader,
     make_last_failure,
     make_next_failure_last,
-    ray_processes_in_their_own_group,
+    ray_processes_in_group,
     storage_folder,
     trial_storage_folder,
 )
@@ -177,8 +177,8 @@ def test_a_trial_without_its_failure_count_is_an_error():
         make_last_failure(SimpleNamespace(max_failures=3))
 
 
-def test_the_local_rays_processes_start_in_a_group_of_their_own():
-    """What ``ray.init`` starts its GCS and raylet with leads its own process group within the
+def test_the_local_rays_processes_start_in_the_group_they_are_given():
+    """What ``ray.init`` starts its GCS and raylet with joins the given process group within the
     block (a SIGTERM to the driver's group does not reach it), and is Ray's own class again after."""
     import os
     import sys
@@ -186,9 +186,14 @@ def test_the_local_rays_processes_start_in_a_group_of_their_own():
     from ray._private import services
 
     before = services.ConsolePopen
-    with ray_processes_in_their_own_group():
-        child = services.ConsolePopen([sys.executable, "-c", "import os; print(os.getpgrp())"], stdout=subprocess.PIPE,
-                                      text=True)
-        out, _ = child.communicate(timeout=30)
-    assert int(out) == child.pid != os.getpgrp()
+    leader = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], process_group=0)
+    try:
+        with ray_processes_in_group(leader.pid):
+            child = services.ConsolePopen([sys.executable, "-c", "import os; print(os.getpgrp())"],
+                                          stdout=subprocess.PIPE, text=True)
+            out, _ = child.communicate(timeout=30)
+    finally:
+        leader.kill()
+        leader.wait()
+    assert int(out) == leader.pid != os.getpgrp()
     assert services.ConsolePopen is before
