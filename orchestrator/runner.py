@@ -184,7 +184,11 @@ def run_sweep(
         trainable = _trainable(spec, estimates)
         _tune_settings()
         if restore_from:
+            from orchestrator.tune_state import restore_cut_off
+
             print(f"Resuming {restore_from}: finishing the trials that did not finish")
+            for cut_off in restore_cut_off(restore_from):
+                print(f"{cut_off} was cut off (a full storage?): resuming from its last whole copy")
             tuner = tune.Tuner.restore(restore_from, trainable=trainable, resume_unfinished=True, resume_errored=False)
         else:
             tuner = tune.Tuner(
@@ -420,11 +424,12 @@ def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str) -> list
     from orchestrator.console import LiveView
     from orchestrator.outcome import FinalErrors
     from orchestrator.storage_fault import StopOnStorageFault
+    from orchestrator.tune_state import KeepWholeState
     from orchestrator.tracking.callback import UNSENT_FILE, MlflowTracking
 
     view = LiveView(list(spec.search_space), spec.metric, spec.stop.epochs, spec.stop.steps)
     tracking = MlflowTracking(tracking_uri, spec, unsent_file=os.path.join(experiment_path, UNSENT_FILE))
-    return [tracking, FinalErrors(), view, StopOnStorageFault()]
+    return [tracking, FinalErrors(), view, StopOnStorageFault(), KeepWholeState()]
 
 
 # -- the final table ---------------------------------------------------------------------------
