@@ -23,6 +23,8 @@ from orchestrator.config import DataLoading
 #: How torch names a DataLoader worker that is gone: its timeout check, and its SIGCHLD handler.
 _WORKER_DIED = ("DataLoader worker (pid",)
 _WORKER_OUT_OF_MEMORY = "Caught MemoryError in DataLoader worker"
+#: Where a batch is taken from the loader workers; an error raised through it came from them.
+_LOADER_FILE = "torch/utils/data/dataloader.py"
 
 
 def host_memory_failure(exc: BaseException) -> str | None:
@@ -31,9 +33,21 @@ def host_memory_failure(exc: BaseException) -> str | None:
     first = text.strip().splitlines()[0] if text.strip() else ""
     if isinstance(exc, RuntimeError) and first.startswith(_WORKER_DIED):
         return first.rstrip(". ")
+    if isinstance(exc, (ConnectionError, EOFError)) and _raised_reading_a_loader_worker(exc):
+        # A worker killed while the trial took a batch from it: the batch's shared memory is
+        # handed over through a connection to that worker, which its death cut.
+        return f"a DataLoader worker's connection was cut ({type(exc).__name__}: {first or 'end of file'})"
     if isinstance(exc, MemoryError) and _WORKER_OUT_OF_MEMORY in first:
         return first.rstrip(". ")
     return None  # a MemoryError of the trial's own process is the device's OOM on a CPU (device.oom)
+
+
+def _raised_reading_a_loader_worker(exc: BaseException) -> bool:
+    frames, tb = [], exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_filename.replace("\\", "/"))
+        tb = tb.tb_next
+    return any(f.endswith(_LOADER_FILE) for f in frames)
 
 
 def fewer_workers(data: DataLoading) -> DataLoading | None:
