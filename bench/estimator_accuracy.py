@@ -49,7 +49,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.zoo import GPU_ZOO, ZOOS, Entry, StepRunner, describe_bytes, relative  # noqa: E402
+from bench.zoo import GPU_ZOO, ZOOS, Entry, StepRunner, describe_bytes, initial_carry, relative  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,7 +220,7 @@ def measure_trial(entry: Entry, b: int, device):
     import torch
 
     from trainables.step import eval_step, make_grad_scaler, train_step
-    from trainables.workload import sample_batch
+    from trainables.workload import optimizer_for, sample_batch
 
     gc.collect()
     torch.cuda.empty_cache()
@@ -228,13 +228,14 @@ def measure_trial(entry: Entry, b: int, device):
     torch.manual_seed(0)
     workload, dev = entry.make(), device.torch_device
     model = workload.build_model().to(dev)
-    optimizer = workload.build_optimizer(model)
+    optimizer = optimizer_for(workload, model, dev.type)
     scaler = make_grad_scaler(entry.precision, device)
     train_data, eval_data = workload.train_data(), workload.eval_data()
     model.train()
     for _ in range(2):
         batches = (sample_batch(workload, train_data, b) for _ in range(2))  # taken one at a time, as in the loop
-        train_step(workload, model, optimizer, batches, [b, b], dev, entry.precision, scaler)
+        train_step(workload, model, optimizer, batches, [b, b], dev, entry.precision, scaler,
+                   carry=initial_carry(workload, 2 * b, dev))
     torch.cuda.synchronize(dev)
     train = device.reading()
     device.reset_peak()
@@ -431,6 +432,7 @@ def _setup_from_real_model(workload):
     from orchestrator.device.tensor_tracker import CUDA_BLOCK
     from orchestrator.device.torch_internals import FakeTensorMode, buffer_slots, parameter_slots
     from orchestrator.memory.fake import FakeSetup
+    from orchestrator.memory.optimizer import build_for_target
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     model, fakes = workload.build_model(), {}
@@ -443,12 +445,8 @@ def _setup_from_real_model(workload):
             if b is not None:
                 buffers[name] = mode.from_tensor(b)
     with mode:
-        optimizer = workload.build_optimizer(model)
-    for group in optimizer.param_groups:  # CUDA's default, as fake_setup asks for it
-        if group.get("foreach", False) is None:
-            group["foreach"] = True
-    sample = workload.collate([workload.largest_sample()])
-    return FakeSetup(mode, torch.device("cpu"), model, optimizer, sample, CUDA_BLOCK, True)
+        optimizer = build_for_target(workload, model, "cuda")  # as fake_setup builds it for a CUDA target
+    return FakeSetup(mode, torch.device("cpu"), model, optimizer, workload, workload.largest_sample(), CUDA_BLOCK, True)
 
 
 def _truth_replay(log, config, b: int, capacity: int | None = None, held: tuple[int, ...] = ()):

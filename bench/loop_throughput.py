@@ -2,6 +2,7 @@
 
     python bench/loop_throughput.py                      # CPU: num_workers 0 and 2, 5 interleaved repeats
     python bench/loop_throughput.py --device cuda        # a GPU: the CUDA device (allocator statistics only)
+    python bench/loop_throughput.py --model lstm         # the stateful LSTM (truncated BPTT), CPU
 
 Samples per second of the same model on the same data, three ways:
 
@@ -23,6 +24,14 @@ of the variants rotates every repeat) so that other work on the machine slows ea
 table gives the median per variant and the median of the per-repeat ratios trainer / plain.
 The first use of a ``TorchDispatchMode`` in a process imports ``torch._dynamo``; that one-time
 cost of a trial process on the CPU is measured apart, in fresh interpreters.
+
+``--model lstm`` runs the stateful example instead (``trainables/examples/lstm_lm.py`` as
+``configs/lstm_tbptt_cpu.yaml`` trains it: 32 streams, 16 tokens a step, 128 steps, clipping at
+0.25, an evaluation every 32 steps) against the usual PyTorch TBPTT loop (``word_language_model``'s
+shape: the stream batchified into 32 rows, walked 16 tokens at a time, the hidden state detached
+between steps and reset each epoch; its evaluations over the same windows, each from zeros, as
+the loop's eval is). Optimizer steps per second, the same interleaving and medians, and the two
+loops' losses side by side (per step, from separate untimed runs with a report after every step).
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ from orchestrator.config import DataLoading, Every, Stop  # noqa: E402
 from orchestrator.device import open_device  # noqa: E402
 from orchestrator.table import format_table  # noqa: E402
 from trainables.cnn import SmallCNN  # noqa: E402
+from trainables.examples.lstm_lm import LSTMLanguageModelWorkload  # noqa: E402
 from trainables.loop import LoopPlan, LoopSettings, Trainer  # noqa: E402
 from trainables.workload import Workload  # noqa: E402
 
@@ -227,20 +237,174 @@ def per_sample_ms(samples: int = 256) -> float:
     return (time.perf_counter() - started) / samples * 1000
 
 
+# -- the stateful LSTM: the trainer against a plain truncated-BPTT loop --------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TBPTT_CONFIG = os.path.join(ROOT, "configs", "lstm_tbptt_cpu.yaml")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tbptt:
+    """What both loops train: the workload, and the sweep's steps, streams, evaluations and clipping."""
+
+    workload: LSTMLanguageModelWorkload
+    streams: int  # the effective batch: parallel streams, the rows of every step
+    steps: int
+    eval_every: int  # steps
+    max_grad_norm: float
+
+    @classmethod
+    def of_config(cls, path: str = TBPTT_CONFIG, lr: float | None = None, steps: int | None = None) -> Tbptt:
+        """The sweep of ``path`` (its first learning rate, unless ``lr``), ``steps`` steps if given."""
+        from orchestrator.config import load_spec
+
+        spec = load_spec(path)
+        assert spec.eval_every.unit == "steps" and spec.stop.steps, "a config that evaluates and stops in steps"
+        lr = lr if lr is not None else spec.search_space["lr"].args[0][0]
+        workload = LSTMLanguageModelWorkload(**spec.params, lr=lr)
+        return cls(workload, spec.effective_batch_size, steps or spec.stop.steps, spec.eval_every.count,
+                   spec.max_grad_norm)
+
+
+def run_plain_tbptt(run: Tbptt, losses: list[float] | None = None) -> tuple[float, float]:
+    """(wall, CPU) seconds of the usual PyTorch TBPTT loop over ``run``'s steps and evaluations;
+    each step's loss is appended to ``losses`` (read with ``.item()``, as that loop does)."""
+    workload, rows, bptt = run.workload, run.streams, run.workload.bptt
+    torch.manual_seed(workload.seed)
+    model = workload.build_model()
+    optimizer = workload.build_optimizer(model)
+    tokens = workload.tokens(workload.train_tokens, "train")
+    steps_per_epoch = (len(tokens) - 1) // bptt // rows
+    length = rows * steps_per_epoch * bptt
+    inputs, targets = tokens[:length].view(rows, -1), tokens[1 : length + 1].view(rows, -1)  # batchify
+    windows = workload.eval_data()
+    eval_inputs = torch.stack([windows[i][0] for i in range(len(windows))])
+    eval_targets = torch.stack([windows[i][1] for i in range(len(windows))])
+    losses = [] if losses is None else losses
+    clock = Clock()
+    clock.start()
+    model.train()
+    for step in range(run.steps):
+        i = step % steps_per_epoch * bptt
+        if i == 0:
+            hidden = workload.initial_state(rows)
+        hidden = tuple(h.detach() for h in hidden)
+        logits, hidden = model(inputs[:, i : i + bptt], hidden)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets[:, i : i + bptt].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), run.max_grad_norm)
+        optimizer.step()
+        losses.append(loss.item())
+        if (step + 1) % run.eval_every == 0 or step + 1 == run.steps:
+            model.eval()
+            total = 0.0
+            with torch.no_grad():
+                for start in range(0, len(eval_inputs), rows):
+                    x, y = eval_inputs[start : start + rows], eval_targets[start : start + rows]
+                    logits, _ = model(x, workload.initial_state(len(x)))
+                    total += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item() / bptt
+            model.train()
+    return clock.stop()
+
+
+def run_trainer_tbptt(run: Tbptt, tracked: bool, every_step: bool = False) -> tuple[tuple[float, float], list]:
+    """(wall, CPU) seconds of the same through ``Trainer`` on the CPU device, and its milestones
+    (``every_step``: a milestone, so a train loss, after every step)."""
+    device = open_device("cpu")
+    settings = LoopSettings(Stop(steps=run.steps), eval_every=Every("steps", run.eval_every),
+                            checkpoint_every=Every("steps", 1) if every_step else None,
+                            max_grad_norm=run.max_grad_norm)
+    plan = LoopPlan(micro_batch=run.streams, effective_batch=run.streams, eval_batch=run.streams)
+    with device.measuring() if tracked else _Untracked():
+        trainer = Trainer(run.workload, device, plan, settings)
+        clock = Clock()
+        clock.start()
+        milestones = list(trainer.run())
+        elapsed = clock.stop()
+    assert milestones[-1].final and milestones[-1].progress.step == run.steps
+    return elapsed, milestones
+
+
+def tbptt_losses(run: Tbptt) -> tuple[list[float], list[float]]:
+    """Each step's train loss, from the plain loop and from the trainer (untimed)."""
+    plain: list[float] = []
+    run_plain_tbptt(run, plain)
+    _, milestones = run_trainer_tbptt(run, tracked=False, every_step=True)
+    return plain, [m.train_loss for m in milestones]
+
+
+def main_lstm(args) -> int:
+    run = Tbptt.of_config(steps=args.steps)
+    variants = {
+        "plain TBPTT": lambda: run_plain_tbptt(run),
+        "trainer": lambda: run_trainer_tbptt(run, tracked=True)[0],
+        "trainer-untracked": lambda: run_trainer_tbptt(run, tracked=False)[0],
+    }
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    w = run.workload
+    print(f"{os.path.relpath(TBPTT_CONFIG, ROOT)}: LSTM {w.layers}x{w.hidden}, vocab {w.vocab}, lr {w.lr}; "
+          f"{run.streams} streams x {w.bptt} tokens a step, {run.steps} steps, an evaluation every {run.eval_every} "
+          f"steps ({len(w.eval_data())} windows), clipping at {run.max_grad_norm}")
+    for variant in variants.values():  # warm-up: thread pools, the token streams, the allocator
+        variant()
+    timings: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+    for repeat in range(args.repeats):
+        names = list(variants)
+        for name in names[repeat % len(names):] + names[: repeat % len(names)]:
+            timings[name].append(variants[name]())
+    print(f"\n{args.repeats} interleaved repeats. steps/s: optimizer steps / wall time of the run (evaluations "
+          f"included); ratio: the variant's steps/s over plain TBPTT's in the same repeat, median (min-max)\n")
+    plain = timings["plain TBPTT"]
+    rows = []
+    for name, runs in timings.items():
+        rates = [run.steps / wall for wall, _ in runs]
+        rows.append([
+            name, f"{statistics.median(rates):.1f}", f"{min(rates):.1f}-{max(rates):.1f}",
+            "" if name == "plain TBPTT" else _ratio([p[0] / r[0] for p, r in zip(plain, runs)]),
+            f"{statistics.median(r[1] for r in runs) / run.steps * 1000:.2f}",
+            "" if name == "plain TBPTT" else _ratio([p[1] / r[1] for p, r in zip(plain, runs)]),
+        ])
+    print(format_table(["loop", "steps/s", "min-max", "ratio (wall)", "CPU ms/step", "ratio (CPU)"], rows))
+    plain_losses, trainer_losses = tbptt_losses(run)
+    shown = [*range(4), *range(run.steps - 2, run.steps)]
+    print("\ntrain loss per step, both loops:\n")
+    print(format_table(["step", "plain TBPTT", "trainer", "difference"], [
+        [i + 1, f"{plain_losses[i]:.6f}", f"{trainer_losses[i]:.6f}", f"{trainer_losses[i] - plain_losses[i]:+.1e}"]
+        for i in shown
+    ]))
+    print(f"largest difference over all {run.steps} steps: "
+          f"{max(abs(a - b) for a, b in zip(plain_losses, trainer_losses)):.1e}")
+    print(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": {k: [list(r) for r in v] for k, v in timings.items()},
+                       "losses": {"plain": plain_losses, "trainer": trainer_losses}}, f, indent=2)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("cnn", "lstm"), default="cnn",
+                        help="cnn: the JPEG images (default); lstm: the stateful LSTM of configs/lstm_tbptt_cpu.yaml")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=None, help="default: 30 (cnn), the config's (lstm)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in the training process")
     parser.add_argument("--json", help="write the raw timings here")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: PyTorch sees no GPU here")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.model == "lstm":
+        if args.device != "cpu":
+            parser.error("--model lstm: the comparison runs on the CPU")
+        return main_lstm(args)
+    args.steps = args.steps or 30
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: PyTorch sees no GPU here")
 
     workload = JpegWorkload(train_samples=args.steps * args.batch)
     workload.train_data(), workload.eval_data()  # encoded once, outside every timing

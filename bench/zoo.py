@@ -4,21 +4,25 @@ Three families:
 
 * the library zoo (``LIBRARY_ZOO``): models people train, from timm (ConvNeXt, Swin,
   EfficientNet, ViT), torchvision (ResNet, DeepLabV3, Faster R-CNN), transformers (BERT, GPT-2,
-  Llama) and torch.nn (Transformer, TransformerEncoder, LSTM, GRU, a UNet), at small sizes
-  that trace in seconds. ``tests/test_zoo.py`` plans them all on fake tensors (``bash
+  Llama) and torch.nn (Transformer, TransformerEncoder with and without masks, LSTM, GRU, a
+  UNet), at small sizes that trace in seconds. ``tests/test_zoo.py`` plans them all on fake tensors (``bash
   scripts/setup.sh --zoo`` installs the libraries); the accuracy benchmark compares them with a
   GPU's truth.
 * GPU models (``GPU_ZOO``), at their published sizes: ResNet-50 (torchvision), ViT-B/16 in bf16
   (torchvision), GPT-2 124M in bf16 at sequence 1024 (transformers), a temporal conv net on
   (b, 19, 15360) EEG-like input, a GAT (torch_geometric) on batches of small graphs, and GPT-2
   written with plain PyTorch in transformers' ops (a model whose every op we can see, to tell
-  the CUDA emulation's error from transformers' specifics). The first four are the models of
+  the CUDA emulation's error from transformers' specifics), torch.nn's encoder at the original
+  Transformer's base size with a causal and a padding mask, and the stateful LSTM language
+  model at Zaremba et al.'s medium size (truncated BPTT). The first four are the models of
   the H100 ground truth (the JSON given to ``estimator_accuracy.py --truth``, ``Entry.truth``),
   built the same way.
 * CPU stand-ins (``CPU_ZOO``), hand-written with plain PyTorch so they run where those
   libraries are not installed: a bottleneck ResNet on small images, the same 1-d conv net on
   a shorter signal, a GPT-style causal transformer (``scaled_dot_product_attention`` with
-  dropout, tied embeddings, bf16) and a ViT-style encoder, plus the project's own workloads.
+  dropout, tied embeddings, bf16) and a ViT-style encoder, plus the project's own workloads:
+  torch.nn's encoder with a causal and a padding mask (both layouts) and the stateful LSTM
+  language model (``trainables/examples/lstm_lm.py``, truncated BPTT).
 
 Data are synthetic and small (the benchmarks index them modulo their length): memory depends
 on shapes, not values. A sweep names a zoo model as ``bench.zoo:Swin`` (run from the project
@@ -39,6 +43,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from trainables.cnn import CNNWorkload
+from trainables.examples.lstm_lm import LSTMLanguageModelWorkload
 from trainables.mlp import MLPWorkload
 from trainables.staged import StagedMLPWorkload
 from trainables.workload import Workload
@@ -454,6 +459,61 @@ class NNEncoder(_Sequences):
 @dataclasses.dataclass
 class NNEncoderSeqFirst(NNEncoder):
     """The same, sequence first (``batch_first=False``, torch's default)."""
+
+    batch_first: bool = False
+
+
+class _MaskedEncoder(nn.Module):
+    def __init__(self, encoder: nn.Module, dim: int, classes: int, batch_first: bool, causal: bool):
+        super().__init__()
+        self.encoder, self.head = encoder, nn.Linear(dim, classes)
+        self.batch_first, self.causal = batch_first, causal
+
+    def forward(self, x, padding):  # x: (batch, seq, features); padding: (batch, seq), True = padded
+        seq = x.shape[1]
+        # what people write: the mask made from the size, and the encoder left to detect that it is causal
+        mask = nn.Transformer.generate_square_subsequent_mask(seq, device=x.device) if self.causal else None
+        h = self.encoder(x if self.batch_first else x.transpose(0, 1), mask=mask, src_key_padding_mask=padding)
+        h = h if self.batch_first else h.transpose(0, 1)
+        kept = (~padding).unsqueeze(-1).to(h.dtype)
+        return self.head((h * kept).sum(dim=1) / kept.sum(dim=1))
+
+
+@dataclasses.dataclass
+class NNEncoderMasked(NNEncoder):
+    """``torch.nn.TransformerEncoder`` given a causal mask (``mask``, which the encoder checks for
+    causality by reading its values) and a padding mask from the data (``src_key_padding_mask``,
+    the last quarter of every sequence padded; in eval, batch first, the encoder's nested-tensor
+    fast path checks it): the data-dependent checks of torch's own layers."""
+
+    causal: bool = True
+
+    def _data(self):
+        g = torch.Generator().manual_seed(0)
+        padding = torch.zeros(SAMPLES, self.seq, dtype=torch.bool)
+        padding[:, self.seq - self.seq // 4:] = True
+        x, y = torch.randn(SAMPLES, self.seq, self.dim, generator=g), torch.randint(0, self.classes, (SAMPLES,), generator=g)
+        return _repeated(x, padding, y)
+
+    def train_data(self):
+        return self._data()
+
+    def eval_data(self):
+        return self._data()
+
+    def build_model(self):
+        layer = nn.TransformerEncoderLayer(self.dim, self.heads, 4 * self.dim, self.dropout, batch_first=self.batch_first)
+        encoder = nn.TransformerEncoder(layer, self.layers, enable_nested_tensor=self.batch_first)
+        return _MaskedEncoder(encoder, self.dim, self.classes, self.batch_first, self.causal)
+
+    def loss(self, model, batch):
+        x, padding, y = batch
+        return F.cross_entropy(model(x, padding), y)
+
+
+@dataclasses.dataclass
+class NNEncoderMaskedSeqFirst(NNEncoderMasked):
+    """The same, sequence first (``batch_first=False``)."""
 
     batch_first: bool = False
 
@@ -913,6 +973,13 @@ GPU_ZOO = (
     Entry("tcn_eeg", TCNWorkload, "fp32", (32, 64, 128, 256), truth="tcn_eeg"),
     Entry("gat", GAT, "fp32", (8, 32, 128), ("torch_geometric",)),
     Entry("gpt2_standin_bf16_seq1024", GPT2StandInWorkload, "bf16", (2, 4, 8, 12)),
+    # torch.nn's encoder at the original Transformer's base size, given a causal mask it checks by
+    # its values and a padding mask; an LSTM language model at Zaremba et al.'s medium size on a
+    # WikiText-2-sized vocabulary, trained by truncated BPTT (a stateful workload)
+    Entry("nn_encoder_masked_base", NNEncoderMasked, "bf16", (16, 32, 64, 128),
+          params={"layers": 6, "dim": 512, "heads": 8, "seq": 512}),
+    Entry("lstm_lm_tbptt_medium", LSTMLanguageModelWorkload, "fp32", (20, 80, 320, 1280),
+          params={"vocab": 33278, "hidden": 650, "layers": 2, "bptt": 35}),
 )
 
 CPU_ZOO = (
@@ -923,6 +990,9 @@ CPU_ZOO = (
     Entry("conv1d_19x1536", Conv1d, "fp32", (4, 16, 32), params={"length": 1536}),
     Entry("tiny_gpt_bf16", TinyGPTWorkload, "bf16", (2, 4, 8)),
     Entry("vit_ish_bf16", ViTIsh, "bf16", (4, 16, 32)),
+    Entry("nn_encoder_masked", NNEncoderMasked, "bf16", (8, 32, 64)),
+    Entry("nn_encoder_masked_seq_first", NNEncoderMaskedSeqFirst, "bf16", (8, 32, 64)),
+    Entry("lstm_lm_tbptt", LSTMLanguageModelWorkload, "fp32", (8, 32, 64)),
 )
 
 #: Models people train, from timm, torchvision, transformers and torch.nn, at the small sizes
@@ -943,6 +1013,8 @@ LIBRARY_ZOO = (
     Entry("nn_transformer", NNTransformer, "bf16", (8, 32, 64)),
     Entry("nn_encoder", NNEncoder, "bf16", (8, 32, 64)),
     Entry("nn_encoder_seq_first", NNEncoderSeqFirst, "bf16", (8, 32, 64)),
+    Entry("nn_encoder_masked", NNEncoderMasked, "bf16", (8, 32, 64)),
+    Entry("nn_encoder_masked_seq_first", NNEncoderMaskedSeqFirst, "bf16", (8, 32, 64)),
     Entry("lstm", LSTM, "bf16", (8, 32, 64)),
     Entry("gru", GRU, "bf16", (8, 32, 64)),
     Entry("unet", UNet, "bf16", (8, 32, 64)),
@@ -962,11 +1034,12 @@ class StepRunner:
 
     def __init__(self, workload: Workload, precision: str, device):
         from trainables.step import make_grad_scaler
+        from trainables.workload import optimizer_for
 
         self.workload, self.precision, self.device = workload, precision, device
         torch.manual_seed(0)
         self.model = workload.build_model().to(device.torch_device)
-        self.optimizer = workload.build_optimizer(self.model)
+        self.optimizer = optimizer_for(workload, self.model, device.torch_device.type)
         self.scaler = make_grad_scaler(precision, device)
         self.train_data, self.eval_data = workload.train_data(), workload.eval_data()
 
@@ -991,14 +1064,16 @@ class StepRunner:
         return self.device.measuring()
 
     def train(self, b: int, micro_batches: int = 2):
-        """One train step; the device's reading (peak allocated, peak reserved) for it."""
+        """One train step; the device's reading (peak allocated, peak reserved) for it. A stateful
+        workload's step starts from its initial state, as the trace's does."""
         from trainables.step import train_step
 
         self.model.train()
         with self._window():
             batches = (self.batch(self.train_data, b) for _ in range(micro_batches))
             train_step(self.workload, self.model, self.optimizer, batches, [b] * micro_batches,
-                       self.device.torch_device, self.precision, self.scaler)
+                       self.device.torch_device, self.precision, self.scaler,
+                       carry=initial_carry(self.workload, b * micro_batches, self.device.torch_device))
         return self.device.reading()
 
     def eval(self, b: int):
@@ -1025,6 +1100,13 @@ class StepRunner:
             exc.__traceback__ = None
             self.recover()
             return False
+
+
+def initial_carry(workload: Workload, rows: int, device: torch.device):
+    """A stateful workload's initial state for a step of ``rows`` streams (None for the others)."""
+    from trainables.carry import Carry
+
+    return Carry.initial(workload, rows, device) if workload.stateful else None
 
 
 def describe_bytes(n: float) -> str:

@@ -91,13 +91,13 @@ def _registered_device(value: Any) -> str:
     return value
 
 
-def _registered_estimator(value: Any) -> str:
-    """Estimators register themselves (``orchestrator.estimator_registry``), so the names a
-    sweep may use are read when it is validated, not fixed here."""
+def _registered_estimator(value: Any) -> None:
+    """Estimators register themselves (``orchestrator.estimator_registry``), the user's too, from
+    the module of a workload the sweep names: so the name is checked once those are imported
+    (:func:`parse_spec`), not fixed here."""
     known = (*estimator_names(), NO_ESTIMATE)
     if value not in known:
-        raise _invalid(f"expected one of {', '.join(known)}, got {value!r}")
-    return value
+        raise ConfigError(f"memory.estimator: expected one of {', '.join(known)}, got {value!r}")
 
 
 PositiveInt = Annotated[int, Field(strict=True, gt=0), _expect("a positive integer")]
@@ -109,7 +109,7 @@ Fraction = Annotated[float, Field(strict=True, gt=0, le=1), _expect("a number in
 Flag = Annotated[bool, Field(strict=True), _expect("true or false")]
 Text = Annotated[str, StringConstraints(strict=True, pattern=r"\S"), _expect("a non-empty string")]
 Device = Annotated[str, BeforeValidator(_registered_device)]
-Estimator = Annotated[str, BeforeValidator(_registered_estimator)]
+Estimator = Annotated[str, StringConstraints(strict=True, pattern=r"^\w+$"), _expect("an estimator's name")]
 Precision = _one_of(PRECISIONS)
 Decay = _one_of(LR_DECAYS)
 Mode = _one_of(("min", "max"))
@@ -436,6 +436,9 @@ class MemoryPolicy:
     allow_activation_checkpointing: Flag = True
     precision: Precision = "fp32"
     lower_precision: Precision | None = "bf16"
+    #: Verify the plan on the device in a trial's first steps and switch to the corrected plan
+    #: (``orchestrator.trial.verify``); false: the estimate's plan is trusted until an OOM.
+    verify: Flag = True
     #: ``capacity: [64MiB, 8MiB]``: each rank of a data-parallel trial opens an emulated device of
     #: its own size (a group whose cards differ); empty when one capacity serves every rank.
     rank_capacities: tuple[int, ...] = field(default=(), metadata=DERIVED)
@@ -765,6 +768,7 @@ def parse_spec(raw: dict) -> SweepSpec:
     """The sweep's sections, each validated against its dataclass, then its parameters against its workloads."""
     spec = _validated(SweepSpec, copy.deepcopy(raw))  # the spec keeps the YAML as given (raw)
     _check_workload_parameters(spec)
+    _registered_estimator(spec.memory.estimator)
     return spec
 
 

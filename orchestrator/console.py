@@ -37,6 +37,7 @@ from orchestrator.contract import (
     HostMemoryEvent,
     Move,
     OomEvent,
+    PlanCheck,
 )
 from orchestrator.failures import exception_line, gave_up_message, last_failure
 from orchestrator.trial.errors import DataError
@@ -74,6 +75,14 @@ class OomSurvived:
     trial: str
     event: OomEvent  # its action says the change: "micro-batch 128->64 (accumulation 1->2)"
     plan: str = ""  # the plan it resumed with, on the last of the OOMs one report brought
+
+
+@dataclass(frozen=True)
+class PlanCorrected:
+    """A verification on the device changed the plan (``orchestrator.trial.verify``)."""
+
+    trial: str
+    check: PlanCheck
 
 
 @dataclass(frozen=True)
@@ -122,7 +131,8 @@ class Failed:
     retrying: str = ""  # how Tune restarts it: "retrying from its last checkpoint"
 
 
-Event = Started | Planned | OomSurvived | HostMemory | Moved | Finished | Refused | Diverged | StorageFault | Failed
+Event = (Started | Planned | OomSurvived | PlanCorrected | HostMemory | Moved | Finished | Refused | Diverged | StorageFault
+         | Failed)
 
 
 def format_event(event: Event) -> str:
@@ -143,6 +153,8 @@ def format_event(event: Event) -> str:
         if e.action == "gave up":
             return f"{name} OOM in {where}: gave up"
         return f"{name} OOM in {where}: resumed with {e.action}" + (f", plan {event.plan}" if event.plan else "")
+    if isinstance(event, PlanCorrected):
+        return f"{name} plan verified on the device: {event.check.describe()}"
     if isinstance(event, Moved):
         return f"{name} {event.move.describe()}"
     if isinstance(event, Finished):
@@ -201,6 +213,7 @@ class Seen:
     oom_events: int = 0
     host_memory_events: int = 0
     moves: int = 0
+    plan_checks: int = 0
 
 
 def report_events(trial: str, report: TrialReport, seen: Seen) -> list[Event]:
@@ -214,6 +227,8 @@ def report_events(trial: str, report: TrialReport, seen: Seen) -> list[Event]:
     for i, event in enumerate(new_events, 1):
         events.append(OomSurvived(trial, event, plan if i == len(new_events) else ""))
     seen.oom_events = max(seen.oom_events, len(report.oom_events))
+    events.extend(PlanCorrected(trial, c) for c in report.plan_checks[seen.plan_checks:] if c.changed)
+    seen.plan_checks = max(seen.plan_checks, len(report.plan_checks))
     for host in report.host_memory_events[seen.host_memory_events:]:
         events.append(HostMemory(trial, host))
     seen.host_memory_events = max(seen.host_memory_events, len(report.host_memory_events))
@@ -223,6 +238,8 @@ def report_events(trial: str, report: TrialReport, seen: Seen) -> list[Event]:
     if not seen.planned and report.micro_batch is not None:
         seen.planned = True
         started_with = _plan_before(new_events[0], report) if new_events else plan
+        if report.plan_checks and not new_events:  # it ran its first steps before the checks changed it
+            started_with = report.plan_checks[0].plan.split(" (")[0]
         events.insert(0, Planned(trial, started_with, _estimate(report)))
     if report.storage_fault:
         events.append(StorageFault(trial, report.storage_fault))
@@ -239,7 +256,8 @@ def _estimate(report: TrialReport) -> str:
     estimator = report.estimator or "none"
     if report.predicted_peak_bytes:
         phase = f" in {report.predicted_phase}" if report.predicted_phase else ""
-        return f"estimated peak {human(report.predicted_peak_bytes)}{phase} ({estimator})"
+        compiled = ", of the compiled model's eager modules" if (report.plan or {}).get("compiled") else ""
+        return f"estimated peak {human(report.predicted_peak_bytes)}{phase} ({estimator}{compiled})"
     return "no estimate (memory.estimator: none)" if estimator == "none" else f"no estimate ({estimator})"
 
 

@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from orchestrator.units import human
+
 # -- the trial's config keys that the retry scheduler sets before Tune restarts a trial ---------
 
 #: The number of plan reductions a restarted trial applies on top of its checkpoint's plan, set
@@ -51,6 +53,15 @@ TRIAL_LOG_FILE = "trial.log"
 
 #: How each kind of device measures the peak a report carries, as the tables label it.
 MEMORY_LABELS = {"cuda_allocator": "reserved", "cpu_tensor_tracker": "tensor bytes", "emulated": "emulated"}
+
+#: Said wherever a plan's estimate comes from a ``torch.compile``d model's eager modules (the
+#: profile's notes, so ``plan``; the trial's MLflow run, as its ``compiled_model`` tag): the
+#: trace runs the modules the compiled graph was made from, whose memory the graph may not keep.
+COMPILED_MODEL_NOTE = (
+    "the model is compiled (torch.compile): planned from its eager modules' trace; "
+    "the compiled graph's memory may differ (fused kernels, saved tensors, its own workspaces); "
+    "the trial's first steps measure it against the plan unless memory.verify is off"
+)
 
 #: Messages of allocation failures that do not come as ``torch.OutOfMemoryError`` (cuBLAS/cuDNN
 #: workspaces, the CUDA driver itself): the trial recognises an OOM by them, the driver reads
@@ -114,6 +125,47 @@ class HostMemoryEvent:
 
     @classmethod
     def from_dict(cls, data: dict) -> "HostMemoryEvent":
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class PlanCheck:
+    """One phase's plan verified on the device (``orchestrator.trial.verify``): its predicted and
+    measured peaks at the plan it ran, and the plan the trial went on with. It travels as an
+    :class:`OomEvent` does: in checkpoints, reports and MLflow.
+
+    ``epoch`` counts from 1, ``step`` is the optimizer step after which it was measured.
+    """
+
+    phase: str  # "train", "eval", "train@epoch3"
+    epoch: int
+    step: int
+    predicted_bytes: int  # the estimate's, at ``plan`` (what the device's peak is compared with)
+    measured_bytes: int
+    limit_bytes: int  # what a plan may fill: budget x safety margin
+    plan: str  # "8 x 16 (eval 64, fp32)": the plan it ran
+    new_plan: str  # the plan it went on with (the same where the estimate held)
+
+    @property
+    def changed(self) -> bool:
+        return self.new_plan != self.plan
+
+    @property
+    def error(self) -> float:
+        """(measured - predicted) / predicted: the estimate's error on this device."""
+        return (self.measured_bytes - self.predicted_bytes) / self.predicted_bytes
+
+    def describe(self) -> str:
+        """'train after step 2 (epoch 1): measured 3.0 MiB, predicted 2.4 MiB (+25%), limit 4.0 MiB; plan 8 x 16 -> 12 x 11'"""
+        head = (f"{self.phase} after step {self.step} (epoch {self.epoch}): measured {human(self.measured_bytes)}, "
+                f"predicted {human(self.predicted_bytes)} ({self.error:+.0%}), limit {human(self.limit_bytes)}")
+        return f"{head}; plan {self.plan} -> {self.new_plan}" if self.changed else f"{head}; plan {self.plan} kept"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "PlanCheck":
         return cls(**data)
 
 

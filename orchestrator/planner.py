@@ -15,6 +15,13 @@ here touches a GPU, Ray or MLflow, so every rule is unit-tested on its own.
 * :func:`next_reduction` is what to try after an out-of-memory error: halve the micro-batch,
   then activation checkpointing, then the lower precision, then give up. The effective batch is
   never changed: a reduced trial makes the same updates, only in more, smaller pieces.
+* A trial that verifies its plan (``memory.verify``, ``orchestrator.trial.verify``) plans with
+  ``error_bound`` first: every phase's prediction raised by the estimator's own error bound, so
+  its first steps fit even where the estimate is that far too low; then with ``corrections``,
+  each measured phase's prediction scaled by measured / predicted, interpolated between the
+  batch sizes it was measured at, for the plan it switches to; ``micro_cap`` keeps the
+  micro-batch below one that measured too much. Both keep the settings (``settings``):
+  verification moves batch sizes, not precision.
 * :func:`plan_for_ranks` plans a data-parallel group: each rank computes ``effective / ranks``
   samples of every step on its own device, so each rank is planned for its own budget (less
   what the gradient exchange holds, ``memory.parallel``) and the group runs the smallest rank's
@@ -62,6 +69,15 @@ class Plan:
     ranks: int = 1
     rank_budgets: tuple[int | None, ...] = ()  # each rank's budget, as the group was planned
     exchange_bytes: int = 0  # what each rank holds for the gradient exchange (taken from its budget)
+    #: Plan verification (``orchestrator.trial.verify``): each measured phase's (batch size,
+    #: measured / predicted peak) points, which the plan's predictions were scaled by; the other
+    #: phases' were raised by ``error_bound`` (the estimator's, while they are not measured yet).
+    corrections: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    measured_phases: dict[str, int] = field(default_factory=dict)  # phase -> its last peak measured on the device
+    error_bound: float = 0.0
+    #: The model is ``torch.compile``d and the estimate is its eager modules' (the profile's
+    #: ``compiled``): the compiled graph's memory may differ (``contract.COMPILED_MODEL_NOTE``).
+    compiled: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -70,7 +86,9 @@ class Plan:
     def from_dict(cls, d: dict) -> "Plan":
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in d.items() if k in known}
-        values["predicted_phases"] = dict(values.get("predicted_phases") or {})
+        for name in ("predicted_phases", "measured_phases"):
+            values[name] = dict(values.get(name) or {})
+        values["corrections"] = {k: tuple((int(b), float(f)) for b, f in v) for k, v in (values.get("corrections") or {}).items()}
         values["rank_budgets"] = tuple(values.get("rank_budgets") or ())
         return cls(**values)
 
@@ -94,7 +112,9 @@ class Plan:
 
 def make_plan(
     workload, policy, effective_batch: int, budget_bytes: int | None, *, target: str, device=None,
-    profiles: ProfileCache | None = None,
+    profiles: ProfileCache | None = None, settings: Settings | None = None,
+    corrections: dict[str, tuple[tuple[int, float], ...]] | None = None, error_bound: float = 0.0,
+    micro_cap: int | None = None,
 ) -> Plan:
     """The plan for one trial of ``workload`` on a device of kind ``target`` with ``budget_bytes``.
 
@@ -104,14 +124,20 @@ def make_plan(
     effective batch at once. ``policy`` is the sweep's ``MemoryPolicy``; ``device`` the worker's
     ``Device``, which the ``measured`` estimator probes on; ``profiles`` the estimates made so
     far (the driver's, handed to a trial), which the plan adds to where it needs more.
+    ``settings``: only these (precision, activation checkpointing), not the policy's candidates;
+    ``corrections`` and ``error_bound``: what a verifying trial scales each phase's predictions
+    by (:func:`correction_at`); ``micro_cap``: the largest micro-batch it may pick.
     """
     return plan_with_profile(workload, policy, effective_batch, budget_bytes, target=target, device=device,
-                             profiles=profiles)[0]
+                             profiles=profiles, settings=settings, corrections=corrections,
+                             error_bound=error_bound, micro_cap=micro_cap)[0]
 
 
 def plan_with_profile(
     workload, policy, effective_batch: int, budget_bytes: int | None, *, target: str, device=None,
-    profiles: ProfileCache | None = None,
+    profiles: ProfileCache | None = None, settings: Settings | None = None,
+    corrections: dict[str, tuple[tuple[int, float], ...]] | None = None, error_bound: float = 0.0,
+    micro_cap: int | None = None,
 ) -> tuple[Plan, MemoryProfile | None]:
     """:func:`make_plan`, and the profile of the settings it planned with (to show its breakdown)."""
     if effective_batch < 1:
@@ -124,6 +150,7 @@ def plan_with_profile(
     profiles = profiles if profiles is not None else ProfileCache(workload, policy, target, device)
     eval_cap = min(EVAL_BATCH_CAP * effective_batch, _eval_samples(workload))
     if budget_bytes is None:
+        start = settings or start
         profile = profiles.get(start)
         if profile is None:
             raise EstimationError(profiles.errors[start])
@@ -131,18 +158,21 @@ def plan_with_profile(
         return _plan(profile, effective_batch, effective_batch, eval_batch, None, ""), profile
 
     limit = int(budget_bytes * policy.safety_margin)
-    for settings in _candidates(start, policy, workload.supports_activation_checkpointing):
-        profile = profiles.get(settings)
+    trust = _Trust(dict(corrections or {}), error_bound)
+    candidates = [settings] if settings is not None else _candidates(start, policy, workload.supports_activation_checkpointing)
+    for candidate in candidates:
+        profile = profiles.get(candidate)
         if profile is None:
             continue
-        micro = _largest(lambda m: _train_fits(profile, m, limit), effective_batch)
+        micro = _largest(lambda m: _train_fits(profile, m, limit, trust), min(effective_batch, micro_cap or effective_batch))
         if not micro:
             continue
         micro, note = _prefer_divisor(micro, effective_batch)
-        eval_batch = _largest(lambda b: _eval_fits(profile, b, micro, limit), eval_cap)
+        eval_batch = _largest(lambda b: _eval_fits(profile, b, micro, limit, trust), eval_cap)
         if eval_batch:
-            plan = _plan(profile, micro, effective_batch, eval_batch, budget_bytes, note, limit)
-            return replace(plan, safety_margin=policy.safety_margin), profile
+            plan = _plan(profile, micro, effective_batch, eval_batch, budget_bytes, note, limit, trust)
+            return replace(plan, safety_margin=policy.safety_margin, corrections=trust.corrections,
+                           error_bound=error_bound), profile
     return _refuse(workload, policy, effective_batch, budget_bytes, limit, profiles, start), profiles.get(start)
 
 
@@ -245,12 +275,41 @@ def _eval_samples(workload) -> int:
         return 2**31
 
 
-def _train_fits(profile: MemoryProfile, micro: int, limit: int) -> bool:
-    return all(p.fits(micro, limit) for p in profile.phases_of("train"))
+@dataclass(frozen=True)
+class _Trust:
+    """How far a plan trusts each phase's prediction: a phase whose peak is ``factor`` x its
+    prediction fits ``limit`` when its prediction fits ``limit / factor``."""
+
+    corrections: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    error_bound: float = 0.0
+
+    def limit(self, phase: str, limit: int, batch: int) -> int:
+        return int(limit / correction_at(self.corrections.get(phase, ()), batch, 1.0 + self.error_bound))
 
 
-def _eval_fits(profile: MemoryProfile, batch: int, micro: int, limit: int) -> bool:
-    return all(p.fits(batch, limit, micro_batch=micro) for p in profile.phases_of("eval"))
+def correction_at(points: tuple[tuple[int, float], ...], batch: int, default: float) -> float:
+    """measured / predicted at ``batch``: linear between the batch sizes it was measured at, the
+    nearest one's beyond them, ``default`` where it was never measured."""
+    if not points:
+        return default
+    points = tuple(sorted(points))
+    if batch <= points[0][0]:
+        return points[0][1]
+    for (b0, f0), (b1, f1) in zip(points, points[1:]):
+        if batch <= b1:
+            return f0 + (f1 - f0) * (batch - b0) / (b1 - b0)
+    return points[-1][1]
+
+
+TRUSTED = _Trust()
+
+
+def _train_fits(profile: MemoryProfile, micro: int, limit: int, trust: _Trust = TRUSTED) -> bool:
+    return all(p.fits(micro, trust.limit(p.name, limit, micro)) for p in profile.phases_of("train"))
+
+
+def _eval_fits(profile: MemoryProfile, batch: int, micro: int, limit: int, trust: _Trust = TRUSTED) -> bool:
+    return all(p.fits(batch, trust.limit(p.name, limit, batch), micro_batch=micro) for p in profile.phases_of("eval"))
 
 
 def _largest(fits: Callable[[int], bool], cap: int) -> int:
@@ -283,8 +342,13 @@ def _prefer_divisor(micro: int, effective: int) -> tuple[int, str]:
 
 
 def _plan(profile: MemoryProfile, micro: int, effective: int, eval_batch: int, budget: int | None, note: str,
-          limit: int | None = None) -> Plan:
-    phases = profile.phase_peaks(micro, eval_batch, limit)
+          limit: int | None = None, trust: _Trust = TRUSTED) -> Plan:
+    if limit is None or trust == TRUSTED:
+        phases = profile.phase_peaks(micro, eval_batch, limit)
+    else:  # each phase's replay within the limit its trust leaves it
+        phases = {p.name: p.reserved_at(profile.batch_for(p, micro, eval_batch), micro_batch=micro,
+                                        limit=trust.limit(p.name, limit, profile.batch_for(p, micro, eval_batch)))
+                  for p in profile.phases}
     worst = profile.worst(phases, micro, eval_batch)
     fallback = next((n for n in profile.notes if n.startswith("trace impossible")), None)
     return Plan(
@@ -300,6 +364,7 @@ def _plan(profile: MemoryProfile, micro: int, effective: int, eval_batch: int, b
         predicted_phase=worst,
         predicted_phases=phases,
         note="; ".join(n for n in (note, fallback) if n),
+        compiled=profile.compiled,
     )
 
 
@@ -318,6 +383,7 @@ def _refuse(workload, policy, effective: int, budget: int, limit: int, profiles:
     return Plan(
         1, effective, effective, 1, False, policy.precision, profile.estimator if profile else policy.estimator,
         budget, phases.get(worst), worst, phases, refusal=message, safety_margin=policy.safety_margin,
+        compiled=profile.compiled if profile else False,
     )
 
 

@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from orchestrator.contract import HostMemoryEvent, Move, OomEvent, records_from_report, records_in_report
+from orchestrator.contract import HostMemoryEvent, Move, OomEvent, PlanCheck, records_from_report, records_in_report
 
 #: Keys Tune adds to every result (``ray.tune.result``), which are not the trial's to report;
 #: ``trial_id``, ``done`` and ``time_total_s`` among them are read back into the report.
@@ -99,6 +99,8 @@ class TrialReport:
     oom_events: tuple[OomEvent, ...] = ()
     host_memory_events: tuple[HostMemoryEvent, ...] = ()  # DataLoader workers lost (orchestrator.trial.host_memory)
     moves: tuple[Move, ...] = ()
+    #: Each phase's plan verified on the device, oldest first (``orchestrator.trial.verify``).
+    plan_checks: tuple[PlanCheck, ...] = ()
     #: A sample its data could not load, in one line: reported just before the trial fails of it,
     #: so that the retry scheduler lets that failure be its last (``orchestrator.retry``).
     data_error: str | None = None
@@ -151,7 +153,7 @@ class TrialReport:
             value = getattr(self, f.name)
             if f.name == "measurements":
                 out.update(value)
-            elif f.name in ("oom_events", "host_memory_events", "moves"):
+            elif f.name in ("oom_events", "host_memory_events", "moves", "plan_checks"):
                 out[f.name] = records_in_report([item.to_dict() for item in value])
             elif f.name == "rank_peaks":
                 for rank, peak in enumerate(value):
@@ -196,6 +198,7 @@ class TrialReport:
         values["host_memory_events"] = tuple(
             HostMemoryEvent.from_dict(e) for e in records_from_report(result.get("host_memory_events")))
         values["moves"] = tuple(Move.from_dict(m) for m in records_from_report(result.get("moves")))
+        values["plan_checks"] = tuple(PlanCheck.from_dict(c) for c in records_from_report(result.get("plan_checks")))
         values["rank_peaks"] = _rank_peaks(result)
         known = {f.name for f in dataclasses.fields(cls)} | _DERIVED | TUNE_RESULT_KEYS
         values["measurements"] = {k: v for k, v in result.items() if k not in known and not _RANK_KEY.fullmatch(k)}
@@ -209,7 +212,8 @@ class TrialReport:
 
 
 #: Fields :meth:`TrialReport.from_result` reads its own way.
-_SPECIAL = frozenset({"plan", "refusal", "oom_events", "host_memory_events", "moves", "rank_peaks", "measurements"})
+_SPECIAL = frozenset({"plan", "refusal", "oom_events", "host_memory_events", "moves", "plan_checks", "rank_peaks",
+                      "measurements"})
 #: Keys of :meth:`TrialReport.to_metrics` that are 0/1 flags.
 _FLAGS = frozenset({"refused", "training_done", "done"})
 #: Keys :meth:`TrialReport.to_metrics` derives from the fields.

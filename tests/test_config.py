@@ -171,6 +171,9 @@ BAD = [
      "memory.capacity: expected one capacity per worker (resources.workers: 2), got 1"),
     ("a clock cadence in a group", ["resources.workers=2", "eval_every={minutes: 5}"],
      "eval_every: minutes are not supported with resources.workers > 1"),
+    ("plan verification on or off", ["memory.verify=sometimes"], "memory.verify: expected true or false, got 'sometimes'"),
+    ("an estimator nobody registered", ["memory.estimator=flat"],
+     "memory.estimator: expected one of static, trace, measured, none, got 'flat'"),
 ]
 
 

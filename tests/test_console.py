@@ -107,6 +107,28 @@ def test_a_report_tells_the_plan_once_and_each_oom_and_move_once():
         OomSurvived("t", TRAIN_OOM), OomSurvived("t", EVAL_OOM, "64 x 2"), Moved("t", move)]
 
 
+def test_a_plan_the_verification_changed_is_told_once_with_the_plan_it_started_with():
+    from orchestrator.contract import PlanCheck
+
+    grown = PlanCheck("train", 1, 2, 1000, 800, 2000, "64 x 2 (eval 128, fp32)", "128 x 1 (eval 128, fp32)")
+    kept = PlanCheck("train", 1, 4, 1600, 1600, 2000, "128 x 1 (eval 128, fp32)", "128 x 1 (eval 128, fp32)")
+    seen = Seen()
+    events = report_events("t", dataclasses.replace(PLANNED, plan_checks=(grown, kept)), seen)
+    assert [format_event(e) for e in events] == [
+        "t plan: micro-batch x accumulation 64 x 2, estimated peak 5.0 MiB in train (trace)",
+        ("t plan verified on the device: train after step 2 (epoch 1): measured 800 B, predicted 1000 B (-20%), "
+         "limit 2.0 KiB; plan 64 x 2 (eval 128, fp32) -> 128 x 1 (eval 128, fp32)"),
+    ]  # a check that kept the plan is MLflow's, not a line
+    assert report_events("t", dataclasses.replace(PLANNED, plan_checks=(grown, kept)), seen) == []
+
+
+def test_the_plan_of_a_compiled_model_says_it_is_the_eager_modules_estimate():
+    compiled = dataclasses.replace(PLANNED, plan={"compiled": True})
+    [event] = report_events("t", TrialReport.from_result(compiled.to_metrics()), Seen())
+    assert format_event(event) == ("t plan: micro-batch x accumulation 64 x 2, estimated peak 5.0 MiB in train "
+                                   "(trace, of the compiled model's eager modules)")
+
+
 def test_a_refused_trial_says_why_instead_of_a_plan():
     result = TrialReport(refusal="micro-batch 1 needs 9.0 GiB", micro_batch=0, accum_steps=0)
     assert report_events("t", result, Seen()) == [Refused("t", "micro-batch 1 needs 9.0 GiB")]

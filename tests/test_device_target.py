@@ -6,7 +6,7 @@ import pytest
 
 from orchestrator.config import parse_spec
 from orchestrator.device import CpuDevice, EmulatedDevice
-from orchestrator.device.target import resolve_target
+from orchestrator.device.target import resolve_target, trains_on
 from orchestrator.plan_command import _rank_budgets, planning_target
 from orchestrator.trial.node import CAPACITY_LABEL, NodeInfo
 from orchestrator.trial.run import open_trial_device, trial_target
@@ -122,3 +122,18 @@ def test_a_trial_of_a_sweep_plans_on_the_budget_plan_shows(tmp_path, local_ray, 
     [reports] = trial_results(f"{outcome.experiment_path}/*/result.json").values()
     assert (shown["target"], shown["budget_bytes"]) == ("emulated", 8 * MiB)
     assert {r["budget_bytes"] for r in reports} == {shown["budget_bytes"]}
+
+
+@pytest.mark.parametrize("memory, resources, device_type", [
+    ({}, {"cpu": 1}, "cpu"),
+    ({"device": "emulated", "capacity": "8MiB"}, {"cpu": 1, "gpu": 1}, "cpu"),
+    ({}, {"cpu": 1, "gpu": 1}, "cuda"),
+])
+def test_what_a_workload_is_told_it_trains_on_follows_the_target(memory, resources, device_type):
+    """The torch device type an estimate builds the optimizer for (from the target's kind) is the
+    one the trial's device has, and the one ``plan`` plans for (from the target's device)."""
+    target = resolve_target(spec(memory, **resources))
+    assert trains_on(target.kind) == trains_on(target.device) == device_type
+    if device_type == "cpu":  # a device this machine can open
+        device, _ = trial(spec(memory, **resources))
+        assert device.torch_device.type == device.torch_type == device_type

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from orchestrator.config import DataLoading, Every, LrSchedule, Stop
 from orchestrator.device import CpuDevice
 from orchestrator.device.emulated import EmulatedDevice
-from tests.workloads import PlateauWorkload
+from tests.workloads import DeviceOptimizerWorkload, PlateauWorkload
 from trainables.cnn import CNNWorkload
 from trainables.loop import LoopPlan, LoopSettings, MetricsMismatch, Progress, Trainer
 from trainables.mlp import MLPWorkload
@@ -367,3 +367,11 @@ def test_where_reading_the_watch_would_wait_it_is_read_at_milestones_and_names_t
     with pytest.raises(TrainingDiverged) as diverged:
         list(trainer.run())
     assert trainer.progress.step == 8 and diverged.value.divergence.step == 5
+
+
+def test_a_workload_that_picks_its_optimizer_by_device_is_told_the_trials():
+    """The trainer tells ``build_optimizer`` the device type it trains on: the CPU's loop here
+    (on a GPU, the same workload takes fused AdamW: ``tests/test_memory_optimizer.py``)."""
+    trainer = Trainer(DeviceOptimizerWorkload(width=8), CpuDevice(), LoopPlan(8, 8, 8), epochs(1))
+    group = trainer.optimizer.param_groups[0]
+    assert not group["fused"] and group["foreach"] is False

@@ -8,7 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from orchestrator.contract import COMPILED_MODEL_NOTE
 from orchestrator.memory import Settings, estimate
+from tests.workloads import COMPILED_GRAPHS, CompiledMLPWorkload
 from trainables.cnn import CNNWorkload
 from trainables.mlp import MLPWorkload
 from trainables.staged import StagedMLPWorkload
@@ -84,8 +86,9 @@ def test_cuda_target_adds_context_workspace_and_fragmentation():
 class Masked(MLPWorkload):
     def loss(self, model, batch):
         x, y = batch
-        keep = y >= 0
-        return F.cross_entropy(model(x)[keep], y[keep])  # boolean mask: a data-dependent shape
+        logits = model(x)
+        keep = logits.argmax(-1) >= 0  # from the model's output: no value before the step runs
+        return F.cross_entropy(logits[keep], y[keep])  # boolean mask: a data-dependent shape
 
 
 def test_forward_runs_on_real_tensors_when_fake_ones_cannot():
@@ -105,3 +108,10 @@ def test_a_model_too_large_for_this_machine_is_not_built_for_real(monkeypatch):
     with pytest.raises(static.TooLargeForRealTensors, match=r"aten\.nonzero.*test_memory_static.py:\d+ \(loss\).*too large to run on real CPU tensors"):
         estimate(Masked(), "static", target="cpu")
     assert len(built) == 2  # on fake tensors, then for its size: never a third time, for real
+
+
+def test_a_compiled_model_is_counted_from_its_eager_modules_with_a_note():
+    profile = estimate(CompiledMLPWorkload(width=16), "static", target="cpu")
+    assert COMPILED_GRAPHS == [] and profile.compiled and COMPILED_MODEL_NOTE in profile.notes
+    eager = estimate(MLPWorkload(width=16), "static", target="cpu")
+    assert [p.allocated_at(8) for p in profile.phases] == [p.allocated_at(8) for p in eager.phases]

@@ -15,10 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from bench.zoo import GRU, LSTM, NNEncoder, NNEncoderSeqFirst, NNTransformer, UNet
+from bench.zoo import GRU, LSTM, NNEncoder, NNEncoderMasked, NNEncoderMaskedSeqFirst, NNEncoderSeqFirst, NNTransformer, UNet
+from orchestrator.contract import COMPILED_MODEL_NOTE
 from orchestrator.device import CpuDevice
 from orchestrator.memory import Settings, estimate
 from orchestrator.memory.cuda_emulation import cuda_autocast_policy
+from tests.workloads import COMPILED_GRAPHS, CompiledMLPWorkload
 from trainables.cnn import CNNWorkload
 from trainables.mlp import MLPWorkload
 from trainables.staged import StagedMLPWorkload
@@ -49,12 +51,25 @@ def test_mlp_trace_matches_a_hand_count():
 
 
 class NonzeroMLP(MLPWorkload):
-    """A loss with a data-dependent shape (boolean masking): cannot run on fake tensors."""
+    """A loss with a shape that depends on the model's output (masking by its predictions):
+    nothing knows those values before the step runs, so it cannot run on fake tensors."""
+
+    def loss(self, model, batch):
+        x, y = batch
+        logits = model(x)
+        keep = torch.nonzero(logits.argmax(-1) >= 0).squeeze(1)
+        return F.cross_entropy(logits[keep], y[keep])
+
+
+class LabelMaskedMLP(MLPWorkload):
+    """The same masking by the batch's labels: values of the workload's sample, known to the trace."""
 
     def loss(self, model, batch):
         x, y = batch
         logits = model(x)
         keep = torch.nonzero(y >= 0).squeeze(1)
+        if not bool((y[keep] >= 0).all()):  # a Python check on the data, as models make
+            raise ValueError("negative label")
         return F.cross_entropy(logits[keep], y[keep])
 
 
@@ -67,6 +82,46 @@ def test_untraceable_workload_falls_back_with_a_note_naming_the_op_and_the_line(
     measured = estimate(NonzeroMLP(), "trace", target="cpu", device=CpuDevice())
     assert measured.estimator == "measured" and "fell back to measured" in measured.notes[0]
     assert measured.phases[0].allocated_at(64) <= static.phases[0].allocated_at(64)
+
+
+def test_checks_on_the_samples_values_are_answered_as_the_real_batch_answers_them():
+    traced = estimate(LabelMaskedMLP(), "trace", target="cpu")
+    real = estimate(LabelMaskedMLP(), "measured", target="cpu", device=CpuDevice())
+    assert traced.estimator == "trace", traced.notes
+    for fake, measured in zip(traced.phases, real.phases):
+        for b, _ in measured.points:
+            assert fake.allocated_at(b) == measured.allocated_at(b), (fake.name, b)
+
+
+class CheckedActivationsMLP(MLPWorkload):
+    """A Python check on the model's activations: no input value tells its answer."""
+
+    def loss(self, model, batch):
+        x, y = batch
+        logits = model(x)
+        if bool(logits.isnan().any()):
+            raise FloatingPointError("nan logits")
+        return F.cross_entropy(logits, y)
+
+
+def test_a_check_whose_answer_is_not_knowable_falls_back_naming_the_op_and_the_line():
+    profile = estimate(CheckedActivationsMLP(), "trace", target="cpu")
+    assert profile.estimator == "static"
+    assert profile.notes[0].startswith("trace impossible (aten._local_scalar_dense"), profile.notes[0]
+    line = inspect.getsourcelines(CheckedActivationsMLP.loss)[1] + 3  # the isnan check
+    assert f"in tests/test_memory_trace.py:{line} (loss)" in profile.notes[0]
+def test_a_compiled_model_is_traced_through_its_eager_modules_without_compiling():
+    """``build_model`` returning ``torch.compile(model)``: the trace runs the eager modules (dynamo
+    never sees the fake tensors: the compiler is given no graph), profiles what eager would, and
+    says the compiled graph's memory may differ."""
+    compiled = CompiledMLPWorkload(width=16)
+    profile = estimate(compiled, "trace", target="cuda")
+    assert COMPILED_GRAPHS == []
+    assert profile.estimator == "trace" and profile.compiled and COMPILED_MODEL_NOTE in profile.notes
+    eager = estimate(MLPWorkload(width=16), "trace", target="cuda")
+    assert not eager.compiled and COMPILED_MODEL_NOTE not in eager.notes
+    for c, e in zip(profile.phases, eager.phases):
+        assert c.allocated_at(64) == e.allocated_at(64) and c.reserved_at(64) == e.reserved_at(64), c.name
 
 
 def test_stages_and_eval_are_distinct_phases():
@@ -87,6 +142,8 @@ def test_stages_and_eval_are_distinct_phases():
     MLPWorkload(), CNNWorkload(), StagedMLPWorkload(aux_width=256),
     # torch.nn's own layers (bench.zoo's library zoo, small): the encoder's eval runs its fused fast path
     NNTransformer(dim=32, seq=16), NNEncoder(seq=16), NNEncoderSeqFirst(seq=16), GRU(seq=4), UNet(image=32),
+    # a causal mask the encoder checks by its values, and a padding mask from the data, in both layouts
+    NNEncoderMasked(seq=16), NNEncoderMaskedSeqFirst(seq=16), NNEncoderMaskedSeqFirst(seq=16, causal=False),
 ], ids=type)
 def test_trace_equals_the_real_cpu_peaks(workload):
     """On the CPU both count the same tensors: fake and real steps agree byte for byte."""
@@ -96,6 +153,29 @@ def test_trace_equals_the_real_cpu_peaks(workload):
     for fake, measured in zip(traced.phases, real.phases):
         for b, _ in measured.points:
             assert fake.allocated_at(b) == measured.allocated_at(b), (fake.name, b)
+
+
+def test_the_encoders_nested_tensor_fast_path_is_traced_on_its_layers_path_and_says_so():
+    """In eval, batch first, with a padding mask alone, the encoder packs the batch into nested
+    tensors, which fake tensors cannot hold: the trace takes the layers' path, which keeps the
+    padded positions (a quarter of them here) and, on the CPU, the attention scores the fused
+    kernel does not: above the real CPU eval, never under (by 20 % at the measured sizes)."""
+    workload = NNEncoderMasked(seq=16, causal=False)
+    traced = estimate(workload, "trace", target="cpu")
+    real = estimate(workload, "measured", target="cpu", device=CpuDevice())
+    assert traced.estimator == "trace" and any("nested tensors" in n for n in traced.notes), traced.notes
+    (train, evaluate), (real_train, real_eval) = traced.phases, real.phases
+    for b, _ in real_train.points:
+        assert train.allocated_at(b) == real_train.allocated_at(b)
+    for b, _ in real_eval.points:
+        assert real_eval.allocated_at(b) <= evaluate.allocated_at(b) <= 1.3 * real_eval.allocated_at(b), b
+
+
+@pytest.mark.parametrize("workload_type", [NNEncoderMasked, NNEncoderMaskedSeqFirst], ids=lambda t: t.__name__)
+def test_a_masked_encoder_traces_for_a_cuda_target(workload_type):
+    profile = estimate(workload_type(seq=16), "trace", Settings("bf16"), target="cuda")
+    assert profile.estimator == "trace", profile.notes
+    assert not any("math kernel" in n or "not counted" in n for n in profile.notes), profile.notes
 
 
 def test_lstm_trace_counts_onednn_workspace_as_the_real_cpu_run_does():

@@ -9,6 +9,7 @@ from argparse import Namespace
 import pytest
 
 from orchestrator.cli import main
+from orchestrator.contract import COMPILED_MODEL_NOTE
 from orchestrator.errors import UserError
 from orchestrator.plan_command import plan_command
 from tests.conftest import ROOT
@@ -126,6 +127,19 @@ def test_a_model_that_crashes_is_shown_with_the_line_of_its_code(tmp_path, capsy
         "could not be estimated: ValueError: mat1 and mat2 shapes cannot be multiplied (64x32 and 31x16) "
         f"(in tests/workloads.py:{line} (loss))"
     ) in out
+
+
+def test_a_compiled_model_is_planned_from_its_eager_trace_and_the_plan_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)  # tests.workloads, as a user's package in the working directory
+    path = tmp_path / "sweep.yaml"
+    path.write_text(
+        "experiment: compiled\nworkload: {name: 'tests.workloads:CompiledMLPWorkload', params: {width: 16}}\n"
+        "search_space: {lr: 0.01}\neffective_batch_size: 32\nstop: {epochs: 1}\nmemory: {estimator: trace}\n"
+    )
+    assert plan_command(args(str(path), device_memory="2GiB")) == 0
+    out = capsys.readouterr().out
+    assert "1 trials, 0 refused" in out and f"note: {COMPILED_MODEL_NOTE}" in out
+    assert "note: optimizer AdamW (foreach), as built for a cuda device" in out
 
 
 def test_each_trial_s_host_memory_is_planned_for_the_trials_a_node_runs_at_once(sweep, capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -12,7 +13,7 @@ from orchestrator.device import EmulatedDevice
 from orchestrator.memory import MemoryProfile, PhaseProfile, Settings
 from orchestrator.memory.cache import ProfileCache
 from orchestrator.memory.sequence import TrialSequence, fit_log
-from orchestrator.planner import Plan, make_plan, next_reduction, plan_for_ranks
+from orchestrator.planner import Plan, correction_at, make_plan, next_reduction, plan_for_ranks
 from trainables.cnn import CNNWorkload
 from trainables.loop import LoopPlan, LoopSettings, Trainer
 from trainables.mlp import MLPWorkload
@@ -86,6 +87,32 @@ def test_safety_margin_shrinks_the_budget(profiles):
     profiles[FP32] = profile(FP32, phase("train", "train", 100, 10), phase("eval", "eval", 100, 1))
     plan = make_plan(MLPWorkload(), policy(safety_margin=0.5), 40, 1000, target="emulated", profiles=profiles)  # m <= 40
     assert plan.micro_batch == 40 and plan.predicted_peak_bytes <= 500
+
+
+def test_a_verifying_trial_starts_within_the_error_bound_and_plans_with_what_it_measured(profiles):
+    profiles[FP32] = profile(FP32, phase("train", "train", 100, 10), phase("eval", "eval", 100, 1))
+    profiles[CKPT] = profile(CKPT, phase("train", "train", 100, 1), phase("eval", "eval", 100, 1))
+    workload = MLPWorkload(eval_samples=40)
+    trusted = make_plan(workload, policy(), 1000, 1000, target="emulated", profiles=profiles)
+    assert trusted.micro_batch == 90 and trusted.corrections == {} and trusted.error_bound == 0
+    # Every prediction raised by 25 %: 1.25 x (100 + 10m) <= 1000, m <= 70; the settings stay.
+    start = make_plan(workload, policy(), 1000, 1000, target="emulated", profiles=profiles, settings=FP32, error_bound=0.25)
+    assert (start.micro_batch, start.error_bound, start.settings) == (70, 0.25, FP32)
+    assert start.predicted_phases["train"] == 100 + 10 * 70  # the estimate's own prediction, as measured against
+    # Train measured at 0.5 x its prediction; eval still within the bound (its 1.25 x 140 fits).
+    corrected = make_plan(workload, policy(), 1000, 1000, target="emulated", profiles=profiles, settings=FP32,
+                          corrections={"train": ((70, 0.5),)}, error_bound=0.25)
+    assert corrected.micro_batch == 190 and corrected.corrections == {"train": ((70, 0.5),)}
+    # Never above a micro-batch that measured too much.
+    assert make_plan(workload, policy(), 1000, 1000, target="emulated", profiles=profiles, settings=FP32,
+                     corrections={"train": ((70, 0.5),)}, micro_cap=150).micro_batch == 150
+    assert Plan.from_dict(json.loads(json.dumps(corrected.to_dict()))) == corrected
+
+
+def test_a_correction_is_interpolated_between_the_batch_sizes_it_was_measured_at():
+    points = ((10, 1.2), (30, 1.0))
+    assert [correction_at(points, b, 1.1) for b in (1, 10, 20, 30, 99)] == pytest.approx([1.2, 1.2, 1.1, 1.0, 1.0])
+    assert correction_at((), 5, 1.1) == 1.1  # not measured: the error bound
 
 
 def test_eval_batch_from_the_eval_phase_capped(profiles):
@@ -215,6 +242,14 @@ def test_plan_round_trips_through_json(profiles):
     profiles[FP32] = profile(FP32, phase("train", "train", 100, 10), phase("eval", "eval", 100, 1))
     plan = make_plan(MLPWorkload(), policy(), 256, 1000, target="emulated", profiles=profiles)
     assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+
+
+def test_a_plan_from_a_compiled_models_eager_profile_says_so_through_its_reductions(profiles):
+    profiles[FP32] = replace(profile(FP32, phase("train", "train", 100, 10), phase("eval", "eval", 100, 1)),
+                             compiled=True)
+    plan = make_plan(MLPWorkload(), policy(), 64, 1000, target="emulated", profiles=profiles)
+    assert plan.compiled and Plan.from_dict(plan.to_dict()).compiled
+    assert next_reduction(plan, policy(), "train").compiled  # an OOM's smaller plan is still the eager one's
 
 
 def ranked_phase(name, kind, fixed, grads, per_sample):

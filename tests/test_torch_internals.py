@@ -120,3 +120,27 @@ def test_nested_arguments_are_walked():
     assert len([t for t in ti.tree_leaves(tree) if isinstance(t, torch.Tensor)]) == 2
     doubled = ti.tree_map(lambda t: t * 2 if isinstance(t, torch.Tensor) else t, tree)
     assert doubled[0]["a"].item() == 2 and doubled[1][1] == 3
+
+
+def test_a_compiled_models_eager_modules_are_found_without_compiling():
+    """``torch.compile``'s wrapper (``OptimizedModule._orig_mod``), a compiled submodule and a
+    module compiled in place (``Module._compiled_call_impl``) all give back their eager modules."""
+    graphs = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    inner = nn.Linear(4, 4)
+    wrapped = torch.compile(nn.Sequential(torch.compile(inner, backend=backend), nn.ReLU()), backend=backend)
+    eager, compiled = ti.eager_module(wrapped)
+    assert compiled and isinstance(eager, nn.Sequential), "torch changed: OptimizedModule._orig_mod"
+    assert eager[0] is inner, "torch changed: a compiled submodule's _orig_mod"
+    in_place = nn.Linear(4, 4)
+    in_place.compile(backend=backend)
+    assert ti.eager_module(in_place) == (in_place, True), "torch changed: Module._compiled_call_impl"
+    eager(torch.ones(2, 4))
+    in_place(torch.ones(2, 4))
+    assert graphs == [], "the eager modules ran through dynamo"
+    plain = nn.Linear(2, 2)
+    assert ti.eager_module(plain) == (plain, False)

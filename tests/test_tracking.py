@@ -27,6 +27,7 @@ from mlflow_server import MlflowServer
 from ports import free_port
 
 from orchestrator.config import parse_spec
+from orchestrator.contract import COMPILED_MODEL_NOTE
 from orchestrator.errors import UserError
 from orchestrator.outcome import recording
 from orchestrator.runner import run_sweep
@@ -149,6 +150,44 @@ def test_a_trial_logs_its_learning_rate_and_speed_at_each_report(local_ray, tmp_
     speeds = history("steps_per_second")
     assert len(speeds) == 6 and all(speed > 0 for speed in speeds)
     assert history("samples_per_second") == pytest.approx([8 * speed for speed in speeds])
+
+
+def test_a_plan_made_from_a_compiled_models_eager_trace_says_so_on_the_trials_run(tmp_path):
+    """A ``torch.compile``d model is planned from its eager modules: its run carries the caveat as
+    a tag from its first report, and ``plan.compiled`` among the plan's params at its end."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    callback = MlflowTracking(uri, make_spec())
+    callback.setup()
+    trial = fake_trial_object()
+    callback.on_trial_start(iteration=0, trials=[trial], trial=trial)
+    trial.last_result = result_for({**plan_dict(32, 0), "compiled": True}, 1, [])
+    callback.on_trial_result(iteration=1, trials=[trial], trial=trial, result=trial.last_result)
+    finish(callback, trial)
+    callback.on_experiment_end(trials=[trial])
+    _, _, children = runs_of(uri)
+    (run,) = children.values()
+    assert run.data.tags["compiled_model"] == COMPILED_MODEL_NOTE
+    assert "the compiled graph's memory may differ" in COMPILED_MODEL_NOTE
+    assert run.data.params["plan.compiled"] == "True"
+
+
+@pytest.mark.integration
+def test_a_compiled_models_trial_records_that_it_was_planned_from_the_eager_trace(local_ray, tmp_path):
+    """The real trainable with a model ``build_model`` returns compiled: the driver's trace plans
+    it from its eager modules, the trial trains the compiled model, and its run says so."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = parse_spec({
+        "experiment": "tracking_test", "workload": {"name": "tests.workloads:CompiledMLPWorkload",
+                                                    "params": {"width": 16, "train_samples": 64, "eval_samples": 16}},
+        "search_space": {"lr": 0.01}, "effective_batch_size": 16, "stop": {"steps": 2},
+        "resources": {"cpu": 1}, "memory": {"device": "emulated", "capacity": "64MiB", "estimator": "trace"},
+    })
+    assert run_sweep(spec, tracking_uri=uri, storage_path=str(tmp_path / "results")).ok
+    _, _, children = runs_of(uri)
+    (run,) = children.values()
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["compiled_model"] == COMPILED_MODEL_NOTE
+    assert run.data.params["plan.compiled"] == "True" and run.data.params["plan.estimator"] == "trace"
 
 
 def test_resumed_driver_continues_the_same_runs_without_duplicate_epochs(tmp_path):

@@ -69,6 +69,13 @@ def test_an_oom_at_the_activation_epoch_is_survived_with_the_same_final_weights(
     assert state_a["plan"]["micro_batch"] < 128 and state_a["plan"]["effective_batch"] == 128
     # Planned for its worst stage from the start: the module switching on at epoch 2 never OOMs.
     assert row_b.oom_retries == 0 and state_b["plan"]["micro_batch"] < 128
+    # Verified on the device (memory.verify): each stage's train phase over its first steps, the
+    # eval phase at its first evaluation; the plan it settled on measured within its limit.
+    checks = state_b["plan_checks"]
+    assert {"train", "eval", "train@epoch3"} <= {c["phase"] for c in checks}
+    settled = [c for c in checks if c["phase"] == "train@epoch3"][-1]
+    assert settled["plan"] == settled["new_plan"] and settled["measured_bytes"] <= settled["limit_bytes"]
+    assert settled["plan"].startswith(f"{state_b['plan']['micro_batch']} x ")
     for name, tensor in state_a["trainer"]["model"].items():
         torch.testing.assert_close(tensor, state_b["trainer"]["model"][name], rtol=1e-4, atol=1e-5)
     assert state_a["trainer"]["progress"]["epoch"] == state_b["trainer"]["progress"]["epoch"] == 3

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 
-from orchestrator.contract import Move, OomEvent
+from orchestrator.contract import Move, OomEvent, PlanCheck
 from orchestrator.trial_report import TUNE_RESULT_KEYS, RankPeak, TrialReport
 
 PLAN = {"micro_batch": 16, "accum_steps": 4, "refusal": None}
 EVENT = OomEvent("train", 1, 3, 32, 64, 2048, 4096, 8192, "CUDA out of memory", "micro-batch 32->16", rank=1)
 MOVE = Move("node-b", "node-c", 2, "node node-b lost")
+CHECK = PlanCheck("train", 1, 2, 1000, 1250, 2000, "8 x 8 (eval 64, fp32)", "12 x 6 (eval 64, fp32)")
 
 REPORT = TrialReport(
     epoch=2, step=40, training_done=True, train_loss=0.5, measurements={"eval_loss": 0.7, "eval_accuracy": 0.9},
@@ -19,7 +20,7 @@ REPORT = TrialReport(
     predicted_peak_bytes=900, predicted_phase="train", memory_source="cuda_allocator", peak_allocated_bytes=800,
     peak_reserved_bytes=1000, fragmentation=0.25, device_used_bytes=1200, prediction_error=0.1,
     rank_peaks=(RankPeak(800, 1000), RankPeak(700, None)), node_id="n1", node_name="node-c", gpu_name="H100",
-    gpu_total_bytes=80 << 30, oom_retries=1, oom_events=(EVENT,), moves=(MOVE,),
+    gpu_total_bytes=80 << 30, oom_retries=1, oom_events=(EVENT,), moves=(MOVE,), plan_checks=(CHECK,),
 )
 
 
@@ -34,6 +35,7 @@ def test_a_report_survives_tune_and_keeps_the_names_mlflow_has():
     assert (metrics["ranks"], metrics["worst_rank"]) == (2, 0)
     # Lists as JSON text: Tune's TensorBoard logger warns of a list as an invalid value.
     assert json.loads(metrics["oom_events"]) == [EVENT.to_dict()] and json.loads(metrics["moves"]) == [MOVE.to_dict()]
+    assert json.loads(metrics["plan_checks"]) == [CHECK.to_dict()]
     assert not any(isinstance(value, (list, tuple, dict)) for key, value in metrics.items() if key != "plan")
     # A result from before that change (a sweep resumed across it) carries lists, read as well.
     assert TrialReport.from_result({**metrics, "oom_events": [EVENT.to_dict()], "moves": [MOVE.to_dict()]}) == REPORT
@@ -88,3 +90,11 @@ def test_a_divergence_travels_as_its_line_and_its_step():
     assert report.numbers()["diverged_at_step"] == 5 and "diverged" not in report.numbers()
     back = TrialReport.from_result({**report.to_metrics(), "diverged_at_step": 5.0})
     assert back == report and isinstance(back.diverged_at_step, int) and not back.measurements
+
+
+def test_a_plan_check_says_what_was_predicted_measured_and_done():
+    assert CHECK.changed and CHECK.error == 0.25
+    assert CHECK.describe() == ("train after step 2 (epoch 1): measured 1.2 KiB, predicted 1000 B (+25%), limit 2.0 KiB; "
+                                "plan 8 x 8 (eval 64, fp32) -> 12 x 6 (eval 64, fp32)")
+    kept = PlanCheck("eval", 1, 8, 1000, 900, 2000, "8 x 8 (eval 64, fp32)", "8 x 8 (eval 64, fp32)")
+    assert not kept.changed and kept.describe().endswith("(-10%), limit 2.0 KiB; plan 8 x 8 (eval 64, fp32) kept")

@@ -4,9 +4,10 @@ import dataclasses
 from typing import Literal
 
 import pytest
+import torch
 
 from trainables.mlp import MLPWorkload
-from trainables.workload import Workload, WorkloadNotFound, build_workload, resolve_workload
+from trainables.workload import Workload, WorkloadNotFound, build_workload, optimizer_for, resolve_workload
 
 
 @dataclasses.dataclass
@@ -86,3 +87,28 @@ def test_a_module_that_is_not_there_says_only_that(tmp_path, monkeypatch):
         resolve_workload("no_such_models.wide:WideNet")
     assert str(err.value) == ("workload 'no_such_models.wide:WideNet': cannot import module 'no_such_models.wide' "
                               "(No module named 'no_such_models')")
+
+
+@dataclasses.dataclass
+class TakesDeviceType(MLPWorkload):
+    def build_optimizer(self, model, device_type="cpu"):
+        self.told = device_type
+        return super().build_optimizer(model)
+
+
+@dataclasses.dataclass
+class TakesKeywords(MLPWorkload):
+    def build_optimizer(self, model, **options):
+        self.told = options
+        return super().build_optimizer(model)
+
+
+def test_a_workload_is_told_the_device_type_where_its_build_optimizer_declares_it():
+    """``device_type`` is an opt-in keyword: declared (or ``**kwargs``), it is given; the old
+    ``build_optimizer(self, model)`` is called as before."""
+    model = MLPWorkload().build_model()
+    declared, keywords = TakesDeviceType(), TakesKeywords()
+    optimizer_for(declared, model, "cuda")
+    optimizer_for(keywords, model, "cuda")
+    assert declared.told == "cuda" and keywords.told == {"device_type": "cuda"}
+    assert isinstance(optimizer_for(MLPWorkload(), model, "cuda"), torch.optim.AdamW)

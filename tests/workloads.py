@@ -285,3 +285,37 @@ class NanLossWorkload(MLPWorkload):
             weight = next(model.parameters())
             return loss + torch.sqrt(weight - weight.detach()).sum()  # 0, with an infinite derivative
         return loss * float("nan")
+
+
+@dataclasses.dataclass
+class DeviceOptimizerWorkload(MLPWorkload):
+    """Picks its optimizer by the device it trains on, as nanoGPT's ``configure_optimizers`` does:
+    fused AdamW on CUDA, the per-parameter loop elsewhere; ``implementation`` forces one."""
+
+    implementation: Literal["by_device", "fused", "foreach", "for-loop"] = "by_device"
+
+    def build_optimizer(self, model, device_type="cpu"):
+        chosen = self.implementation
+        if chosen == "by_device":
+            chosen = "fused" if device_type == "cuda" else "for-loop"
+        how = {"fused": True} if chosen == "fused" else {"foreach": chosen == "foreach"}
+        return torch.optim.AdamW(model.parameters(), lr=self.lr, **how)
+
+
+#: Every graph ``CompiledMLPWorkload``'s compiler was given in this process: dynamo ran.
+COMPILED_GRAPHS: list = []
+
+
+def recording_backend(graph, example_inputs):
+    """A ``torch.compile`` backend that runs the captured graph eagerly and records that it was asked."""
+    COMPILED_GRAPHS.append(graph)
+    return graph.forward
+
+
+@dataclasses.dataclass
+class CompiledMLPWorkload(MLPWorkload):
+    """An MLP whose ``build_model`` returns ``torch.compile(model)``, as a user's own code may
+    (with a backend that needs no C compiler, and records each graph it is given)."""
+
+    def build_model(self):
+        return torch.compile(super().build_model(), backend=recording_backend)

@@ -36,7 +36,7 @@ from trainables.data import Batches, Shard, StepCut, eval_batch_sizes, eval_load
 from trainables.divergence import Divergence, NonFiniteWatch, TrainingDiverged
 from trainables.schedule import build_lr_scheduler, steps_on_metric
 from trainables.step import eval_step, make_grad_scaler, train_step
-from trainables.workload import Workload, to_device
+from trainables.workload import Workload, optimizer_for, to_device
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,13 @@ class Milestone:
     rank_memory: tuple[MemoryReading, ...] = ()  # in a data-parallel group: each rank's, by rank
     learning_rate: float | None = None  # the first parameter group's, at the milestone
     speed: Speed | None = None  # of the training since the previous milestone; None when it made no step
+    #: The peaks of its parts: the train steps since the previous milestone (or pause), and the
+    #: evaluation where one was due; what a trial verifying its plan compares with its predictions.
+    train_memory: MemoryReading | None = None
+    eval_memory: MemoryReading | None = None
+    #: A pause the trial asked for (``Trainer.pause_at``): no evaluation, no checkpoint, nothing to
+    #: report; the train steps' peak since the previous milestone or pause, which it then resets.
+    pause: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,7 +129,7 @@ class Trainer:
         torch.manual_seed(seed)
         self.model = workload.build_model().to(device.torch_device)
         workload.set_activation_checkpointing(self.model, plan.activation_checkpointing)
-        self.optimizer = workload.build_optimizer(self.model)
+        self.optimizer = optimizer_for(workload, self.model, device.torch_device.type)
         self.scaler = make_grad_scaler(plan.precision, device)
         on_gpu = device.pins_host_memory
         self.cut = StepCut(plan.effective_batch // shard.ranks, plan.micro_batch)
@@ -146,6 +153,9 @@ class Trainer:
         self._loss_steps = 0
         self._watch = NonFiniteWatch(device.torch_device) if settings.on_nan != "continue" else None
         self._last_eval = self._last_checkpoint = self._window_start = time.monotonic()
+        #: After this many optimizer steps in all, ``run`` yields a pause (``Milestone.pause``) unless
+        #: a milestone falls due there: an optimizer-step boundary where the trial may change its plan.
+        self.pause_at: int | None = None
 
     def _initial_carry(self) -> Carry | None:
         """A stateful workload's state for this process's streams (the rows of its share of a step)."""
@@ -180,6 +190,8 @@ class Trainer:
                 if milestone is not None:
                     yield milestone
                     self._window_start = time.monotonic()  # the report and checkpoint are not training
+                elif self.pause_at is not None and self.progress.step >= self.pause_at:
+                    yield self._pause()
             del batches  # the epoch's iterator (and its worker processes, unless persistent)
 
     def _epoch_batches(self):
@@ -238,19 +250,30 @@ class Trainer:
             self._check_divergence()
         train_loss = self._train_loss_sum() / self._loss_steps if self._loss_steps else None  # waits for the steps
         speed = self._speed(time.monotonic() - self._window_start)
-        metrics = self.evaluate() if evaluate else {}
+        train_memory = self.device.reading()
+        metrics, eval_memory = {}, None
         if evaluate:
+            self.device.reset_peak()
+            metrics = self.evaluate()
+            eval_memory = self.device.reading()
             self._last_eval = time.monotonic()
             self._step_on_metric({**metrics, "train_loss": train_loss})
         if checkpoint:
             self._last_checkpoint = time.monotonic()
         self._loss_sum.zero_()
         self._loss_steps = 0
-        memory = self.device.reading()
         self.device.reset_peak()
         learning_rate = float(self.optimizer.param_groups[0]["lr"])
+        memory = train_memory if eval_memory is None else train_memory.merged(eval_memory)
         return Milestone(self.progress, train_loss, metrics, checkpoint, self.done, memory,
-                         learning_rate=learning_rate, speed=speed)
+                         learning_rate=learning_rate, speed=speed, train_memory=train_memory, eval_memory=eval_memory)
+
+    def _pause(self) -> Milestone:
+        """The pause ``pause_at`` asked for: the train steps' peak since the previous milestone or pause."""
+        self.pause_at = None
+        memory = self.device.reading()
+        self.device.reset_peak()
+        return Milestone(self.progress, None, {}, False, False, memory, train_memory=memory, pause=True)
 
     def _speed(self, seconds: float) -> Speed | None:
         if not self._loss_steps or seconds <= 0:

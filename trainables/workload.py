@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import os
 import site
 import sysconfig
@@ -36,6 +37,13 @@ class Workload:
     ``lr`` and ``optimizer`` live here because every workload has them and sweeps search them.
     Field annotations are checked against the sweep's values (:meth:`parameter_error`), so a
     subclass whose ``build_optimizer`` knows more optimizers redeclares ``optimizer``.
+
+    A workload that picks its optimizer by device (``fused=True`` AdamW on CUDA, as nanoGPT's
+    ``configure_optimizers(..., device_type)`` does) declares a keyword ``device_type`` in its
+    ``build_optimizer(self, model, device_type="cpu")``: it is then told the torch device type
+    the trial trains on (``"cuda"`` | ``"cpu"``), by the trial and by the memory estimate made
+    for that trial alike (which builds the model on fake CPU tensors even for a GPU), so the
+    optimizer planned for is the one that trains (:func:`optimizer_for`).
     """
 
     lr: float = 1e-3
@@ -63,6 +71,11 @@ class Workload:
     #: Hyper-parameters that cannot change memory: trials differing only in these share one
     #: estimate. Extend it for such fields of your own (``Workload.memory_neutral + ("dropout",)``).
     memory_neutral: ClassVar[tuple[str, ...]] = ("lr", "seed")
+    #: Whether a trial checks its plan on the device in its first steps and switches to the
+    #: corrected plan (``memory.verify`` turns it off for a whole sweep). False for a workload
+    #: whose first steps say nothing of its later ones (memory that grows as it trains): it then
+    #: trusts the estimate until an OOM.
+    verify_plan: ClassVar[bool] = True
 
     # -- what a subclass must provide ---------------------------------------------------------
     def build_model(self) -> nn.Module:
@@ -124,6 +137,9 @@ class Workload:
         return {name: total / samples for name, total in totals.items()}
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """The optimizer of ``model``'s trainable parameters. PyTorch's own default picks its
+        implementation (foreach on CUDA, a per-parameter loop on the CPU), which the estimate
+        follows; an override may declare ``device_type`` to choose one itself (see the class)."""
         params = [p for p in model.parameters() if p.requires_grad]
         if self.optimizer == "sgd":
             return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
@@ -330,6 +346,15 @@ def build_workload(config: dict[str, Any]) -> Workload:
     cls = resolve_workload(config["workload"])
     names = set(cls.parameter_names())
     return cls(**{k: v for k, v in config.items() if k in names})
+
+
+def optimizer_for(workload: Workload, model: nn.Module, device_type: str) -> torch.optim.Optimizer:
+    """``workload.build_optimizer(model)``, told ``device_type`` (``"cuda"`` | ``"cpu"``: where
+    the trial's tensors live) where it declares that keyword (or takes ``**kwargs``); every
+    caller that builds a trial's optimizer, the loop and the estimators, builds it here."""
+    parameters = inspect.signature(workload.build_optimizer).parameters.values()
+    told = any(p.name == "device_type" and p.kind != p.POSITIONAL_ONLY or p.kind == p.VAR_KEYWORD for p in parameters)
+    return workload.build_optimizer(model, device_type=device_type) if told else workload.build_optimizer(model)
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:

@@ -30,6 +30,20 @@ class MemoryReading:
     device_used: int | None = None  # NVML's view of the whole GPU, when there is one
 
     @property
+    def peak(self) -> int:
+        """The peak a plan's prediction is compared with: the allocator's reserved bytes where an
+        allocator reserves (a GPU), the tensor bytes where only those exist (CPU, emulated)."""
+        return self.peak_reserved if self.peak_reserved is not None else self.peak_allocated
+
+    def merged(self, other: MemoryReading) -> MemoryReading:
+        """The peak of two windows of the same device, one after the other."""
+        def most(a, b):
+            return b if a is None else a if b is None else max(a, b)
+
+        return MemoryReading(self.source, max(self.peak_allocated, other.peak_allocated),
+                             most(self.peak_reserved, other.peak_reserved), most(self.device_used, other.device_used))
+
+    @property
     def fragmentation(self) -> float | None:
         if self.peak_reserved is None or self.peak_allocated == 0:
             return None
@@ -52,6 +66,10 @@ class Device:
 
     kind: str  # what a reading measured: cuda_allocator | cpu_tensor_tracker | emulated
     target: str  # what plans for this device count: its registered kind (orchestrator.device_kinds)
+    #: The torch device type its tensors live on (``cuda`` | ``cpu``): what a workload that picks
+    #: its optimizer by device is told (``Workload.build_optimizer``), by the trial and by the
+    #: estimate made for it (``target.trains_on``).
+    torch_type: str
     torch_device: torch.device
     #: ``torch.distributed``'s backend for a data-parallel group of such devices
     collective_backend = "gloo"

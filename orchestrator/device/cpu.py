@@ -33,9 +33,10 @@ class CpuDevice(Device):
 
     kind = "cpu_tensor_tracker"
     target = "cpu"
+    torch_type = "cpu"
 
     def __init__(self, tracker: StorageTracker | None = None):
-        self.torch_device = torch.device("cpu")
+        self.torch_device = torch.device(self.torch_type)
         self.tracker = tracker if tracker is not None else StorageTracker("cpu")
         self._window_samples: dict[str, int] = {}  # steps measured per phase since the last reset_peak
         self._last_sample = -float("inf")

@@ -15,12 +15,13 @@ class CudaDevice(Device):
 
     kind = "cuda_allocator"
     target = "cuda"
+    torch_type = "cuda"
     collective_backend = "nccl"
     pins_host_memory = True
     scales_fp16_loss = True
 
     def __init__(self, index: int = 0, memory_fraction: float | None = None):
-        self.torch_device = torch.device("cuda", index)
+        self.torch_device = torch.device(self.torch_type, index)
         # Always set: a reused worker keeps the previous trial's cap otherwise.
         torch.cuda.set_per_process_memory_fraction(1.0 if memory_fraction is None else memory_fraction, index)
         self._fraction = memory_fraction

@@ -13,6 +13,9 @@ every rank of a data-parallel group, so that ``plan`` shows the plan a trial wil
   (None: unbounded, or for the worker to tell). The capacity is what the caller measured (a
   trial its open device; ``plan`` NVML), else ``memory.capacity`` (this rank's, when it gives
   one per rank) for a device sized by the config.
+* **torch device type** (:func:`trains_on`): where a trial of that kind keeps its tensors
+  (``cuda`` | ``cpu``), which a workload that picks its optimizer by device is told, by the trial
+  and by the estimate made for the trial alike.
 """
 
 from __future__ import annotations
@@ -64,6 +67,13 @@ def resolve_target(
     if capacity is None and device_kind(device).sized_by_config:
         capacity = policy.capacity_of(rank) if rank is not None else policy.capacity
     return Target(device, _counts_as(device), capacity, _smaller(policy.budget, capacity))
+
+
+def trains_on(kind: str) -> str:
+    """The torch device type (``cuda`` | ``cpu``) a trial of the registered kind ``kind`` (a
+    ``Target``'s ``device``, or its ``kind``: the estimators' target) keeps its tensors on:
+    its ``Device`` class's ``torch_type``, so the estimate builds the optimizer the trial builds."""
+    return device_kind(kind).device_class().torch_type
 
 
 def _counts_as(device: str) -> str:

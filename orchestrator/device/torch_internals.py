@@ -23,11 +23,14 @@ What each is for:
   registered at the ``AutocastCPU`` key while a trace emulates CUDA's autocast policy.
 * :func:`cpu_flash_attention`, :func:`math_attention`: the private aten attention kernels CPU
   dispatches to, called directly to allocate what CUDA's fused kernels allocate.
+* :func:`eager_module`: a ``torch.compile``d model's eager modules (``OptimizedModule._orig_mod``,
+  ``Module._compiled_call_impl``), which a trace runs instead of compiling on fake tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Iterator
 
 import torch
@@ -57,6 +60,7 @@ __all__ = [
     "buffer_slots",
     "cpu_flash_attention",
     "disable_current_modes",
+    "eager_module",
     "excluding_dispatch_key",
     "math_attention",
     "op_schema",
@@ -124,3 +128,27 @@ def math_attention(query, key, value, attn_mask, dropout_p: float, is_causal: bo
     return torch.ops.aten._scaled_dot_product_attention_math(
         query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
     )
+
+
+def eager_module(model: nn.Module) -> tuple[nn.Module, bool]:
+    """``model`` with ``torch.compile`` taken off, and whether it had been compiled: a model
+    returned by ``torch.compile`` becomes the module it wraps (``OptimizedModule._orig_mod``), a
+    compiled submodule is replaced by its own in its parent, and a module compiled in place
+    (``Module.compile()``) calls its eager ``forward`` again. Changes ``model``'s modules in place.
+
+    Dynamo is imported by ``torch.compile``: where it is not loaded nothing was compiled, and
+    it is not loaded here (its import takes a second).
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper = getattr(eval_frame, "OptimizedModule", None)
+    compiled = False
+    while wrapper is not None and isinstance(model, wrapper):
+        model, compiled = model._orig_mod, True
+    for module in list(model.modules()):
+        for name, child in list(module._modules.items()):
+            while wrapper is not None and isinstance(child, wrapper):
+                child, compiled = child._orig_mod, True
+                module._modules[name] = child
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            module._compiled_call_impl, compiled = None, True
+    return model, compiled

@@ -30,6 +30,7 @@ from orchestrator.device.torch_internals import (
     tree_leaves,
     tree_map,
 )
+from orchestrator.memory.known_values import KnownValues
 
 #: Factory tensors up to this size are real during construction (host arithmetic works on
 #: them); larger ones go to ``meta``. A model's real part is its small tensors only.
@@ -73,20 +74,23 @@ class HostOrMeta(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def build_fake(build: Callable[[], nn.Module], mode: FakeTensorMode, device: torch.device) -> nn.Module:
-    """``build()`` under :class:`HostOrMeta`, its parameters and buffers then fake on ``device``."""
+def build_fake(build: Callable[[], nn.Module], mode: FakeTensorMode, device: torch.device,
+               values: KnownValues | None = None) -> nn.Module:
+    """``build()`` under :class:`HostOrMeta`, its parameters and buffers then fake on ``device``
+    (``values``: see :func:`to_fake`)."""
     with HostOrMeta():
         model = build()
-    return to_fake(model, mode, device)
+    return to_fake(model, mode, device, values)
 
 
-def to_fake(model: nn.Module, mode: FakeTensorMode, device: torch.device) -> nn.Module:
+def to_fake(model: nn.Module, mode: FakeTensorMode, device: torch.device, values: KnownValues | None = None) -> nn.Module:
     """Replace every parameter and buffer of ``model`` by a fake tensor on ``device``, in place.
 
     One fake per original tensor: a parameter shared by two modules (tied embeddings) is one
     fake parameter in both. Plain tensor attributes that are not parameters or buffers stay
     where ``Module.to`` leaves them, on the host; the large ones (on ``meta``) become fake host
-    tensors, as the real ones would be real host tensors.
+    tensors, as the real ones would be real host tensors. ``values`` learns the real values of the
+    small buffers (a registered causal mask, say), which a model's checks may read.
     """
     fakes: dict[int, torch.Tensor] = {}
 
@@ -101,10 +105,13 @@ def to_fake(model: nn.Module, mode: FakeTensorMode, device: torch.device) -> nn.
         return fakes[id(t)]
 
     for module in model.modules():
-        for slots in (parameter_slots(module), buffer_slots(module)):
+        parameters = parameter_slots(module)
+        for slots in (parameters, buffer_slots(module)):
             for name, tensor in slots.items():
                 if tensor is not None and not isinstance(tensor, nn.parameter.UninitializedTensorMixin):
                     slots[name] = fake(tensor, device)
+                    if values is not None and slots is not parameters:
+                        values.know(slots[name], tensor)
         for name, value in list(vars(module).items()):
             if isinstance(value, torch.Tensor) and value.is_meta:
                 setattr(module, name, fake(value, _CPU))

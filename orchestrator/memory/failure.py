@@ -76,6 +76,13 @@ def failed_op(exc: BaseException) -> str | None:
     return op
 
 
+def makes_nested_tensors(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised making a nested tensor (what torch's fused transformer path does
+    with a padding mask), which fake tensors cannot hold."""
+    op = failed_op(exc)
+    return op is not None and op.startswith("aten._nested_")
+
+
 def model_frames(exc: BaseException) -> list[traceback.FrameSummary]:
     """The frames of the model's code on the way to ``exc``, outermost first."""
     tb = _innermost_traceback(exc)

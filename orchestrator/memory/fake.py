@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from orchestrator.contract import COMPILED_MODEL_NOTE
 from orchestrator.device.tensor_tracker import CUDA_BLOCK, StorageTracker, model_tensors, optimizer_tensors
 from orchestrator.device.torch_internals import (
     FAKE_TENSOR_LOGGER,
@@ -21,12 +22,16 @@ from orchestrator.device.torch_internals import (
     FakeTensorMode,
     UnsupportedFakeTensorException,
     disable_current_modes,
+    eager_module,
     tree_map,
     unset_fake_temporarily,
 )
 from orchestrator.memory.construction import build_fake
 from orchestrator.memory.cuda_emulation import cuda_semantics, mha_fast_path
 from orchestrator.memory.failure import where
+from orchestrator.memory.known_values import KnownValues
+from orchestrator.memory.optimizer import build_for_target
+from orchestrator.memory.optimizer import describe as describe_optimizer
 from orchestrator.memory.workspaces import KernelWorkspaces
 from trainables.workload import Workload
 
@@ -47,7 +52,12 @@ class FakeSetup:
     sample: object  # the workload's largest sample (real): every probe batch is copies of it
     round_to: int
     emulate_cuda: bool
+    notes: tuple[str, ...] = ()  # what was built: the optimizer counted, a compiled model's eager modules
+    compiled: bool = False  # the workload's model is torch.compile'd: its eager modules run here
     _host_batches: dict = field(default_factory=dict)  # collated host batches by size
+    #: Real values of the small fake tensors whose values are knowable (the sample's, a causal
+    #: mask's): a model's data-dependent checks read them (``memory.known_values``).
+    values: KnownValues = field(default_factory=KnownValues)
 
     def tracker(self) -> StorageTracker:
         tracker = StorageTracker(self.device.type, self.round_to)
@@ -62,15 +72,16 @@ class FakeSetup:
 
         The collate runs on fake host tensors, which take no memory at any size; one that needs
         values (a graph batch's node offsets, say) runs on real copies of the sample instead, and
-        its batch's tensors become fake host tensors of the same shapes.
+        its batch's tensors become fake host tensors of the same shapes. Either way the batch's
+        small tensors keep their real values (``values``), for the checks a model makes on them.
         """
         if size not in self._host_batches:
             with disable_current_modes():  # the host's work, not the step's: no tracker sees it
                 try:
-                    with self.mode:
-                        batch = self.workload.collate([_host_fakes(self.mode, self.sample)] * size)
+                    with self.mode, self.values:
+                        batch = self.workload.collate([_host_fakes(self.mode, self.sample, self.values)] * size)
                 except Exception:  # a collate that reads values: real samples, then shapes only
-                    batch = _host_fakes(self.mode, self.workload.collate([self.sample] * size))
+                    batch = _host_fakes(self.mode, self.workload.collate([self.sample] * size), self.values)
             self._host_batches[size] = batch
         return self._host_batches[size]
 
@@ -97,44 +108,44 @@ def fake_setup(workload: Workload, target: str, trace_on: str | None = None) -> 
     device = torch.device(trace_on)
     emulate = target == "cuda" and device.type == "cpu"
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    values = KnownValues()
     with translate_errors():
-        model = build_fake(workload.build_model, mode, device)
+        model, compiled = eager_module(build_fake(workload.build_model, mode, device, values))  # never compiled here
         with mode, device:
-            optimizer = workload.build_optimizer(model)
-    if target == "cuda":
-        # On CUDA, optimizers default to the foreach implementation, whose temporaries span every
-        # parameter at once. Fake parameters are not plain tensors, so the default would pick the
-        # per-parameter loop (CPU's default too): ask for foreach, as a real CUDA model gets.
-        for group in optimizer.param_groups:
-            if group.get("foreach", False) is None:
-                group["foreach"] = True
+            optimizer = build_for_target(workload, model, target)
+    notes = (describe_optimizer(optimizer, target), *((COMPILED_MODEL_NOTE,) if compiled else ()))
     sample = workload.largest_sample()
-    return FakeSetup(mode, device, model, optimizer, workload, sample, CUDA_BLOCK if target == "cuda" else 1, emulate)
+    return FakeSetup(mode, device, model, optimizer, workload, sample, CUDA_BLOCK if target == "cuda" else 1, emulate,
+                     notes, compiled, values=values)
 
 
-def _host_fakes(mode: FakeTensorMode, tree):
-    """``tree`` with every tensor a fake tensor on ``meta`` (the host, not the device), same shape."""
+def _host_fakes(mode: FakeTensorMode, tree, values: KnownValues):
+    """``tree`` with every tensor a fake tensor on ``meta`` (the host, not the device), same shape,
+    whose value (the real tensor's) ``values`` knows."""
 
     def host_fake(t):
         if not isinstance(t, torch.Tensor):
             return t
         with unset_fake_temporarily():
             meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-        return mode.from_tensor(meta)
+        fake = mode.from_tensor(meta)
+        values.know(fake, t)
+        return fake
 
     return tree_map(host_fake, tree)
 
 
 @contextlib.contextmanager
-def running(setup: FakeSetup):
+def running(setup: FakeSetup, fast_path: bool = True):
     """Fake mode, plus CUDA emulation where needed; yields the list the trace's notes go to
-    (filled on exit: what could not be emulated or counted)."""
+    (filled on exit: what could not be emulated or counted). ``fast_path=False`` turns torch's
+    fused transformer path off on a CPU device too (where it would make nested tensors)."""
     notes: list[str] = []
-    with translate_errors(), setup.mode, contextlib.ExitStack() as stack:
+    with translate_errors(), setup.mode, setup.values, contextlib.ExitStack() as stack:
         workspaces = stack.enter_context(KernelWorkspaces()) if setup.device.type == "cpu" else None
         if setup.emulate_cuda:
             emulation = stack.enter_context(cuda_semantics())
-        elif setup.device.type == "cuda":  # fake cuda: CUDA's kernels, but fused layers hide their insides
+        elif setup.device.type == "cuda" or not fast_path:  # fused layers hide their insides
             stack.enter_context(mha_fast_path(False))
         yield notes
     if setup.emulate_cuda:

@@ -34,7 +34,7 @@ from orchestrator.memory.profile import (
 )
 from trainables.carry import Carry
 from trainables.step import eval_step, make_grad_scaler, train_step
-from trainables.workload import Workload, sample_batch
+from trainables.workload import Workload, optimizer_for, sample_batch
 
 FIRST_PROBE = 2
 MAX_PROBE = 1024
@@ -53,7 +53,7 @@ class _Probe:
     def __init__(self, workload: Workload, settings: Settings, device: Device):
         self.workload, self.settings, self.device = workload, settings, device
         self.model = workload.build_model().to(device.torch_device)
-        self.optimizer = workload.build_optimizer(self.model)
+        self.optimizer = optimizer_for(workload, self.model, device.torch_device.type)
         self.scaler = make_grad_scaler(settings.precision, device)
         self.train_data, self.eval_data = workload.train_data(), workload.eval_data()
         self.fb_peak = self.fb_reserved = self.step_peak = 0

@@ -193,13 +193,18 @@ class PhaseProfile:
 
 @dataclass(frozen=True)
 class MemoryProfile:
-    """Every phase of one trial configuration, as one estimator saw it for one target."""
+    """Every phase of one trial configuration, as one estimator saw it for one target.
+
+    ``compiled``: the workload's model is ``torch.compile``d and the profile is its eager
+    modules' (``contract.COMPILED_MODEL_NOTE``): the plan says so, in ``plan`` and in MLflow.
+    """
 
     estimator: str
     settings: Settings
     target: str
     phases: tuple[PhaseProfile, ...]
     notes: tuple[str, ...] = field(default=())
+    compiled: bool = False
 
     def __post_init__(self):
         if self.target not in TARGETS:
@@ -239,6 +244,7 @@ class MemoryProfile:
             "target": self.target,
             "phases": [p.to_dict() for p in self.phases],
             "notes": list(self.notes),
+            "compiled": self.compiled,
         }
 
 

@@ -23,12 +23,15 @@ import os
 
 import torch
 
+from orchestrator.contract import COMPILED_MODEL_NOTE
 from orchestrator.device.tensor_tracker import CUDA_BLOCK, StorageTracker, model_tensors, optimizer_tensors
-from orchestrator.device.torch_internals import tree_leaves
+from orchestrator.device.torch_internals import eager_module, tree_leaves
 from orchestrator.memory.construction import HostOrMeta
 from orchestrator.memory.failure import summary
 from orchestrator.memory.fake import Untraceable, describe, fake_setup, running
 from orchestrator.memory.fit import line_through
+from orchestrator.memory.optimizer import build_for_target
+from orchestrator.memory.optimizer import describe as describe_optimizer
 from orchestrator.memory.phases import Phase, enter_phase, phases_of
 from orchestrator.memory.profile import EstimateRequest, MemoryProfile, PhaseProfile, Settings, overheads
 from orchestrator.units import human
@@ -55,8 +58,10 @@ def static_profile(workload: Workload, request: EstimateRequest) -> MemoryProfil
     settings, target, fragmentation = request.settings, request.target, request.fragmentation
     notes = ["static upper bound: every forward tensor kept for backward, "
              f"{GRADIENTS_IN_FLIGHT} of the largest in flight"]
+    compiled = False
     try:
         setup = fake_setup(workload, target)
+        compiled = setup.compiled
         with running(setup) as emulation_notes:
             states = _states(setup.model, setup.optimizer, setup.tracker())
             bounds = {
@@ -66,19 +71,19 @@ def static_profile(workload: Workload, request: EstimateRequest) -> MemoryProfil
                 )
                 for phase in phases_of(workload)
             }
-        notes += [f"forward and optimizer step run on {describe(setup)}", *emulation_notes]
+        notes += [f"forward and optimizer step run on {describe(setup)}", *setup.notes, *emulation_notes]
     except ImportError:
         raise  # a missing library fails on real tensors too
     except Exception as exc:  # Untraceable, or a model fake tensors trip over in another way
         reason = str(exc) if isinstance(exc, Untraceable) else summary(exc)
         try:
-            states, bounds = _on_real_cpu(workload, settings, target)
+            states, bounds, compiled, built = _on_real_cpu(workload, settings, target)
         except TooLargeForRealTensors as too_large:
             raise TooLargeForRealTensors(f"fake tensors failed ({reason}), and {too_large}") from exc
-        notes.append(f"fake tensors failed ({reason}); forward run on real CPU tensors at b={REAL_PROBE_BATCHES}")
+        notes += [f"fake tensors failed ({reason}); forward run on real CPU tensors at b={REAL_PROBE_BATCHES}", *built]
     extra = overheads(target, fragmentation)
     phases = tuple(_phase(phase, states, bounds[phase.name], extra) for phase in phases_of(workload))
-    return MemoryProfile("static", settings, target, phases, tuple(notes))
+    return MemoryProfile("static", settings, target, phases, tuple(notes), compiled=compiled)
 
 
 def _states(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tracker: StorageTracker) -> dict[str, int]:
@@ -159,11 +164,14 @@ def _check_fits_here(workload: Workload) -> None:
 
 
 def _on_real_cpu(workload: Workload, settings: Settings, target: str):
-    """The same counts on a real CPU model, for workloads fake tensors cannot run."""
+    """The same counts on a real CPU model, for workloads fake tensors cannot run; also whether
+    the model is compiled (its eager modules run here) and the notes on what was built. The
+    optimizer is the one a CPU trial builds: the tensors here are the CPU's."""
     _check_fits_here(workload)
     torch.manual_seed(workload.seed)
-    model = workload.build_model()
-    optimizer = workload.build_optimizer(model)
+    model, compiled = eager_module(workload.build_model())
+    optimizer = build_for_target(workload, model, "cpu")
+    built = [describe_optimizer(optimizer, "cpu"), *([COMPILED_MODEL_NOTE] if compiled else [])]
     round_to = CUDA_BLOCK if target == "cuda" else 1
     tracker = StorageTracker("cpu", round_to)
     tracker.track(list(model_tensors(model)))
@@ -175,7 +183,7 @@ def _on_real_cpu(workload: Workload, settings: Settings, target: str):
         phase.name: _forward_bounds(workload, model, phase, settings, device, round_to, make_batch, REAL_PROBE_BATCHES)
         for phase in phases_of(workload)
     }
-    return states, bounds
+    return states, bounds, compiled, built
 
 
 def _phase(phase: Phase, states: dict[str, int], bounds: dict[int, int], extra: dict) -> PhaseProfile:

@@ -33,7 +33,7 @@ from dataclasses import replace
 
 from orchestrator.allocator_conf import parse_alloc_conf
 from orchestrator.allocator_conf import AllocatorConfig
-from orchestrator.memory.failure import summary
+from orchestrator.memory.failure import makes_nested_tensors, summary
 from orchestrator.memory.fake import FakeSetup, Untraceable, describe, fake_setup, running
 from orchestrator.memory.fit import envelope_points, event_lines, line_through
 from orchestrator.memory.measured import measured_profile
@@ -50,6 +50,10 @@ MICRO_BATCHES_PER_STEP = 2
 #: How far the third probe may be from the envelope's prediction, besides the allocator's
 #: rounding (up to one block per live tensor), which makes sizes not exactly affine in ``b``.
 TOLERANCE = 1e-3
+NESTED_FAST_PATH_NOTE = (
+    "torch's fused transformer path (eval with a padding mask: nested tensors) cannot run on fake tensors; "
+    "traced the layers' own path, which also counts the padded positions (the real CPU eval may use less)"
+)
 
 
 def trace_or_fallback(workload: Workload, request: EstimateRequest) -> MemoryProfile:
@@ -87,12 +91,22 @@ def trace_profile(
     PyTorch's defaults); ``trace_on`` forces the fake device (see ``memory.fake.fake_setup``).
     Raises ``memory.fake.Untraceable`` when the workload cannot run on fake tensors.
     """
-    setup = fake_setup(workload, target, trace_on)
     phases = phases_of(workload)
     logged = target == "cuda"
-    with running(setup) as emulation_notes:
-        runs, logs = _trace(setup, workload, settings, phases, probes, logged)
-    notes = [f"traced on {describe(setup)} at batch sizes {', '.join(map(str, probes))}", *emulation_notes]
+    setup = fake_setup(workload, target, trace_on)
+    try:
+        with running(setup) as emulation_notes:
+            runs, logs = _trace(setup, workload, settings, phases, probes, logged)
+    except Exception as exc:
+        if not makes_nested_tensors(exc):
+            raise
+        # torch's fused transformer path (eval, a padding mask) packs the batch into nested
+        # tensors, which fake tensors cannot hold: trace the layers' Python path instead.
+        setup = fake_setup(workload, target, trace_on)
+        with running(setup, fast_path=False) as emulation_notes:
+            runs, logs = _trace(setup, workload, settings, phases, probes, logged)
+        emulation_notes.append(NESTED_FAST_PATH_NOTE)
+    notes = [f"traced on {describe(setup)} at batch sizes {', '.join(map(str, probes))}", *setup.notes, *emulation_notes]
     if settings.precision == "fp16" and setup.device.type == "cpu":
         notes.append("fp16 loss scaling not traced (GradScaler needs CUDA); it adds a few scalars")
     extra = overheads(target, fragmentation)
@@ -114,7 +128,7 @@ def trace_profile(
             notes.append(note)
     if logged and allocator.modelled and any(p.sequence is not None for p in profiles):
         notes.append(f"reserved memory from a model of the CUDA caching allocator ({allocator.describe()})")
-    return MemoryProfile("trace", settings, target, tuple(profiles), tuple(notes))
+    return MemoryProfile("trace", settings, target, tuple(profiles), tuple(notes), compiled=setup.compiled)
 
 
 class _Run:

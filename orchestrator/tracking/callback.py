@@ -15,7 +15,7 @@ from ray import tune
 
 from orchestrator.atomic_file import atomic_write
 from orchestrator.config import SweepSpec
-from orchestrator.contract import describe_moves
+from orchestrator.contract import COMPILED_MODEL_NOTE, describe_moves
 from orchestrator.failures import exception_line, last_failure
 from orchestrator.outcome import DIVERGED, TrackingDelivery, current_record, finished, sweep_run_status, trial_status
 from orchestrator.tracking.flatten import param_text, plan_params, result_metrics, spec_params
@@ -39,6 +39,7 @@ class _TrialLog:
     ref: TrialRef
     plans: list[dict] = field(default_factory=list)  # [{"step": s, "epoch": e, "plan": {...}}], one per change
     oom_events_logged: int = 0
+    plan_checks_logged: int = 0
     restarts: int = 0
     tags: dict[str, str] = field(default_factory=dict)  # as last queued: only changes are sent
     described: bool = False  # its once-only params were queued
@@ -107,6 +108,8 @@ class MlflowTracking(tune.Callback):
         if plan and (not log.plans or log.plans[-1]["plan"] != plan):
             log.plans.append({"step": report.step, "epoch": report.epoch, "plan": plan})
             self._put(LogArtifact(log.ref, "plan_history.json", list(log.plans)))
+        if plan and plan.get("compiled"):  # planned from a compiled model's eager modules
+            tags["compiled_model"] = COMPILED_MODEL_NOTE
         if report.refusal:
             tags["refusal"] = report.refusal[:MAX_TAG_CHARS]
         if report.diverged:
@@ -124,6 +127,9 @@ class MlflowTracking(tune.Callback):
         if len(report.oom_events) > log.oom_events_logged:
             self._put(LogArtifact(log.ref, "oom_events.json", [e.to_dict() for e in report.oom_events]))
             log.oom_events_logged = len(report.oom_events)
+        if len(report.plan_checks) > log.plan_checks_logged:
+            self._put(LogArtifact(log.ref, "plan_checks.json", [c.to_dict() for c in report.plan_checks]))
+            log.plan_checks_logged = len(report.plan_checks)
         if report.step is not None and not report.storage_fault:  # the step is logged again after --resume
             self._put(LogResult(log.ref, report.step, result_metrics(report), int(time.time() * 1000)))
 

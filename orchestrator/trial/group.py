@@ -48,6 +48,7 @@ from orchestrator.trial.checkpoint import LocalCheckpoints
 from orchestrator.trial.errors import OomRetriesExhausted
 from orchestrator.trial.node import NodeInfo, current_node
 from orchestrator.trial.run import TrialRun
+from orchestrator.trial.worker_exit import exit_requests_survive_finalisers
 from orchestrator.trial_report import RankPeak, TrialReport
 from trainables.distributed import DistributedTrainer, GroupFailure, GroupOutOfMemory, RankGroup, failed_rank
 from trainables.divergence import Divergence
@@ -89,6 +90,11 @@ class _GroupRank:
             failure = exc
         self.group.agree(failure, "setup", 0)
         return trainer
+
+    def _verifies(self, plan: Plan) -> bool:
+        """Not yet in a group: its ranks would have to agree on each pause and switch, as they
+        agree on an OOM; a group trusts its plan until an OOM (``memory.verify`` aside)."""
+        return False
 
     def _oom_event(self, trainer: Trainer, exc: BaseException) -> OomEvent:
         event = replace(super()._oom_event(trainer, exc), rank=failed_rank(exc))
@@ -204,6 +210,7 @@ class RankRun(_GroupRank, TrialRun):
         self.events: list[OomEvent] = []
         self.evidence_folder, self.evidence_written = None, False  # rank 0 writes the group's evidence
         self.applied_shrinks = 0
+        self.plan_checks, self.profiles, self.unreported = [], None, None
         self.estimated_by = "rank 0"
         self.group = RankGroup(rank, ranks, group_address, self.device)
 
@@ -242,6 +249,7 @@ class RankActor:
     """One rank's process; Ray places it in its bundle of the trial's placement group."""
 
     def run(self, config, spec, trial_id, address, rank, ranks, state) -> None:
+        exit_requests_survive_finalisers()
         RankRun(config, spec, trial_id, address, rank, ranks, state).run()
 
 

@@ -12,6 +12,9 @@ no auth, all interfaces) about 15 s later, with Ray's ``ray_`` prefix:
     ray_orchestrator_oom_retries_total{..., phase}
 
 Every name starts with ``orchestrator_`` so ``{__name__=~"ray_orchestrator_.*"}`` finds them all.
+A worker exports what it recorded every ``metrics_report_interval_ms`` (Ray's default: 10 s), so
+what a trial records in the last seconds before its worker ends (a sweep's last trial, as the
+job ends) may never reach the endpoint; MLflow, written with each report, has every value.
 Outside Ray (unit tests of the training loop, a plain script) every call is a cheap no-op.
 """
 

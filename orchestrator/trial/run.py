@@ -5,7 +5,9 @@ plan (from the last checkpoint when resuming, else from the estimator), train, a
 every milestone of the loop (an evaluation, a checkpoint, the end); when a step runs out of
 memory, record the event, release the failed attempt, shrink the plan, go back to the last
 checkpoint and carry on. The effective batch never changes, so neither does the
-optimisation; only how it is cut into micro-batches does.
+optimisation; only how it is cut into micro-batches does. A trial that verifies its plan
+(``orchestrator.trial.verify``) switches plans the same way, at an optimizer-step boundary, once
+its first steps have measured what the estimate predicted.
 """
 
 from __future__ import annotations
@@ -16,14 +18,23 @@ from typing import Any
 
 from orchestrator.config import SweepSpec
 from orchestrator.contract import (
-    OOM_SHRINKS_KEY, RESTART_REASON_KEY, STATE_FILE, TRIAL_LOG_FILE, HostMemoryEvent, Move, OomEvent,
+    OOM_SHRINKS_KEY,
+    RESTART_REASON_KEY,
+    STATE_FILE,
+    TRIAL_LOG_FILE,
+    HostMemoryEvent,
+    Move,
+    OomEvent,
+    PlanCheck,
 )
-from orchestrator.device import Device, configure_allocator, gpu_visible, nvml, open_device, release
+from orchestrator.device import Device, MemoryReading, configure_allocator, gpu_visible, nvml, open_device, release
 from orchestrator.device.oom import bytes_requested, is_oom
 from orchestrator.device.target import Target, resolve_target
 from orchestrator.device_kinds import device_kind
 from orchestrator.estimates import Estimates
+from orchestrator.estimator_registry import ESTIMATORS
 from orchestrator.memory.cache import ProfileCache
+from orchestrator.memory.phases import phases_of
 from orchestrator.planner import Plan, make_plan, next_reduction
 from orchestrator.ray_internals import trial_storage_folder
 from orchestrator.trial.checkpoint import LocalCheckpoints
@@ -33,6 +44,7 @@ from orchestrator.trial.host_memory import fewer_workers, host_memory_failure
 from orchestrator.trial.node import NodeInfo, current_node, left_its_node, restart_reason
 from orchestrator.trial.reuse import HISTORY
 from orchestrator.trial.storage import StorageUnavailable, report_with_retries, wait_to_be_stopped
+from orchestrator.trial.verify import PlanVerification, changes_batches
 from orchestrator.trial_report import TrialReport
 from orchestrator.units import human
 from trainables.data import SampleError
@@ -71,6 +83,10 @@ class TrialRun:
         self.evidence_written = False
         self.applied_shrinks = 0  # Tune-level shrinks (OOM_SHRINKS_KEY) already in self.plan
         self.estimated_by = "checkpoint"  # where the plan's profile was made: driver | worker | none
+        self.plan_checks: list[PlanCheck] = []  # the plan verified on the device, phase by phase
+        self.verification: PlanVerification | None = None  # while it has phases to verify
+        self.profiles: ProfileCache | None = None  # made on first need
+        self.unreported: MemoryReading | None = None  # the peak of pauses since the last report
 
     # -- the story ---------------------------------------------------------------------------
     def run(self) -> None:
@@ -79,6 +95,7 @@ class TrialRun:
             if self.plan.refusal:
                 self._report_refusal()
                 return
+            self.verification = self._verification()
             with self.device.measuring():  # the emulated device counts every byte from here on
                 self.device.reset_peak()  # not the peak of the trial this worker ran before
                 self._train()
@@ -87,13 +104,14 @@ class TrialRun:
             self._remember_cuda_context()
 
     def _train(self) -> None:
-        """Train to the end; after an OOM, release the attempt, shrink the plan, resume."""
+        """Train to the end; after an OOM, release the attempt, shrink the plan, resume; after a
+        verification that corrected the plan, the same from the step where it stopped."""
         while True:
             trainer = self._new_trainer()
+            event = None
             try:
-                for milestone in trainer.run():
-                    self._report(trainer, milestone)
-                return
+                if not self._train_until_switch(trainer):
+                    return
             except SampleError as exc:
                 raise self._data_error(trainer, exc) from None
             except TrainingDiverged as exc:
@@ -121,7 +139,28 @@ class TrialRun:
                 self._fewer_loader_workers(event)  # from the last checkpoint, with the new trainer's loaders
                 continue
             self.device.reset_peak()  # the next report's peak covers the recovery, not the failed step
-            self._shrink(event)
+            if event is not None:
+                self.verification = None  # an OOM measured the plan: its reductions take over
+                self._shrink(event)
+
+    def _train_until_switch(self, trainer: Trainer) -> bool:
+        """Train under the plan in force: False once trained to the end, True where a
+        verification changed the plan's batch sizes (its step saved as the newest checkpoint)."""
+        if self.verification is not None:
+            self.verification.begin(trainer, self.plan)
+        for milestone in trainer.run():
+            before = self.plan
+            if self.verification is not None and not milestone.final:  # nothing is left to switch for
+                self.plan = self.verification.check(trainer, milestone, self.plan)
+            if milestone.pause:
+                self.unreported = milestone.memory if self.unreported is None else self.unreported.merged(milestone.memory)
+            else:
+                self._report(trainer, milestone)
+            if changes_batches(before, self.plan):
+                if not milestone.checkpoint:
+                    self.checkpoints.save(self._state(trainer))
+                return True
+        return False
 
     def _starting_plan(self) -> Plan:
         """The plan in the last checkpoint when resuming (so reductions stick), else a new one."""
@@ -129,7 +168,7 @@ class TrialRun:
 
         checkpoint = tune.get_checkpoint()
         if checkpoint is None:
-            plan = self._plan_from_estimates(self._profiles())
+            plan = self._verified_start(self._plan_from_estimates(self._profiles()))
         else:
             with checkpoint.as_directory() as folder:
                 self.checkpoints.adopt(os.path.join(folder, STATE_FILE))
@@ -137,6 +176,7 @@ class TrialRun:
             plan = Plan.from_dict(saved["plan"])
             self.events = [OomEvent.from_dict(e) for e in saved["oom_events"]]
             self.applied_shrinks = saved["applied_shrinks"]
+            self.plan_checks = [PlanCheck.from_dict(c) for c in saved.get("plan_checks", [])]
             self.moves = [Move.from_dict(m) for m in saved.get("moves", [])]
             for event in saved.get("host_memory_events", []):
                 self._record_host_event(HostMemoryEvent.from_dict(event))
@@ -153,10 +193,53 @@ class TrialRun:
 
     def _profiles(self) -> ProfileCache:
         """The trial's memory profiles: the driver's estimate where it made one for this device."""
-        target = self.device.target
-        known = self.estimates.known(self.config, target) if self.estimates else None
-        self.estimated_by = "none" if self.policy.estimator == "none" else "driver" if known else "worker"
-        return ProfileCache(self.workload, self.policy, target, self.device, known=known)
+        if self.profiles is None:
+            target = self.device.target
+            known = self.estimates.known(self.config, target) if self.estimates else None
+            self.estimated_by = "none" if self.policy.estimator == "none" else "driver" if known else "worker"
+            self.profiles = ProfileCache(self.workload, self.policy, target, self.device, known=known)
+        return self.profiles
+
+    # -- plan verification (orchestrator.trial.verify) -------------------------------------------
+    def _verifies(self, plan: Plan) -> bool:
+        """Whether this trial checks ``plan`` on its device: ``memory.verify`` and the workload's
+        ``verify_plan``, and an estimate against a budget to check (not ``estimator: none``, not
+        an unbounded CPU)."""
+        wanted = self.policy.verify and type(self.workload).verify_plan
+        return wanted and plan.refusal is None and plan.budget_bytes is not None and bool(plan.predicted_phases)
+
+    def _verified_start(self, plan: Plan) -> Plan:
+        """The plan of the first steps of a verifying trial: with the settings ``plan`` chose, the
+        largest batches that fit with every prediction raised by the estimator's error bound
+        (``plan`` itself where nothing does: the verification then shrinks it, if need be)."""
+        # The estimator whose profile the plan used (a trace that fell back names the fallback).
+        estimator = ESTIMATORS.get(plan.estimator) or ESTIMATORS.get(self.policy.estimator)
+        if not self._verifies(plan) or estimator is None:
+            return plan
+        safe = make_plan(
+            self.workload, self.policy, self.spec.effective_batch_size, plan.budget_bytes, target=self.device.target,
+            device=self.device, profiles=self._profiles(), settings=plan.settings, error_bound=estimator.error_bound,
+        )
+        return plan if safe.refusal else safe
+
+    def _verification(self) -> PlanVerification | None:
+        """What verifies the plan on the device, where this trial does (``memory.verify``)."""
+        if not self._verifies(self.plan):
+            return None
+        profile = self._profiles().get(self.plan.settings)
+        overheads = {p.name: p.overhead for p in profile.phases} if profile is not None else {}
+        limit = int(self.plan.budget_bytes * self.policy.safety_margin)
+        fixed_size = not type(self.workload).overrides("largest_sample")  # else a step's batch may be a small one
+        return PlanVerification(phases_of(self.workload), self._corrected_plan, limit, overheads, self.plan_checks,
+                                grows=fixed_size)
+
+    def _corrected_plan(self, corrections: dict, micro_cap: int | None) -> Plan:
+        """The plan in force's settings and budget, planned with the verification's corrections."""
+        return make_plan(
+            self.workload, self.policy, self.spec.effective_batch_size, self.plan.budget_bytes,
+            target=self.device.target, device=self.device, profiles=self._profiles(), settings=self.plan.settings,
+            corrections=corrections, error_bound=self.plan.error_bound, micro_cap=micro_cap,
+        )
 
     def _plan_from_estimates(self, profiles: ProfileCache) -> Plan:
         return make_plan(
@@ -271,6 +354,7 @@ class TrialRun:
         return {
             "trainer": trainer.state_dict(), "plan": self.plan.to_dict(),
             "oom_events": [e.to_dict() for e in self.events], "applied_shrinks": self.applied_shrinks,
+            "plan_checks": [c.to_dict() for c in self.plan_checks],
             "node_id": self.node.node_id, "node_name": self.node.name, "moves": [m.to_dict() for m in self.moves],
             "host_memory_events": [e.to_dict() for e in self.host_events],
         }
@@ -346,11 +430,13 @@ class TrialRun:
             oom_retries=len(self.events) + self.applied_shrinks, oom_events=tuple(self.events),
             host_memory_events=tuple(self.host_events),
             node_id=self.node.node_id, node_name=self.node.name, moves=tuple(self.moves),
-            gpu_name=gpu.name if gpu else None, gpu_total_bytes=gpu.total if gpu else None,
+            plan_checks=tuple(self.plan_checks), gpu_name=gpu.name if gpu else None, gpu_total_bytes=gpu.total if gpu else None,
         )
 
     def _milestone_report(self, milestone: Milestone) -> TrialReport:
         memory, progress = milestone.memory, milestone.progress
+        if self.unreported is not None:  # the pauses since the last report are part of its window
+            memory, self.unreported = self.unreported.merged(memory), None
         report = replace(
             self._plan_report(), measurements=dict(milestone.eval),
             epoch=progress.epoch, step=progress.step, training_done=milestone.final,

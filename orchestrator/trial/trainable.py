@@ -15,11 +15,13 @@ from orchestrator.estimates import Estimates
 from orchestrator.trial.errors import NotRetriedError, OomRetriesExhausted
 from orchestrator.trial.group import GroupTrialRun
 from orchestrator.trial.run import TrialRun
+from orchestrator.trial.worker_exit import exit_requests_survive_finalisers
 
 
 def train_trial(config: dict[str, Any], spec: SweepSpec, estimates: Estimates | None = None) -> None:
     """Tune entry point (wrapped with ``tune.with_parameters(train_trial, spec=spec, estimates=...)``:
     ``estimates`` are the driver's memory profiles, ``orchestrator.estimates``)."""
+    exit_requests_survive_finalisers()
     if config.get(OOM_GAVE_UP_KEY):
         raise OomRetriesExhausted(config[OOM_GAVE_UP_KEY])
     if config.get(NOT_RETRIED_KEY):
