@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="estimate every trial's memory and show its plan, before anything runs")
     _add_config_arguments(plan)
     plan.add_argument("--device-memory", metavar="SIZE", help="plan for a card of this size, e.g. 24GiB")
+    plan.add_argument("--host-memory", metavar="SIZE",
+                      help="plan the trials' host memory for a node with this much available (default: this machine's)")
     plan.add_argument("--estimator", choices=estimator_names(), help="override memory.estimator")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

@@ -34,6 +34,7 @@ from orchestrator.contract import (
     NOT_RETRIED_KEY,
     OOM_GAVE_UP_KEY,
     OOM_SHRINKS_KEY,
+    HostMemoryEvent,
     Move,
     OomEvent,
     PlanCheck,
@@ -111,6 +112,18 @@ class Diverged:
 
 
 @dataclass(frozen=True)
+class HostMemory:
+    trial: str
+    event: HostMemoryEvent  # a DataLoader worker lost, and the fewer workers the trial went on with
+
+
+@dataclass(frozen=True)
+class StorageFault:
+    trial: str
+    reason: str  # the storage's refusal, naming the path, and how long it was tried
+
+
+@dataclass(frozen=True)
 class Failed:
     trial: str
     reason: str  # the exception line, in full
@@ -118,7 +131,8 @@ class Failed:
     retrying: str = ""  # how Tune restarts it: "retrying from its last checkpoint"
 
 
-Event = Started | Planned | OomSurvived | PlanCorrected | Moved | Finished | Refused | Diverged | Failed
+Event = (Started | Planned | OomSurvived | PlanCorrected | HostMemory | Moved | Finished | Refused | Diverged | StorageFault
+         | Failed)
 
 
 def format_event(event: Event) -> str:
@@ -149,6 +163,11 @@ def format_event(event: Event) -> str:
         return f"{name} refused: {event.reason}"
     if isinstance(event, Diverged):
         return f"{name} diverged: {event.reason}"
+    if isinstance(event, HostMemory):
+        return f"{name} {event.event.describe()}"
+    if isinstance(event, StorageFault):
+        return (f"{name} checkpoint not stored: {event.reason}; stopping the sweep, every trial at its last "
+                "checkpoint (continue it with the command below once the storage is back)")
     first, *more = event.reason.splitlines() or [""]  # more: a trial that gave up lists its OOM events
     text = f"{name} failed{f', {event.retrying}' if event.retrying else ''}: {first}"
     return "\n".join([text + (f" (traceback: {event.log})" if event.log else ""), *more])
@@ -192,6 +211,7 @@ class Seen:
 
     planned: bool = False
     oom_events: int = 0
+    host_memory_events: int = 0
     moves: int = 0
     plan_checks: int = 0
 
@@ -209,6 +229,9 @@ def report_events(trial: str, report: TrialReport, seen: Seen) -> list[Event]:
     seen.oom_events = max(seen.oom_events, len(report.oom_events))
     events.extend(PlanCorrected(trial, c) for c in report.plan_checks[seen.plan_checks:] if c.changed)
     seen.plan_checks = max(seen.plan_checks, len(report.plan_checks))
+    for host in report.host_memory_events[seen.host_memory_events:]:
+        events.append(HostMemory(trial, host))
+    seen.host_memory_events = max(seen.host_memory_events, len(report.host_memory_events))
     for move in report.moves[seen.moves:]:
         events.append(Moved(trial, move))
     seen.moves = max(seen.moves, len(report.moves))
@@ -218,6 +241,8 @@ def report_events(trial: str, report: TrialReport, seen: Seen) -> list[Event]:
         if report.plan_checks and not new_events:  # it ran its first steps before the checks changed it
             started_with = report.plan_checks[0].plan.split(" (")[0]
         events.insert(0, Planned(trial, started_with, _estimate(report)))
+    if report.storage_fault:
+        events.append(StorageFault(trial, report.storage_fault))
     return events
 
 
@@ -415,6 +440,24 @@ class _Dropped(logging.Filter):
         return not self.told_elsewhere(record)
 
 
+class _OneLine(logging.Filter):
+    """Keeps the records ``picks`` picks in one line: the message's first line and the error's
+    (the record's exception, or the last line of a traceback written into the message)."""
+
+    def __init__(self, picks: Callable[[logging.LogRecord], bool]) -> None:
+        super().__init__()
+        self.picks = picks
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.picks(record):
+            lines = [line for line in record.getMessage().splitlines() if line.strip()] or [""]
+            error = str(record.exc_info[1]) if record.exc_info else lines[-1] if len(lines) > 1 else ""
+            error = " ".join(error.split())
+            record.msg, record.args = lines[0].rstrip(": ") + (f": {error}" if error else ""), ()
+            record.exc_info = record.exc_text = record.stack_info = None
+        return True
+
+
 def _starts(*prefixes: str) -> Callable[[logging.LogRecord], bool]:
     return lambda record: record.getMessage().startswith(prefixes)
 
@@ -442,12 +485,23 @@ _TOLD_BY_THE_VIEW = (
 )
 
 
+#: And those kept in one line, unless ``--verbose``: Tune failing to save the experiment's state
+#: to a storage that refuses writes (a trial's refused checkpoint stops the sweep, in a line of
+#: the view's; ``orchestrator.storage_fault``), each with a traceback of Tune's and pyarrow's frames.
+_ONE_LINE = (
+    ("ray.tune.execution.experiment_state", _starts("Saving experiment state to storage")),
+    (_TUNE, _starts("Experiment state snapshotting failed")),
+    ("ray.train._internal.syncer", _starts("Last sync command failed")),
+)
+
+
 @contextlib.contextmanager
 def tune_lines_told_here(verbose: bool) -> Iterator[None]:
     """While the sweep runs, Tune's log records that this console tells in its own words are
-    dropped (and put back after, for whatever the process runs next)."""
+    dropped or cut to one line (and put back after, for whatever the process runs next)."""
     held = [(logging.getLogger(name), _Dropped(picks))
             for name, picks in _TOLD_BY_US + (() if verbose else _TOLD_BY_THE_VIEW)]
+    held += [(logging.getLogger(name), _OneLine(picks)) for name, picks in (() if verbose else _ONE_LINE)]
     for logger, dropped in held:
         logger.addFilter(dropped)
     try:

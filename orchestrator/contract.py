@@ -103,6 +103,32 @@ class OomEvent:
 
 
 @dataclass(frozen=True)
+class HostMemoryEvent:
+    """A DataLoader worker that died (killed by a signal: the kernel's OOM killer, mostly) or ran
+    out of host memory, and what was done about it: the trial went back to its last checkpoint
+    with fewer loader workers (``orchestrator.trial.host_memory``). Travels as :class:`OomEvent` does."""
+
+    phase: str  # "train" | "eval"
+    epoch: int  # the epoch under way (from 1)
+    step: int  # train: the optimizer step whose data it was loading (from 1); eval: the step it followed
+    num_workers: int  # data.num_workers when it happened
+    message: str  # torch's line: "DataLoader worker (pid(s) 4242) exited unexpectedly"
+    action: str = ""  # "data.num_workers 2->1", or "gave up"
+
+    def describe(self) -> str:
+        where = f"train step {self.step} (epoch {self.epoch})" if self.phase == "train" else f"eval after step {self.step}"
+        what = "gave up" if self.action == "gave up" else f"resumed from its last checkpoint with {self.action}"
+        return f"host memory: a DataLoader worker was lost in {where} ({self.message}): {what}"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "HostMemoryEvent":
+        return cls(**data)
+
+
+@dataclass(frozen=True)
 class PlanCheck:
     """One phase's plan verified on the device (``orchestrator.trial.verify``): its predicted and
     measured peaks at the plan it ran, and the plan the trial went on with. It travels as an

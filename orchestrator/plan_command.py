@@ -69,6 +69,7 @@ def plan_command(args) -> int:
     rank_batch = spec.effective_batch_size // spec.resources.workers
     estimates = estimate_trials(configs, policy, target, budget, rank_batch, on_done=progress)
     results, caches = [], {}
+    host = _HostMemory(spec, planned, _size_flag("--host-memory", getattr(args, "host_memory", None)))
     for index, config in enumerate(configs):
         signature = memory_signature(config, policy, target)
         if signature in estimates.errors:  # e.g. a model whose library is not installed here: show it, go on
@@ -90,7 +91,8 @@ def plan_command(args) -> int:
         except Exception as exc:  # noqa: BLE001 - shown with the trial (op and line), the others still planned
             results.append({"trial": index, "config": config, "error": summary(exc)})
             continue
-        results.append({"trial": index, "config": config, "plan": plan, "profile": profile})
+        results.append({"trial": index, "config": config, "plan": plan, "profile": profile,
+                        "host": None if plan.refusal else host.plan(workload, signature, plan.micro_batch)})
 
     if args.json:
         print(json.dumps(_as_json(spec, policy, target, budget, results), indent=2, default=str))
@@ -120,12 +122,16 @@ def planning_target(spec, device_memory: str | None):
 
 
 def _device_memory(text: str | None) -> int | None:
+    return _size_flag("--device-memory", text)
+
+
+def _size_flag(flag: str, text: str | None) -> int | None:
     if text is None:
         return None
     try:
         return parse_bytes(text)
     except ValueError as exc:
-        raise UserError(f"--device-memory: {exc}") from None
+        raise UserError(f"{flag}: {exc}") from None
 
 
 def _rank_budgets(spec, planned, card: bool) -> list[int | None] | None:
@@ -210,11 +216,14 @@ def _as_text(policy, target: str, budget: int | None, results: list[dict]) -> st
                      + (f" [{profile.settings.describe()} profile]" if plan.refusal else "")
                      + fill + (f"; {plan.note}" if plan.note else ""))
         plans.extend(_rank_lines(plan))
+        if r.get("host") is not None:
+            plans.append(f"  {r['host'].describe()}")
         notes.extend(n for n in profile.notes if n not in notes)
     budget_text = "unbounded" if budget is None else _size(budget)
     margin = f" x safety margin {policy.safety_margin:g}" if budget is not None else ""
     refused = sum(1 for r in results if "plan" in r and r["plan"].refusal)
     errors = sum(1 for r in results if "error" in r)
+    host_refused = sum(1 for r in results if r.get("host") is not None and r["host"].refusal)
     lines = [
         f"target {target}, budget {budget_text}{margin}, estimator {policy.estimator}; alloc@b and peak@b are "
         "allocated and reserved memory at the planned batch (micro-batch for train, eval batch for eval)",
@@ -223,7 +232,8 @@ def _as_text(policy, target: str, budget: int | None, results: list[dict]) -> st
         "",
         *plans,
         "",
-        f"{len(results)} trials, {refused} refused" + (f", {errors} could not be estimated" if errors else ""),
+        f"{len(results)} trials, {refused} refused" + (f", {errors} could not be estimated" if errors else "")
+        + (f", {host_refused} refused for host memory" if host_refused else ""),
         *(f"note: {n}" for n in notes),
     ]
     return "\n".join(lines)
@@ -245,7 +255,43 @@ def _as_json(spec, policy, target: str, budget: int | None, results: list[dict])
                 "limit_bytes": _limit(r["plan"]),
                 "worst_phase": r["plan"].predicted_phase,
                 "profile": r["profile"].to_dict() if r["profile"] else None,
+                "host_memory": _host_json(r.get("host")),
             }
             for r in results
         ],
     }
+
+
+class _HostMemory:
+    """Each trial's host memory against this machine's, for the trials it would run at once
+    (``orchestrator.host_memory``); the data measured once per memory signature and micro-batch."""
+
+    def __init__(self, spec, target, available: int | None = None):
+        from orchestrator.capacity import local_node, trial_request
+        from orchestrator.host_memory import available_host_memory, trials_at_once
+
+        self.spec = spec
+        self.available = available if available is not None else available_host_memory()
+        self.at_once = trials_at_once(trial_request(spec), local_node(None, None)) * spec.resources.workers
+        self.pinned = device_kind(target.device).accelerator and spec.data.pin_memory is not False
+        self.footprints = {}
+
+    def plan(self, workload, signature, micro_batch: int):
+        from orchestrator.host_memory import plan_host_memory
+        from trainables.footprint import data_footprint
+
+        if self.available is None:
+            return None
+        key = (signature, micro_batch)
+        if key not in self.footprints:
+            self.footprints[key] = data_footprint(workload, micro_batch)
+        return plan_host_memory(self.footprints[key], self.spec.data, pinned=self.pinned, trials_at_once=self.at_once,
+                                available_bytes=self.available)
+
+
+def _host_json(host) -> dict | None:
+    if host is None:
+        return None
+    return {"trial_bytes": host.trial_bytes, "parts": host.parts, "trials_at_once": host.trials_at_once,
+            "available_bytes": host.available_bytes, "num_workers": host.data.num_workers,
+            "prefetch_factor": host.data.prefetch_factor, "reduced": host.reduced, "refusal": host.refusal}

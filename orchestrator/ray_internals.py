@@ -19,6 +19,9 @@ what changed; ``pyproject.toml`` pins Ray to the minor series that test passed o
 * :func:`forget_running_statistics`: ``Trial.run_metadata.metric_analysis`` and ``metric_n_steps``,
   Tune's running max/min/averages of every number a trial reported, which the driver holds for
   every trial of the sweep (``orchestrator.driver_memory``).
+* :func:`ray_processes_in_group`: ``ray._private.services.ConsolePopen``, the class every process
+  of a local Ray (GCS, raylet, dashboard, log monitor) is started with, so that they start in a
+  process group other than the driver's (``orchestrator.ray_group``).
 
 The retry also relies on Tune's failure path calling ``TrialScheduler.on_trial_error`` after Tune
 decided to retry and before it requeues the trial, with ``Trial.error_file`` and
@@ -28,6 +31,9 @@ public, but without a stability promise); the same test drives that path.
 
 from __future__ import annotations
 
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -109,3 +115,26 @@ def forget_running_statistics(trial: Any, keep: str) -> None:
             f"Ray changed: Tune's Trial has no {exc.name!r}, so an ended trial's running statistics cannot be "
             "dropped (orchestrator/ray_internals.py)"
         ) from exc
+
+
+@contextmanager
+def ray_processes_in_group(group: int) -> Iterator[None]:
+    """Within the block, the processes a local ``ray.init`` starts (and so the workers and agents
+    their raylet starts) join the process group ``group`` (``orchestrator.ray_group``: why)."""
+    from ray._private import services
+
+    original = getattr(services, "ConsolePopen", None)
+    if not (isinstance(original, type) and issubclass(original, subprocess.Popen)):
+        raise RayChanged("Ray changed: ray._private.services has no ConsolePopen class, so the local Ray's processes "
+                         "cannot be kept out of the driver's process group (orchestrator/ray_internals.py)")
+
+    class InGroupPopen(original):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("process_group", group)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = InGroupPopen
+    try:
+        yield
+    finally:
+        services.ConsolePopen = original

@@ -42,6 +42,7 @@ from orchestrator.outcome import (
     trial_status,
 )
 from orchestrator.preflight import check_shared_storage, check_storage, check_workloads, taken_back_if_refused
+from orchestrator.ray_group import ray_in_its_own_group
 from orchestrator.ray_token import secure_token_files
 from orchestrator.run_request import RunRequest
 from orchestrator.stop_signal import sigterm_stops_like_sigint
@@ -183,7 +184,11 @@ def run_sweep(
         trainable = _trainable(spec, estimates)
         _tune_settings()
         if restore_from:
+            from orchestrator.tune_state import restore_cut_off
+
             print(f"Resuming {restore_from}: finishing the trials that did not finish")
+            for cut_off in restore_cut_off(restore_from):
+                print(f"{cut_off} was cut off (a full storage?): resuming from its last whole copy")
             tuner = tune.Tuner.restore(restore_from, trainable=trainable, resume_unfinished=True, resume_errored=False)
         else:
             tuner = tune.Tuner(
@@ -265,10 +270,13 @@ def _init_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashboar
             raise UserError("--ray-address: give the head's HOST:PORT; 'auto' can attach to another user's cluster")
         ray.init(address=address, logging_config=logging_config)
     else:
-        context = ray.init(
-            address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=dashboard,
-            dashboard_host=dashboard_host, logging_config=logging_config,
-        )
+        # A SIGTERM to the driver's process group (SLURM, Kubernetes) reaches the driver alone:
+        # it stops the sweep gracefully (orchestrator.stop_signal), then Ray (orchestrator.ray_group).
+        with ray_in_its_own_group():
+            context = ray.init(
+                address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=dashboard,
+                dashboard_host=dashboard_host, logging_config=logging_config,
+            )
         if dashboard:
             from orchestrator.dashboard import how_to_open, token_required
 
@@ -411,16 +419,20 @@ def _run_config(spec: SweepSpec, name: str, storage: str, tracking_uri: str, wai
 
 def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str) -> list:
     """The driver's Tune callbacks: MLflow, the final errors Tune's results may lack (outcome.py),
-    the live view of the trials' events (console.py), and what is dropped of ended trials so
-    that the driver stays flat as trials grow (driver_memory.py; last, after the others read them)."""
+    the live view of the trials' events (console.py), the stop when the storage refuses a checkpoint
+    (storage_fault.py), the last whole copy of Tune's state files (tune_state.py), and what is dropped
+    of ended trials so that the driver stays flat as trials grow (driver_memory.py; last, after the
+    others read them)."""
     from orchestrator.console import LiveView
     from orchestrator.driver_memory import EndedTrialsKeepLess
     from orchestrator.outcome import FinalErrors
+    from orchestrator.storage_fault import StopOnStorageFault
+    from orchestrator.tune_state import KeepWholeState
     from orchestrator.tracking.callback import UNSENT_FILE, MlflowTracking
 
     view = LiveView(list(spec.search_space), spec.metric, spec.stop.epochs, spec.stop.steps)
     tracking = MlflowTracking(tracking_uri, spec, unsent_file=os.path.join(experiment_path, UNSENT_FILE))
-    return [tracking, FinalErrors(), view, EndedTrialsKeepLess(spec.metric)]
+    return [tracking, FinalErrors(), view, StopOnStorageFault(), KeepWholeState(), EndedTrialsKeepLess(spec.metric)]
 
 
 # -- the final table ---------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from orchestrator.contract import Move, OomEvent, PlanCheck, records_from_report, records_in_report
+from orchestrator.contract import HostMemoryEvent, Move, OomEvent, PlanCheck, records_from_report, records_in_report
 
 #: Keys Tune adds to every result (``ray.tune.result``), which are not the trial's to report;
 #: ``trial_id``, ``done`` and ``time_total_s`` among them are read back into the report.
@@ -97,6 +97,7 @@ class TrialReport:
     gpu_total_bytes: int | None = None
     oom_retries: int = 0  # OOMs recovered in the worker, plus workers that died of one
     oom_events: tuple[OomEvent, ...] = ()
+    host_memory_events: tuple[HostMemoryEvent, ...] = ()  # DataLoader workers lost (orchestrator.trial.host_memory)
     moves: tuple[Move, ...] = ()
     #: Each phase's plan verified on the device, oldest first (``orchestrator.trial.verify``).
     plan_checks: tuple[PlanCheck, ...] = ()
@@ -110,6 +111,9 @@ class TrialReport:
     #: What the trials its reused worker ran before still held on the device when it started
     #: (``orchestrator.trial.reuse``); None in a fresh worker
     left_behind_bytes: int | None = None
+    #: The storage did not take its checkpoint, in one line (``orchestrator.trial.storage``): the
+    #: driver stops the sweep, this trial to be continued from its last checkpoint.
+    storage_fault: str | None = None
 
     # -- filled in by Tune on the driver's side; a worker leaves them unset -----------------
     trial_id: str | None = None
@@ -152,7 +156,7 @@ class TrialReport:
             value = getattr(self, f.name)
             if f.name == "measurements":
                 out.update(value)
-            elif f.name in ("oom_events", "moves", "plan_checks"):
+            elif f.name in ("oom_events", "host_memory_events", "moves", "plan_checks"):
                 out[f.name] = records_in_report([item.to_dict() for item in value])
             elif f.name == "rank_peaks":
                 for rank, peak in enumerate(value):
@@ -194,6 +198,8 @@ class TrialReport:
         values["plan"] = plan
         values["refusal"] = result.get("refusal") or (plan or {}).get("refusal") or None
         values["oom_events"] = tuple(OomEvent.from_dict(e) for e in records_from_report(result.get("oom_events")))
+        values["host_memory_events"] = tuple(
+            HostMemoryEvent.from_dict(e) for e in records_from_report(result.get("host_memory_events")))
         values["moves"] = tuple(Move.from_dict(m) for m in records_from_report(result.get("moves")))
         values["plan_checks"] = tuple(PlanCheck.from_dict(c) for c in records_from_report(result.get("plan_checks")))
         values["rank_peaks"] = _rank_peaks(result)
@@ -209,7 +215,8 @@ class TrialReport:
 
 
 #: Fields :meth:`TrialReport.from_result` reads its own way.
-_SPECIAL = frozenset({"plan", "refusal", "oom_events", "moves", "plan_checks", "rank_peaks", "measurements"})
+_SPECIAL = frozenset({"plan", "refusal", "oom_events", "host_memory_events", "moves", "plan_checks", "rank_peaks",
+                      "measurements"})
 #: Keys of :meth:`TrialReport.to_metrics` that are 0/1 flags.
 _FLAGS = frozenset({"refused", "training_done", "done"})
 #: Keys :meth:`TrialReport.to_metrics` derives from the fields.

@@ -291,15 +291,19 @@ def _assert_resumes_to_the_end(folder: Path, name: str, *extra: str) -> subproce
     (signal.SIGINT, ()),
     (signal.SIGTERM, ()),
     (signal.SIGTERM, ASHA_BY_STEPS),
-], ids=["sigint", "sigterm", "sigterm-asha-by-steps"])
+    ("SIGTERM to the group", ()),
+], ids=["sigint", "sigterm", "sigterm-asha-by-steps", "sigterm-to-the-group"])
 def test_a_step_cadence_sweep_stopped_by_a_signal_resumes_with_the_printed_command(step_sweep, signum, extra):
-    """SIGINT to the process group (Ctrl-C in a terminal), SIGTERM to the driver alone (``kill``,
-    Kubernetes, SLURM): the same graceful stop, the table with both trials INTERRUPTED, the
+    """SIGINT to the process group (Ctrl-C in a terminal), SIGTERM to the driver alone (``kill``)
+    and to its whole process group (SLURM, Kubernetes: the embedded Ray's processes are not in it,
+    so they live on until the driver stops them): the same graceful stop, the table with both trials INTERRUPTED, the
     resume command, MLflow's runs marked KILLED, exit 1 and no stack dump. The printed command
     then resumes the sweep, whose checkpoint-only reports lack the metric, to the end."""
     def stop(sweep):
         if signum == signal.SIGINT:
             os.killpg(sweep.pid, signal.SIGINT)
+        elif signum == "SIGTERM to the group":
+            os.killpg(sweep.pid, signal.SIGTERM)
         else:
             sweep.send_signal(signum)
 

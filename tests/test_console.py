@@ -27,6 +27,7 @@ from orchestrator.console import (
     Refused,
     Seen,
     Started,
+    StorageFault,
     cluster_text,
     config_text,
     finished_event,
@@ -34,6 +35,7 @@ from orchestrator.console import (
     format_progress,
     report_events,
     trial_fraction,
+    tune_lines_told_here,
 )
 from orchestrator.contract import Move, OomEvent
 from orchestrator.trial_report import TrialReport
@@ -146,6 +148,39 @@ def test_a_diverged_trial_ends_in_one_line_with_its_step_and_last_finite_loss():
     line = "loss not finite at step 37 (epoch 2); last finite loss 0.4123; not retried (on_nan: stop)"
     result = TrialReport(epoch=1, step=37, measurements={"eval_loss": float("inf")}, diverged=line, diverged_at_step=37)
     assert format_event(finished_event("t", result, "eval_loss", 3)) == f"t diverged: {line}"
+
+
+def test_a_checkpoint_the_storage_refused_is_one_line_naming_the_path_and_the_stop():
+    fault = "[Errno 30] Cannot create directory '/s/cut/t0/checkpoint_000003'. Detail: [errno 30] Read-only file system"
+    [event] = report_events("t0", TrialReport(storage_fault=fault), Seen(planned=True))
+    assert event == StorageFault("t0", fault)
+    line = format_event(event)
+    assert "\n" not in line and line.startswith(f"t0 checkpoint not stored: {fault}; stopping the sweep")
+
+
+def test_tune_s_failed_saves_to_a_refusing_storage_are_one_line_each():
+    """Tune's and its syncer's records of a storage that refuses the experiment's state: one line
+    each, the error's, instead of their tracebacks (put back after the sweep)."""
+    import logging
+
+    def record_of(name, message, exc_info=None):
+        return logging.getLogger(name).makeRecord(name, logging.ERROR, __file__, 1, message, (), exc_info)
+
+    try:
+        raise OSError(30, "Failed to open local file '/s/cut/state.json'.\nDetail: [errno 30] Read-only file system")
+    except OSError:
+        error = sys.exc_info()
+    state = record_of("ray.tune.execution.experiment_state", "Saving experiment state to storage at '/s/cut' failed with exception: ", error)
+    synced = record_of("ray.train._internal.syncer", "Last sync command failed with the following error:\nTraceback (most recent call last):\n"
+                       "  File \"x.py\", line 1, in f\nOSError: [Errno 30] Read-only file system\n")
+    with tune_lines_told_here(verbose=False):
+        for record in (state, synced):
+            assert logging.getLogger(record.name).filter(record)
+    assert state.getMessage() == ("Saving experiment state to storage at '/s/cut' failed with exception: [Errno 30] Failed to open "
+                                  "local file '/s/cut/state.json'. Detail: [errno 30] Read-only file system")
+    assert state.exc_info is None
+    assert synced.getMessage() == "Last sync command failed with the following error: OSError: [Errno 30] Read-only file system"
+    assert not logging.getLogger("ray.train._internal.syncer").filters
 
 
 def test_the_config_shows_what_differs_between_trials_in_the_configs_order():

@@ -152,3 +152,39 @@ def test_a_compiled_model_is_planned_from_its_eager_trace_and_the_plan_says_so(t
     out = capsys.readouterr().out
     assert "1 trials, 0 refused" in out and f"note: {COMPILED_MODEL_NOTE}" in out
     assert "note: optimizer AdamW (foreach), as built for a cuda device" in out
+
+
+def test_each_trial_s_host_memory_is_planned_for_the_trials_a_node_runs_at_once(sweep, capsys):
+    """With room, the loader settings stay; a byte short of what the trials at once hold, fewer
+    batches are loaded ahead (then fewer workers); far too little, the trials are refused."""
+    config = sweep()
+    workers = {"overrides": ["data.num_workers=8", "data.prefetch_factor=4"], "estimator": "static"}
+    assert plan_command(args(config, json=True, host_memory="64GiB", **workers)) == 0
+    [host] = [t["host_memory"] for t in json.loads(capsys.readouterr().out)["trials"][:1]]
+    assert host["num_workers"] == 8 and host["prefetch_factor"] == 4 and not host["reduced"] and host["refusal"] is None
+    assert host["available_bytes"] == 64 * 2**30 and host["trials_at_once"] >= 1
+    assert set(host["parts"]) == {"datasets", "batches ahead", "pinned", "checkpoint copy"}
+
+    short = host["trial_bytes"] * host["trials_at_once"] - 1
+    assert plan_command(args(config, json=True, host_memory=f"{short}B", **workers)) == 0
+    host = json.loads(capsys.readouterr().out)["trials"][0]["host_memory"]
+    assert host["reduced"].startswith("data.prefetch_factor 4->1") and host["prefetch_factor"] == 1 and host["refusal"] is None
+
+    assert plan_command(args(config, host_memory="1KiB", **workers)) == 0  # a plan outcome, as a refused device plan
+    out = capsys.readouterr().out
+    assert "4 trials, 0 refused, 4 refused for host memory" in out
+    assert "refused: " in out and "of host memory even loading in their own processes" in out
+
+
+def test_the_installed_plan_shows_host_memory_from_a_user_folder(own_model_project):
+    import subprocess
+
+    from tests.conftest import command_env, installed_command
+
+    proc = subprocess.run([installed_command(), "plan", own_model_project.config, "--set", "data.num_workers=2",
+                           "--host-memory", "1MiB"], cwd=own_model_project.folder, env=command_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("  host memory ")]
+    assert len(lines) == 2 and all("datasets " in line and "of 1.0 MiB available; refused: " in line for line in lines), proc.stdout
+    assert "2 refused for host memory" in proc.stdout

@@ -15,6 +15,7 @@ Ray upgrade that changes any of these fails here, naming what changed, instead o
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,6 +34,7 @@ from orchestrator.ray_internals import (
     forget_running_statistics,
     make_last_failure,
     make_next_failure_last,
+    ray_processes_in_group,
     storage_folder,
     trial_storage_folder,
 )
@@ -186,3 +188,25 @@ def test_an_ended_trials_running_statistics_go_but_its_metric_and_last_result_st
     assert trial.metric_analysis["eval_loss"]["last"] == 0.5 and trial.last_result["micro_batch"] == 32
     with pytest.raises(RayChanged, match="Trial has no 'run_metadata'"):
         forget_running_statistics(SimpleNamespace(), keep="eval_loss")
+
+
+def test_the_local_rays_processes_start_in_the_group_they_are_given():
+    """What ``ray.init`` starts its GCS and raylet with joins the given process group within the
+    block (a SIGTERM to the driver's group does not reach it), and is Ray's own class again after."""
+    import os
+    import sys
+
+    from ray._private import services
+
+    before = services.ConsolePopen
+    leader = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], process_group=0)
+    try:
+        with ray_processes_in_group(leader.pid):
+            child = services.ConsolePopen([sys.executable, "-c", "import os; print(os.getpgrp())"],
+                                          stdout=subprocess.PIPE, text=True)
+            out, _ = child.communicate(timeout=30)
+    finally:
+        leader.kill()
+        leader.wait()
+    assert int(out) == leader.pid != os.getpgrp()
+    assert services.ConsolePopen is before

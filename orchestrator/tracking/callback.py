@@ -122,6 +122,10 @@ class MlflowTracking(tune.Callback):
             tags["refusal"] = report.refusal[:MAX_TAG_CHARS]
         if report.diverged:
             tags["diverged"] = report.diverged[:MAX_TAG_CHARS]
+        if report.host_memory_events:
+            tags["host_memory_events"] = "; ".join(e.describe() for e in report.host_memory_events)[:MAX_TAG_CHARS]
+        if report.storage_fault:
+            tags["storage_fault"] = report.storage_fault[:MAX_TAG_CHARS]
         if report.moves:
             tags["moves"] = describe_moves(report.moves)[:MAX_TAG_CHARS]
         changed = {k: v for k, v in tags.items() if log.tags.get(k) != v}
@@ -134,7 +138,7 @@ class MlflowTracking(tune.Callback):
         if len(report.plan_checks) > log.plan_checks_logged:
             self._put(LogArtifact(log.ref, "plan_checks.json", [c.to_dict() for c in report.plan_checks]))
             log.plan_checks_logged = len(report.plan_checks)
-        if report.step is not None:
+        if report.step is not None and not report.storage_fault:  # the step is logged again after --resume
             self._put(LogResult(log.ref, report.step, result_metrics(report), int(time.time() * 1000)))
 
     def on_trial_recover(self, iteration, trials, trial, **info) -> None:

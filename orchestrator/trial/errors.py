@@ -34,3 +34,8 @@ class DataError(RuntimeError):
     """The trial could not load a sample of its data (``trainables.data.SampleError``): a bug in
     the workload's data, which a retry would meet again. Its message is the sample's line, where
     the trial was, and the file that holds the full traceback."""
+
+
+class HostMemoryExhausted(RuntimeError):
+    """Loading the data ran out of host memory in the trial's own process, with no DataLoader
+    worker left to give up (``orchestrator.trial.host_memory``). One line."""

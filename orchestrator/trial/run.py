@@ -22,6 +22,7 @@ from orchestrator.contract import (
     RESTART_REASON_KEY,
     STATE_FILE,
     TRIAL_LOG_FILE,
+    HostMemoryEvent,
     Move,
     OomEvent,
     PlanCheck,
@@ -37,10 +38,12 @@ from orchestrator.memory.phases import phases_of
 from orchestrator.planner import Plan, make_plan, next_reduction
 from orchestrator.ray_internals import trial_storage_folder
 from orchestrator.trial.checkpoint import LocalCheckpoints
-from orchestrator.trial.errors import DataError, OomRetriesExhausted
+from orchestrator.trial.errors import DataError, HostMemoryExhausted, OomRetriesExhausted
 from orchestrator.trial.evidence import clear_oom_evidence, write_oom_evidence
+from orchestrator.trial.host_memory import fewer_workers, host_memory_failure
 from orchestrator.trial.node import NodeInfo, current_node, left_its_node, restart_reason
 from orchestrator.trial.reuse import HISTORY
+from orchestrator.trial.storage import StorageUnavailable, report_with_retries, wait_to_be_stopped
 from orchestrator.trial.verify import PlanVerification, changes_batches
 from orchestrator.trial_report import TrialReport
 from orchestrator.units import human
@@ -76,6 +79,7 @@ class TrialRun:
         self.device = self._open_device()
         self.checkpoints = LocalCheckpoints(trial_id)
         self.events: list[OomEvent] = []
+        self.host_events: list[HostMemoryEvent] = []  # DataLoader workers lost (orchestrator.trial.host_memory)
         self.evidence_folder = trial_storage_folder()  # where an OOM being recovered from is written down
         self.evidence_written = False
         self.applied_shrinks = 0  # Tune-level shrinks (OOM_SHRINKS_KEY) already in self.plan
@@ -115,16 +119,27 @@ class TrialRun:
             except TrainingDiverged as exc:
                 self._report_divergence(exc.divergence)
                 return
+            except StorageUnavailable as exc:
+                self._report_storage_fault(trainer, exc)
+                return
             except Exception as exc:
-                if not is_oom(exc):
+                lost_worker = host_memory_failure(exc)
+                if lost_worker is not None:
+                    event = self._host_memory_event(trainer, lost_worker)
+                elif not is_oom(exc):
                     raise
-                event = self._oom_event(trainer, exc)
-                write_oom_evidence(self.evidence_folder, event)  # should the recovery kill the worker
-                self.evidence_written = True
+                else:
+                    event = self._oom_event(trainer, exc)
+                    write_oom_evidence(self.evidence_folder, event)  # should the recovery kill the worker
+                    self.evidence_written = True
             # Out of the except block: the exception and the frames of the failed step are gone,
-            # so dropping the trainer frees its weights and optimizer state before the next is built.
+            # so dropping the trainer frees its weights and optimizer state before the next is built
+            # (and its loaders' iterators before the next loaders fork their workers).
             del trainer
             release()
+            if isinstance(event, HostMemoryEvent):
+                self._fewer_loader_workers(event)  # from the last checkpoint, with the new trainer's loaders
+                continue
             self.device.reset_peak()  # the next report's peak covers the recovery, not the failed step
             if event is not None:
                 self.verification = None  # an OOM measured the plan: its reductions take over
@@ -165,6 +180,8 @@ class TrialRun:
             self.applied_shrinks = saved["applied_shrinks"]
             self.plan_checks = [PlanCheck.from_dict(c) for c in saved.get("plan_checks", [])]
             self.moves = [Move.from_dict(m) for m in saved.get("moves", [])]
+            for event in saved.get("host_memory_events", []):
+                self._record_host_event(HostMemoryEvent.from_dict(event))
             if saved.get("node_id", self.node.node_id) != self.node.node_id:  # Ray restarted, or another node
                 plan = self._resumed_elsewhere(plan, saved)
         # A worker that died of an OOM cannot shrink its own plan; the scheduler asked for it.
@@ -277,6 +294,31 @@ class TrialRun:
             message=str(exc).splitlines()[0][:500],
         )
 
+    def _host_memory_event(self, trainer: Trainer, line: str) -> HostMemoryEvent:
+        progress = trainer.progress
+        return HostMemoryEvent(phase=trainer.phase, epoch=progress.epoch + 1,
+                               step=progress.step + (trainer.phase == "train"),
+                               num_workers=self.loop_settings.data.num_workers, message=line[:500])
+
+    def _fewer_loader_workers(self, event: HostMemoryEvent) -> None:
+        """A DataLoader worker was lost to host memory: back to the last checkpoint with half the
+        workers, or give up in one line when the trial already loads in its own process."""
+        data = self.loop_settings.data
+        smaller = fewer_workers(data)
+        event = replace(event, action="gave up" if smaller is None else
+                        f"data.num_workers {data.num_workers}->{smaller.num_workers}")
+        if smaller is None:
+            self.host_events.append(event)
+            raise HostMemoryExhausted(f"{event.describe()}: the trial's own process ran out of host memory loading its data")
+        self._record_host_event(event)
+
+    def _record_host_event(self, event: HostMemoryEvent) -> None:
+        """Keep the event and the fewer workers it left (replayed from a checkpoint's events)."""
+        self.host_events.append(event)
+        smaller = fewer_workers(self.loop_settings.data)
+        if event.action != "gave up" and smaller is not None:
+            self.loop_settings = replace(self.loop_settings, data=smaller)
+
     def _shrink(self, event: OomEvent) -> None:
         """Move the plan to its next reduction, or give up with every event in the error."""
         if self.metrics is not None:  # rank 0 counts a group's OOMs
@@ -306,7 +348,8 @@ class TrialRun:
             tune.report(report.to_metrics())
             return
         folder = self.checkpoints.save(self._state(trainer))
-        tune.report(report.to_metrics(), checkpoint=tune.Checkpoint.from_directory(folder))
+        report_with_retries(lambda: tune.report(report.to_metrics(), checkpoint=tune.Checkpoint.from_directory(folder)),
+                            where=self.evidence_folder)  # the trial's folder on the storage
 
     def _state(self, trainer: Trainer) -> dict:
         """Everything needed to continue exactly here."""
@@ -315,6 +358,7 @@ class TrialRun:
             "oom_events": [e.to_dict() for e in self.events], "applied_shrinks": self.applied_shrinks,
             "plan_checks": [c.to_dict() for c in self.plan_checks],
             "node_id": self.node.node_id, "node_name": self.node.name, "moves": [m.to_dict() for m in self.moves],
+            "host_memory_events": [e.to_dict() for e in self.host_events],
         }
 
     def _data_error(self, trainer: Trainer, exc: SampleError) -> DataError:
@@ -353,6 +397,16 @@ class TrialRun:
                          measurements={self.spec.metric: worst}, diverged=line, diverged_at_step=divergence.step)
         tune.report(report.to_metrics())
 
+    def _report_storage_fault(self, trainer: Trainer, fault: StorageUnavailable) -> None:
+        """The storage did not take the checkpoint: say so, without one, and wait for the driver
+        to stop the sweep (``orchestrator.trial.storage``); this trial resumes from its last."""
+        from ray import tune
+
+        progress = trainer.progress
+        tune.report(replace(self._plan_report(), epoch=progress.epoch, step=progress.step,
+                            storage_fault=str(fault)).to_metrics())
+        wait_to_be_stopped(fault)
+
     def _report_refusal(self) -> None:
         """A refused trial reports once, with its reason, and ends without training."""
         from ray import tune
@@ -376,6 +430,7 @@ class TrialRun:
             predicted_phase=plan.predicted_phase if plan.predicted_peak_bytes is not None else None,
             # Events recovered in this process, plus workers that died of memory (restarted by Tune).
             oom_retries=len(self.events) + self.applied_shrinks, oom_events=tuple(self.events),
+            host_memory_events=tuple(self.host_events),
             node_id=self.node.node_id, node_name=self.node.name, moves=tuple(self.moves),
             plan_checks=tuple(self.plan_checks), gpu_name=gpu.name if gpu else None, gpu_total_bytes=gpu.total if gpu else None,
             left_behind_bytes=self.left_behind,

@@ -1,0 +1,49 @@
+"""A trial's host memory against a node's (``orchestrator/host_memory.py``): pure arithmetic on
+measured footprints."""
+
+from __future__ import annotations
+
+from orchestrator.config import DataLoading
+from orchestrator.host_memory import plan_host_memory, trial_parts, trials_at_once
+from trainables.footprint import DataFootprint
+
+MiB = 1 << 20
+# 100 MiB of tensors, 50 MiB of Python objects, 4 MiB batches, 30 MiB of model and optimizer.
+FOOTPRINT = DataFootprint(shared_bytes=100 * MiB, copied_bytes=50 * MiB, batch_bytes=4 * MiB, state_bytes=30 * MiB)
+
+
+def test_workers_share_tensors_copy_objects_and_hold_their_batches_ahead():
+    parts = trial_parts(FOOTPRINT, DataLoading(num_workers=4, prefetch_factor=3), pinned=True)
+    assert parts == {"datasets": (100 + 50 * 5) * MiB, "batches ahead": 4 * 3 * 4 * MiB, "pinned": 4 * 3 * 4 * MiB,
+                     "checkpoint copy": 30 * MiB}
+    alone = trial_parts(FOOTPRINT, DataLoading(), pinned=False)  # loading in the trial's process: one batch at a time
+    assert alone == {"datasets": 150 * MiB, "batches ahead": 4 * MiB, "pinned": 0, "checkpoint copy": 30 * MiB}
+
+
+def test_settings_that_fit_are_kept():
+    data = DataLoading(num_workers=4)
+    plan = plan_host_memory(FOOTPRINT, data, pinned=False, trials_at_once=2, available_bytes=10_000 * MiB)
+    assert plan.data == data and not plan.reduced and plan.refusal is None
+    assert plan.trial_bytes == (100 + 250 + 32 + 30) * MiB
+
+
+def test_a_node_that_cannot_hold_its_trials_loads_fewer_batches_ahead_then_uses_fewer_workers():
+    data = DataLoading(num_workers=8, prefetch_factor=4)
+    # 8 workers: 100 + 450 + 8*4*4 + 30 = 708 MiB a trial; prefetch 1: 612; 4 workers: 100 + 250 + 16 + 30 = 396.
+    plan = plan_host_memory(FOOTPRINT, data, pinned=False, trials_at_once=2, available_bytes=800 * MiB)
+    assert plan.data == DataLoading(num_workers=4, prefetch_factor=1)
+    assert plan.reduced == "data.num_workers 8->4, data.prefetch_factor 4->1" and plan.refusal is None
+    assert "2 at once: 792.0 MiB of 800.0 MiB available; data.num_workers 8->4" in plan.describe()
+
+
+def test_a_node_that_cannot_hold_them_even_without_workers_is_refused_in_one_line():
+    plan = plan_host_memory(FOOTPRINT, DataLoading(num_workers=2), pinned=False, trials_at_once=4, available_bytes=500 * MiB)
+    assert plan.data == DataLoading() and plan.reduced == "data.num_workers 2->0"
+    assert plan.refusal.startswith("4 trial(s) at once need 736.0 MiB of host memory even loading in their own processes")
+    assert "\n" not in plan.describe()
+
+
+def test_a_node_runs_as_many_trials_as_its_cpus_and_gpus_hold():
+    assert trials_at_once({"CPU": 2, "GPU": 0}, {"CPU": 16, "GPU": 0}) == 8
+    assert trials_at_once({"CPU": 2, "GPU": 1}, {"CPU": 16, "GPU": 4}) == 4
+    assert trials_at_once({"CPU": 4, "GPU": 0}, {"CPU": 2, "GPU": 0}) == 1
