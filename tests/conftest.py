@@ -119,6 +119,20 @@ def alive(pid: int) -> bool:
         return False
 
 
+def assert_traced_as_measured_on_cpu(workload) -> None:
+    """On the CPU the trace and torch's own real steps (counted by the tensor tracker) count the
+    same tensors: at every batch size measured, each phase's allocated bytes agree exactly."""
+    from orchestrator.device import CpuDevice
+    from orchestrator.memory import estimate
+
+    traced = estimate(workload, "trace", target="cpu")
+    real = estimate(workload, "measured", target="cpu", device=CpuDevice())
+    assert traced.estimator == "trace", traced.notes
+    for fake, measured in zip(traced.phases, real.phases):
+        for b, _ in measured.points:
+            assert fake.allocated_at(b) == measured.allocated_at(b), (fake.name, b)
+
+
 def installed_command() -> str:
     """The console script ``pip install`` made next to this Python, as a user's shell finds it."""
     script = Path(sys.executable).parent / "orchestrator"

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.device import CpuDevice
 from orchestrator.memory import estimate
 from orchestrator.memory.fake import fake_setup
 from orchestrator.memory.optimizer import implementation
+from tests.conftest import assert_traced_as_measured_on_cpu
 from tests.workloads import DeviceOptimizerWorkload
 
 #: Four layers of 128 x 128 or so: foreach's temporaries (the whole parameter list's at once) are
@@ -48,13 +48,7 @@ def test_a_cuda_target_counts_the_fused_optimizer_it_will_run():
 def test_each_implementation_is_traced_with_the_peak_it_really_has(chosen):
     """On the CPU the trace and torch's own real step, counted by the tensor tracker, agree byte
     for byte for each implementation."""
-    workload = DeviceOptimizerWorkload(**LAYERS, implementation=chosen)
-    traced = estimate(workload, "trace", target="cpu")
-    real = estimate(workload, "measured", target="cpu", device=CpuDevice())
-    assert traced.estimator == "trace", traced.notes
-    for fake, measured in zip(traced.phases, real.phases):
-        for b, _ in measured.points:
-            assert fake.allocated_at(b) == measured.allocated_at(b), (fake.name, b)
+    assert_traced_as_measured_on_cpu(DeviceOptimizerWorkload(**LAYERS, implementation=chosen))
 
 
 def test_fused_needs_the_least_and_foreach_the_most_at_the_optimizer_step():

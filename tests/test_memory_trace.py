@@ -20,6 +20,7 @@ from orchestrator.contract import COMPILED_MODEL_NOTE
 from orchestrator.device import CpuDevice
 from orchestrator.memory import Settings, estimate
 from orchestrator.memory.cuda_emulation import cuda_autocast_policy
+from tests.conftest import assert_traced_as_measured_on_cpu
 from tests.workloads import COMPILED_GRAPHS, CompiledMLPWorkload
 from trainables.cnn import CNNWorkload
 from trainables.mlp import MLPWorkload
@@ -147,12 +148,7 @@ def test_stages_and_eval_are_distinct_phases():
 ], ids=type)
 def test_trace_equals_the_real_cpu_peaks(workload):
     """On the CPU both count the same tensors: fake and real steps agree byte for byte."""
-    traced = estimate(workload, "trace", target="cpu")
-    real = estimate(workload, "measured", target="cpu", device=CpuDevice())
-    assert traced.estimator == "trace", traced.notes
-    for fake, measured in zip(traced.phases, real.phases):
-        for b, _ in measured.points:
-            assert fake.allocated_at(b) == measured.allocated_at(b), (fake.name, b)
+    assert_traced_as_measured_on_cpu(workload)
 
 
 def test_the_encoders_nested_tensor_fast_path_is_traced_on_its_layers_path_and_says_so():
