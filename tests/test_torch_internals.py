@@ -96,6 +96,11 @@ def test_a_dispatch_mode_sees_ops_except_where_modes_are_disabled():
         with ti.disable_current_modes():
             torch.ones(3) * 2
     assert "aten.add.Tensor" in seen.ops and "aten.mul.Tensor" not in seen.ops, "torch changed: _disable_current_modes"
+    with Seen() as later:  # set aside while nothing else was active, then active again
+        with ti.disable_current_modes(), ti.disable_current_modes():
+            torch.ones(3) * 2
+        torch.ones(2) - 1
+    assert later.ops == ["aten.ones.default", "aten.sub.Tensor"], "torch changed: _len_torch_dispatch_stack"
 
 
 def test_fake_tensors_have_shapes_and_no_data():

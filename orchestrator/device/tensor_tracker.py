@@ -16,6 +16,7 @@ rounds them itself, by rules that depend on its configuration) and each free as 
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from typing import Iterable, Iterator
@@ -83,6 +84,7 @@ class StorageTracker(TorchDispatchMode):
         self._logged: dict[int, int] = {}  # storage key -> its allocation's index in the log
         self._logged_count = 0  # allocations in the log so far
         self._requested: dict[int, int] = {}  # storage key -> bytes the allocator was asked for
+        self._watches: dict[int, weakref.ref] = {}  # storage key -> the weak reference whose callback frees it
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         for tensor in tensors:
@@ -117,7 +119,7 @@ class StorageTracker(TorchDispatchMode):
 
     def size_of(self, tensor: torch.Tensor) -> int:
         nbytes = tensor.untyped_storage().nbytes()
-        return math.ceil(nbytes / self.round_to) * self.round_to
+        return -(-nbytes // self.round_to) * self.round_to
 
     def admit(self, size: int) -> None:
         """Called before a new storage of ``size`` bytes is counted; a subclass may refuse it."""
@@ -130,37 +132,60 @@ class StorageTracker(TorchDispatchMode):
     def _free(self, key: int) -> None:
         self.allocated -= self._live.pop(key, 0)
         self._requested.pop(key, None)
+        self._watches.pop(key, None)
         if self.log is not None and key in self._logged:
             self.log.append(~self._logged.pop(key))
 
     def _add(self, tensor: torch.Tensor) -> None:
+        # Every output of every op passes here while the tracker is on (about 230 ops a step of
+        # the LSTM example), so the common case (a storage already counted: views, in-place ops)
+        # ends at a dict lookup, and a new storage's size is read once.
         if tensor.device.type != self.device_type or tensor.is_sparse:
             return
         storage = tensor.untyped_storage()
         key = id(storage)
         if key in self._live:
             return
-        size = self.size_of(tensor)
+        requested = storage.nbytes()
+        size = requested if self.round_to == 1 else -(-requested // self.round_to) * self.round_to
         if size == 0:
             return
         self.admit(size)
-        self._live[key] = size
-        self._requested[key] = storage.nbytes()
+        live = self._live
+        live[key] = size
+        self._requested[key] = requested
         if self.log is not None:
             self._log_allocation(key)
         self.allocated += size
         self.total += size
         self.largest = max(self.largest, size)
         self.peak = max(self.peak, self.allocated)
-        self.most_live = max(self.most_live, len(self._live))
-        # the storage's Python object lives as long as the storage does (PyTorch keeps it)
-        weakref.finalize(storage, self._free, key)
+        self.most_live = max(self.most_live, len(live))
+        # The storage's Python object lives as long as the storage does (PyTorch keeps it), so a
+        # weak reference's callback is its free: a plain ``weakref.ref`` held here fires when a
+        # ``weakref.finalize`` would, without the finalizer's registry and bookkeeping.
+        self._watches[key] = weakref.ref(storage, functools.partial(self._freed, key))
+
+    def _freed(self, key: int, _ref: weakref.ref) -> None:
+        self._free(key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                self._add(leaf)
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        if isinstance(out, torch.Tensor):  # most ops: one tensor, no tree to flatten
+            self._add(out)
+        elif type(out) is tuple or type(out) is list:
+            for item in out:
+                if isinstance(item, torch.Tensor):
+                    self._add(item)
+                elif isinstance(item, (tuple, list, dict)):
+                    self._add_leaves(item)
+        elif out is not None:
+            self._add_leaves(out)
         if self.events is not None:
             self.events.append(self.allocated)
         return out
+
+    def _add_leaves(self, tree) -> None:
+        for leaf in tree_leaves(tree):
+            if isinstance(leaf, torch.Tensor):
+                self._add(leaf)

@@ -13,7 +13,7 @@ What each is for:
 
 * ``FakeTensorMode`` and its exceptions, ``unset_fake_temporarily``: tensors with shapes and no
   data, the trace itself (``orchestrator.memory.fake``, ``construction``, ``workspaces``).
-* ``TorchDispatchMode``, ``disable_current_modes``: seeing every op a step runs (the CPU tensor
+* ``TorchDispatchMode``, :func:`disable_current_modes`: seeing every op a step runs (the CPU tensor
   tracker, the trace's helpers) and running host work unseen by them.
 * ``tree_leaves``, ``tree_map``: the tensors in an op's nested arguments and results.
 * ``OpOverload``, :func:`op_schema`: which op is running, and its arguments' names and types.
@@ -35,7 +35,7 @@ from typing import Iterator
 
 import torch
 from torch import nn
-from torch._ops import OpOverload
+from torch._ops import OpOverload, _len_torch_dispatch_stack_pre_dispatch
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -44,8 +44,11 @@ from torch._subclasses.fake_tensor import (
     UnsupportedFakeTensorException,
     unset_fake_temporarily,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    _len_torch_dispatch_stack,
+)
 from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = [
@@ -79,6 +82,16 @@ FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 def op_schema(op: OpOverload) -> torch.FunctionSchema:
     """An aten op's schema: ``.name``, ``.arguments`` and ``.returns`` with names and types."""
     return op._schema
+
+
+def disable_current_modes() -> contextlib.AbstractContextManager:
+    """Every active dispatch mode set aside for the duration (``_disable_current_modes``): host
+    work no tracker or trace should see. Where none is active (the CPU device's unsampled steps
+    and batch fetches, a GPU trial) a plain no-op context instead: torch's costs about 10 us a
+    call (imports and pre-dispatch bookkeeping), paid for every batch a trial fetches."""
+    if _len_torch_dispatch_stack() == 0 and _len_torch_dispatch_stack_pre_dispatch() == 0:
+        return contextlib.nullcontext()
+    return _disable_current_modes()
 
 
 def parameter_slots(module: nn.Module) -> dict[str, nn.Parameter | None]:
