@@ -213,7 +213,7 @@ def first_dispatch_mode_seconds(repeats: int) -> list[tuple[float, float]]:
     code = (
         "import time, torch\n"
         "t0 = time.perf_counter()\n"
-        "from orchestrator.tensor_tracker import StorageTracker\n"
+        "from orchestrator.device.tensor_tracker import StorageTracker\n"
         "t1 = time.perf_counter()\n"
         "with StorageTracker():\n"
         "    torch.ones(4) + 1\n"
