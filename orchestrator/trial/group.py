@@ -208,6 +208,7 @@ class RankRun(_GroupRank, TrialRun):
         if state is not None:
             self.checkpoints.adopt(data=state)
         self.events: list[OomEvent] = []
+        self.host_events = []  # a rank's lost DataLoader workers (orchestrator.trial.host_memory)
         self.evidence_folder, self.evidence_written = None, False  # rank 0 writes the group's evidence
         self.applied_shrinks = 0
         self.plan_checks, self.profiles, self.unreported = [], None, None
