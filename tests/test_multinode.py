@@ -131,7 +131,16 @@ def test_a_sweep_spreads_over_nodes_and_survives_losing_one(cluster, tmp_path):
     plans = {(line["budget_bytes"], line["micro_batch"]) for lines in results.values() for line in lines}
     assert {b for b, _ in plans} == {2 * MiB, 4 * MiB}
     assert all(micro == 256 for b, micro in plans if b == 4 * MiB)
-    assert all(micro < 256 for b, micro in plans if b == 2 * MiB)
+    # At 2 MiB the estimate plans under 256 x 1; the measurement of the first steps on the device
+    # (plan verification) may take a trial up to 256 x 1 where that measured within the limit.
+    for lines in results.values():
+        for line in lines:
+            if line["budget_bytes"] == 2 * MiB and line["micro_batch"] >= 256:
+                checks = records_from_report(line.get("plan_checks"))
+                assert any(c["new_plan"].startswith(f"{line['micro_batch']} x") for c in checks), line
+                assert all(c["measured_bytes"] <= c["limit_bytes"] for c in checks
+                           if c["plan"].startswith(f"{line['micro_batch']} x")), line
+                assert line["oom_retries"] == 0, line
 
     # The lost node's trial moved, resumed from its checkpoint (not from epoch 0), and finished.
     moved = results[killed_trial]
