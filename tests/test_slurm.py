@@ -702,7 +702,7 @@ def test_time_limit_requeue_resumes_a_sweep_that_checkpoints_between_evaluations
     trials = tmp_path / "store" / job_dir.name
 
     def both_checkpointed() -> bool:
-        folders = [p for p in trials.glob("*") if p.is_dir()]
+        folders = [p for p in trials.glob("train_trial_*") if p.is_dir()]
         return len(folders) == 2 and all(any(p.glob("checkpoint_*")) for p in folders)
 
     wait_for(both_checkpointed, 400, "both trials' first checkpoints", slurm, log)
