@@ -19,9 +19,12 @@ def test_a_reused_workers_budget_adds_back_its_own_cuda_context():
     assert history.gpu_free_before_context(None) is None  # no NVML
 
 
-def _reused_sweep(tmp_path, workload: str) -> list[dict]:
+def _reused_sweep(tmp_path, workload: str) -> list[int | None]:
     """Three trials one after another (each takes both CPUs, so one worker runs them all) on the
-    CPU, whose tensor tracker counts what each trial allocates; each trial's first report."""
+    CPU, whose tensor tracker counts what each trial allocates: each trial's ``left_behind_bytes``
+    in its first report (None where it has none), in order. A trial takes under a second here and
+    Tune's ``timestamp`` counts whole seconds, so the order is not the reports' times: exactly one
+    trial (the worker's first) has nothing to report, and the others come after it."""
     from orchestrator.config import parse_spec
     from orchestrator.runner import run_sweep
 
@@ -36,19 +39,17 @@ def _reused_sweep(tmp_path, workload: str) -> list[dict]:
     for folder in glob.glob(os.path.join(outcome.experiment_path, "train_trial_*")):
         with open(os.path.join(folder, "progress.csv")) as f:
             firsts.append(next(csv.DictReader(f)))
-    firsts.sort(key=lambda r: float(r["timestamp"]))
     assert len(firsts) == 3 and len({r["pid"] for r in firsts}) == 1  # one worker ran all three
-    return firsts
+    left = [int(r["left_behind_bytes"]) if r.get("left_behind_bytes") else None for r in firsts]
+    assert left.count(None) == 1, left  # a fresh worker: nothing to ask
+    return sorted(left, key=lambda b: b is not None)
 
 
 @pytest.mark.integration
 @pytest.mark.usefixtures("local_ray")
 def test_a_reused_worker_starts_each_trial_with_nothing_left_by_the_one_before(tmp_path):
-    firsts = _reused_sweep(tmp_path / "clean", "mlp")
-    assert "left_behind_bytes" not in firsts[0]  # a fresh worker: nothing to ask
-    assert [int(r["left_behind_bytes"]) for r in firsts[1:]] == [0, 0]
+    assert _reused_sweep(tmp_path / "clean", "mlp") == [None, 0, 0]
     # The check sees what does outlive a trial: a workload that keeps its models in a
     # module-level list leaves each trial's weights behind, which the next trial finds.
-    kept = _reused_sweep(tmp_path / "kept", "tests.workloads:KeepsItsModelWorkload")
     weights = 4 * (32 * 16 + 16 + 16 * 16 + 16 + 16 * 8 + 8)  # the width-16 MLP's fp32 parameters
-    assert [int(r["left_behind_bytes"]) for r in kept[1:]] == [weights, weights]
+    assert _reused_sweep(tmp_path / "kept", "tests.workloads:KeepsItsModelWorkload") == [None, weights, weights]
