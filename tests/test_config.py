@@ -269,12 +269,16 @@ def test_a_file_past_1_mib_is_refused_before_it_is_read(tmp_path):
     ("run", VALID.replace("experiment: t", "experiment: café"), [],
      "error: experiment: expected a name of ASCII letters, digits, '_', '.' and '-' (not first), got 'café'"),
     ("run", VALID, ["--name", "x" * 250], "error: --name: expected a name of at most 128 characters, got 250"),
+    ("run", VALID.replace("experiment: t", f"experiment: {'x' * 250}"), [],
+     "error: experiment: expected a name of at most 112 characters (the sweep's folder adds its start time), got 250"),
+    ("run", VALID, ["--name", "café"],
+     "error: --name: expected a name of ASCII letters, digits, '_', '.' and '-' (not first), got 'café'"),
     ("plan", f"experiment: t\nbomb: {laughs()}\n", [], "error: sweep.yaml: its aliases (*name) expand to 490,329,036"),
     ("plan", VALID + "# " + "x" * 54 * 2**20 + "\n", [],
      f"error: sweep.yaml: {len(VALID) + 54 * 2**20 + 3:,} bytes, more than the 1,048,576"),
     ("plan", GRID_OF_A_MILLION, [], "error: search_space: makes 1,000,000 trials"),
     ("run", GRID_OF_A_MILLION, ["--set", "num_samples=3"], "error: search_space: makes 3,000,000 trials"),
-], ids=["non-ASCII experiment", "long --name", "billion laughs", "54 MB file", "grid of a million", "run's grid"])
+], ids=["non-ASCII experiment", "long --name", "long experiment", "non-ASCII --name", "billion laughs", "54 MB file", "grid of a million", "run's grid"])
 def test_the_installed_command_refuses_hostile_input_in_one_line(tmp_path, verb, text, flags, message):
     """The user's path: ``.venv/bin/orchestrator`` from a folder outside the repository, each in
     one line and exit 2, before Ray starts (nothing is made where results or records would go)."""
