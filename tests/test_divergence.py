@@ -142,3 +142,34 @@ def test_on_nan_fail_counts_a_diverged_trial_as_an_errored_one(tmp_path):
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("unstable").experiment_id])
     assert sorted(r.info.status for r in runs) == ["FAILED", "FAILED"] and len(runs) == 2
+
+
+@pytest.mark.integration
+def test_on_nan_continue_trains_through_a_nan_loss_to_the_end(tmp_path):
+    """The watch is off: the trial trains on to its budget and ends TERMINATED, exit 0, nothing
+    said about a divergence; the NaN losses are what Tune and MLflow get."""
+    import subprocess
+
+    import mlflow
+
+    from tests.conftest import command_env, installed_command, trial_results
+
+    user_folder(tmp_path)
+    done = subprocess.run([installed_command(), "run", "sweep.yaml", "--num-cpus", "1", "--set", "on_nan=continue",
+                           "--set", "search_space.nan_at_step=5"], cwd=tmp_path, env=command_env(),
+                          capture_output=True, text=True, timeout=600, check=False)
+    console = done.stdout + done.stderr
+    assert done.returncode == 0, console[-3000:]
+    assert "Traceback" not in console and "diverged" not in console and "DIVERGED" not in console, console[-3000:]
+    [row] = [line for line in done.stdout.splitlines() if "nan_at_step=5" in line and "TERMINATED" in line]
+    assert "2/2 ep" in row and "1/1 trials finished" in done.stdout, console[-3000:]
+
+    [reports] = trial_results(str(tmp_path / "orchestrator_results" / "unstable_*" / "*" / "result.json")).values()
+    assert [r["step"] for r in reports] == [8, 16] and all(math.isnan(r["eval_loss"]) for r in reports)
+    assert "diverged_at_step" not in reports[-1]
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("unstable").experiment_id])
+    assert sorted(r.info.status for r in runs) == ["FINISHED", "FINISHED"] and len(runs) == 2
+    [trial] = [r for r in runs if r.data.tags.get("orchestrator.role") == "trial"]
+    assert "diverged" not in trial.data.tags and math.isnan(trial.data.metrics["eval_loss"])
