@@ -210,6 +210,10 @@ STEP_REPORTS = sorted({*range(20, 151, 20), *range(50, 151, 50), 150})
 # ASHA's rungs by steps (40 and 80), apart from both cadences.
 ASHA_BY_STEPS = ("--set", "scheduler.type=asha", "--set", "scheduler.time_attr=step",
                  "--set", "scheduler.grace_period=40")
+# Evaluations and checkpoints by the clock (every 1.2 s and 0.6 s: some 15 and 8 steps), apart.
+BY_THE_CLOCK = ("--set", "eval_every={minutes: 0.02}", "--set", "checkpoint.every={minutes: 0.01}")
+# Each trial a data-parallel group of two ranks (64 samples a rank a step): four CPUs for both.
+DATA_PARALLEL = ("--set", "resources.workers=2")
 
 
 @pytest.fixture
@@ -224,8 +228,10 @@ def step_sweep(own_model_project) -> Path:
 
 
 def _run_steps(name: str, *extra: str, resume: bool = False) -> list[str]:
-    """``run steps.yaml`` as the sweep prints its resume command (flags in that order)."""
-    command = [installed_command(), "run", "steps.yaml", *extra, "--num-cpus", "2", "--name", name]
+    """``run steps.yaml`` as the sweep prints its resume command (flags in that order); a sweep of
+    data-parallel groups gets CPUs for both trials' ranks."""
+    cpus = "4" if extra == DATA_PARALLEL else "2"
+    command = [installed_command(), "run", "steps.yaml", *extra, "--num-cpus", cpus, "--name", name]
     return command + ["--resume"] if resume else command
 
 
@@ -292,13 +298,18 @@ def _assert_resumes_to_the_end(folder: Path, name: str, *extra: str) -> subproce
     (signal.SIGTERM, ()),
     (signal.SIGTERM, ASHA_BY_STEPS),
     ("SIGTERM to the group", ()),
-], ids=["sigint", "sigterm", "sigterm-asha-by-steps", "sigterm-to-the-group"])
+    (signal.SIGTERM, BY_THE_CLOCK),
+    (signal.SIGINT, DATA_PARALLEL),
+], ids=["sigint", "sigterm", "sigterm-asha-by-steps", "sigterm-to-the-group", "sigterm-by-the-clock",
+        "sigint-data-parallel"])
 def test_a_step_cadence_sweep_stopped_by_a_signal_resumes_with_the_printed_command(step_sweep, signum, extra):
     """SIGINT to the process group (Ctrl-C in a terminal), SIGTERM to the driver alone (``kill``)
     and to its whole process group (SLURM, Kubernetes: the embedded Ray's processes are not in it,
     so they live on until the driver stops them): the same graceful stop, the table with both trials INTERRUPTED, the
     resume command, MLflow's runs marked KILLED, exit 1 and no stack dump. The printed command
-    then resumes the sweep, whose checkpoint-only reports lack the metric, to the end."""
+    then resumes the sweep, whose checkpoint-only reports lack the metric, to the end: evaluations
+    and checkpoints by steps (with ASHA's rungs by steps too) or by the clock, and trials that are
+    data-parallel groups."""
     def stop(sweep):
         if signum == signal.SIGINT:
             os.killpg(sweep.pid, signal.SIGINT)
@@ -315,10 +326,17 @@ def test_a_step_cadence_sweep_stopped_by_a_signal_resumes_with_the_printed_comma
     assert {status for status, _ in _trial_histories(step_sweep, "cut").values()} == {"KILLED"}
 
     proc = _assert_resumes_to_the_end(step_sweep, "cut", *extra)
-    if not extra:  # ASHA may stop a trial at a rung
+    if extra == DATA_PARALLEL:
+        rows = [line for line in proc.stdout.splitlines() if line.endswith(" TERMINATED")]
+        assert len(rows) == 2 and all(" x 2 ranks " in row for row in rows), proc.stdout[-3000:]  # groups' plans
+    if extra != ASHA_BY_STEPS:  # ASHA may stop a trial at a rung
         assert proc.stdout.count("150/150 steps") == 2
         for hidden, (_, history) in _trial_histories(step_sweep, "cut").items():
-            assert [step for step, _ in history["step"]] == STEP_REPORTS, hidden
+            steps = [step for step, _ in history["step"]]
+            if extra == BY_THE_CLOCK:  # the reports' steps are the clock's
+                assert steps[-1] == 150, (hidden, steps)
+            else:
+                assert steps == STEP_REPORTS, (hidden, steps)
 
 
 @pytest.mark.integration
