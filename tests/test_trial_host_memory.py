@@ -141,8 +141,9 @@ def _sweep(folder, how: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("how", ["kill", "rlimit"])
 def test_a_lost_loader_worker_is_a_host_memory_event_and_the_trial_ends_as_it_would_have(own_model_project, how):
     """One worker lost mid-epoch 1 (FETCHES samples into its share): the console says so in one
-    line, the trial goes back to its last checkpoint with one worker instead of two and finishes;
-    its loss is the one of a sweep whose worker was never lost (same batches, same order)."""
+    line and MLflow's record of the trial the same, the trial goes back to its last checkpoint
+    with one worker instead of two and finishes; its loss is the one of a sweep whose worker was
+    never lost (same batches, same order)."""
     folder = own_model_project.folder
     (folder / "my_models" / "lossy.py").write_text(LOSSY.replace('"lost-a-worker"', repr(str(folder / "lost-a-worker"))))
     proc = _sweep(folder, how)
@@ -158,6 +159,13 @@ def test_a_lost_loader_worker_is_a_host_memory_event_and_the_trial_ends_as_it_wo
     assert any(words in line for words in lost), line
     assert line.endswith("resumed from its last checkpoint with data.num_workers 2->1"), line
     assert (folder / "lost-a-worker").exists()
+
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{folder}/mlflow.db")
+    [trial] = client.search_runs([client.get_experiment_by_name("lossy").experiment_id],
+                                 "tags.`orchestrator.role` = 'trial'")
+    assert trial.info.status == "FINISHED" and trial.data.tags["host_memory_events"] == line.split(" ", 1)[1]
 
     whole = _sweep(folder, "")  # the same trial, its workers never lost
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
