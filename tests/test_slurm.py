@@ -689,7 +689,8 @@ def test_time_limit_requeue_resumes_a_sweep_that_checkpoints_between_evaluations
     """USR1 once both trials have a checkpoint of their own cadence (every 40 steps, evaluations
     every 100): the requeued attempt resumes them, their checkpoint-only reports lacking the
     metric as before, and the job completes with each report in MLflow once (it used to fail
-    Tune's strict metric check on the first such report, and the job ended FAILED)."""
+    Tune's strict metric check on the first such report, and the job ended FAILED). Submitted with
+    the installed command, so the job's driver is that command too."""
     config = small_sweep(tmp_path, epochs=20, train_samples=[16384, 16384 + 64])
     sweep = yaml.safe_load(config.read_text())
     sweep.update(stop={"steps": 3000}, eval_every={"steps": 100}, checkpoint={"every": {"steps": 40}})
@@ -697,6 +698,7 @@ def test_time_limit_requeue_resumes_a_sweep_that_checkpoints_between_evaluations
     job_id, job_dir = orchestrator_submit(
         slurm, tmp_path, str(config), "--cpus-per-node", "2", "--time", "00:15:00",
         "--storage-path", str(tmp_path / "store"), "--log-dir", str(tmp_path / "logs"),
+        command=[installed_command(), "submit"],
     )
     log = tmp_path / "logs" / f"orch-{config.stem}-{job_id}.out"
     trials = tmp_path / "store" / job_dir.name
