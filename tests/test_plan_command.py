@@ -176,15 +176,31 @@ def test_each_trial_s_host_memory_is_planned_for_the_trials_a_node_runs_at_once(
     assert "refused: " in out and "of host memory even loading in their own processes" in out
 
 
-def test_the_installed_plan_shows_host_memory_from_a_user_folder(own_model_project):
+def _installed_plan(project, *flags: str):
     import subprocess
 
     from tests.conftest import command_env, installed_command
 
-    proc = subprocess.run([installed_command(), "plan", own_model_project.config, "--set", "data.num_workers=2",
-                           "--host-memory", "1MiB"], cwd=own_model_project.folder, env=command_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([installed_command(), "plan", project.config, "--set", "data.num_workers=2", *flags],
+                          cwd=project.folder, env=command_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("  host memory ")]
-    assert len(lines) == 2 and all("datasets " in line and "of 1.0 MiB available; refused: " in line for line in lines), proc.stdout
-    assert "2 refused for host memory" in proc.stdout
+    return proc.stdout
+
+
+def test_the_installed_plan_shows_host_memory_from_a_user_folder(own_model_project):
+    out = _installed_plan(own_model_project, "--host-memory", "1MiB")
+    lines = [line for line in out.splitlines() if line.startswith("  host memory ")]
+    assert len(lines) == 2 and all("datasets " in line and "of 1.0 MiB available; refused: " in line for line in lines), out
+    assert "2 refused for host memory" in out
+
+
+def test_the_installed_plan_loads_fewer_batches_ahead_on_a_node_a_byte_short(own_model_project):
+    """The larger trial's trials at once need one byte more than the node has: that trial's
+    loader keeps fewer batches ahead (the line says so), the smaller one is left as it was."""
+    trials = json.loads(_installed_plan(own_model_project, "--json", "--host-memory", "64GiB"))["trials"]
+    need = [t["host_memory"]["trial_bytes"] * t["host_memory"]["trials_at_once"] for t in trials]
+    assert len(need) == 2 and need[0] < need[1], need  # hidden 256, then 1024
+    out = _installed_plan(own_model_project, "--host-memory", f"{need[1] - 1}B")
+    small, large = [line for line in out.splitlines() if line.startswith("  host memory ")]
+    assert "refused: " not in out and "2 trials, 0 refused\n" in out, out
+    assert small.endswith(" available") and large.endswith(" available; data.prefetch_factor 2->1"), out
