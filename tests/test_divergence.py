@@ -36,9 +36,11 @@ from trainables.mlp import MLPWorkload
 
 @dataclasses.dataclass
 class Unstable(MLPWorkload):
-    """Its loss is NaN from optimizer step ``nan_at_step`` on (0: never)."""
+    """Its loss is NaN from optimizer step ``nan_at_step`` on (0: never); with ``infinite_gradient``
+    the loss stays finite and its gradient is infinite instead."""
 
     nan_at_step: int = 0
+    infinite_gradient: bool = False
 
     def build_optimizer(self, model):
         optimizer = super().build_optimizer(model)
@@ -49,6 +51,9 @@ class Unstable(MLPWorkload):
     def loss(self, model, batch):
         loss = super().loss(model, batch)
         bad = model.training and self.nan_at_step and getattr(self, "steps_done", 0) + 1 >= self.nan_at_step
+        if bad and self.infinite_gradient:
+            weight = next(model.parameters())
+            return loss + (weight - weight.detach()).sqrt().sum()  # 0, with an infinite derivative
         return loss * float("nan") if bad else loss
 '''
 
@@ -173,3 +178,25 @@ def test_on_nan_continue_trains_through_a_nan_loss_to_the_end(tmp_path):
     assert sorted(r.info.status for r in runs) == ["FINISHED", "FINISHED"] and len(runs) == 2
     [trial] = [r for r in runs if r.data.tags.get("orchestrator.role") == "trial"]
     assert "diverged" not in trial.data.tags and math.isnan(trial.data.metrics["eval_loss"])
+
+
+@pytest.mark.integration
+def test_an_infinite_gradient_norm_that_clipping_computes_ends_its_trial_as_diverged(tmp_path):
+    """With ``max_grad_norm`` the loop computes the gradient norm anyway: an infinite one ends the
+    trial at its step, in one line that names it, though the loss is finite."""
+    import re
+    import subprocess
+
+    from tests.conftest import command_env, installed_command
+
+    user_folder(tmp_path)
+    done = subprocess.run([installed_command(), "run", "sweep.yaml", "--num-cpus", "1", "--set", "max_grad_norm=1",
+                           "--set", "search_space.nan_at_step=5", "--set", "workload.params.infinite_gradient=true"],
+                          cwd=tmp_path, env=command_env(), capture_output=True, text=True, timeout=600, check=False)
+    console = done.stdout + done.stderr
+    assert done.returncode == 0, console[-3000:]
+    assert "Traceback" not in console, console[-3000:]
+    [said] = [line for line in done.stdout.splitlines() if " diverged: " in line]
+    assert re.fullmatch(r"\S+ diverged: gradient norm not finite at step 5 \(epoch 1\); last finite loss \d\.\d+; "
+                        r"not retried \(on_nan: stop\)", said), said
+    assert "1/1 trials finished" in done.stdout and "DIVERGED: gradient norm not finite at step 5" in done.stdout
