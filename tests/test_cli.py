@@ -340,11 +340,13 @@ def test_a_step_cadence_sweep_stopped_by_a_signal_resumes_with_the_printed_comma
 
 
 @pytest.mark.integration
-def test_a_killed_driver_resumes_to_the_losses_of_an_uninterrupted_sweep(step_sweep):
+@pytest.mark.parametrize("extra", [(), DATA_PARALLEL], ids=["one-process-trials", "data-parallel"])
+def test_a_killed_driver_resumes_to_the_losses_of_an_uninterrupted_sweep(step_sweep, extra):
     """``kill -9`` of the driver mid-sweep (no graceful stop: Tune's state is what it saved last,
     the MLflow runs stay RUNNING), then ``--resume``: no traceback, every step's report in MLflow
-    once, and the same losses at every step as a sweep that ran through."""
-    whole = run(_run_steps("whole"), step_sweep, timeout=600)
+    once, and the same losses at every step as a sweep that ran through; also where each trial
+    is a data-parallel group whose ranks lose their driver."""
+    whole = run(_run_steps("whole", *extra), step_sweep, timeout=600)
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
 
     def kill_the_driver(sweep):
@@ -352,9 +354,9 @@ def test_a_killed_driver_resumes_to_the_losses_of_an_uninterrupted_sweep(step_sw
         sweep.wait()
         os.killpg(sweep.pid, signal.SIGKILL)  # what was left of its embedded Ray, as a batch system would
 
-    _stopped_midway(step_sweep, _run_steps("cut"), kill_the_driver)
+    _stopped_midway(step_sweep, _run_steps("cut", *extra), kill_the_driver)
     assert {status for status, _ in _trial_histories(step_sweep, "cut").values()} == {"RUNNING"}
-    _assert_resumes_to_the_end(step_sweep, "cut")
+    _assert_resumes_to_the_end(step_sweep, "cut", *extra)
     resumed, uninterrupted = _trial_histories(step_sweep, "cut"), _trial_histories(step_sweep, "whole")
     assert sorted(resumed) == sorted(uninterrupted) == ["1024", "256"]
     for hidden, (_, history) in resumed.items():
