@@ -276,9 +276,19 @@ def _trial_histories(folder: Path, name: str, metrics=("step", "epoch", "train_l
     return found
 
 
+def _sweep_run_statuses(folder: Path, name: str) -> list[str]:
+    """The statuses of the MLflow sweep (parent) runs of sweep ``name``: one, however often it was resumed."""
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{folder}/mlflow.db")
+    [experiment] = [e for e in client.search_experiments() if e.name == "steps"]
+    return [run.info.status for run in client.search_runs([experiment.experiment_id], "tags.`orchestrator.role` = 'sweep'")
+            if run.data.tags.get("tune.experiment_path", "").endswith(f"/{name}")]
+
+
 def _assert_resumes_to_the_end(folder: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
     """``run ... --name NAME --resume`` finishes every trial, prints no traceback, and MLflow has
-    each trial's reports once."""
+    each trial's reports once, in the one run each trial and the sweep had before."""
     proc = run(_run_steps(name, *extra, resume=True), folder, timeout=600)
     said = proc.stdout + proc.stderr
     assert proc.returncode == 0, said[-3000:]
@@ -289,6 +299,7 @@ def _assert_resumes_to_the_end(folder: Path, name: str, *extra: str) -> subproce
         assert status == "FINISHED", hidden
         steps = [step for step, _ in history["step"]]
         assert steps == sorted(set(steps)), (hidden, steps)  # each report once
+    assert _sweep_run_statuses(folder, name) == ["FINISHED"]
     return proc
 
 

@@ -24,7 +24,7 @@ import pytest
 from orchestrator.outcome import recording
 from orchestrator.storage_fault import StopOnStorageFault
 from tests.conftest import command_env
-from tests.test_cli import PACED, STEP_SWEEP, _run_steps, _trial_histories
+from tests.test_cli import PACED, STEP_SWEEP, _run_steps, _sweep_run_statuses, _trial_histories
 
 
 def test_the_first_storage_fault_stops_the_sweep_as_ctrl_c_does():
@@ -179,3 +179,4 @@ def test_a_storage_that_stays_away_stops_the_sweep_and_resume_finishes_it(storag
         assert status == "FINISHED", hidden
         steps = [step for step, _ in history["step"]]
         assert steps == sorted(set(steps)) and steps[-1] == 150, (hidden, steps)  # each report once, to the end
+    assert _sweep_run_statuses(folder, "cut") == ["FINISHED"]  # no second (FAILED) run of the sweep
