@@ -212,3 +212,31 @@ def test_a_nan_loss_ends_the_group_together_at_the_first_bad_step(tmp_path, nan_
     assert outcome.ok and row.status == "DIVERGED", row
     assert re.fullmatch(rf"loss not finite at step 3 \(epoch 2\); last finite loss {last_loss}; not retried \(on_nan: stop\)",
                         row.note), row.note
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("local_ray")
+@pytest.mark.parametrize("how", ["rlimit", "kill"])
+def test_a_loader_worker_lost_on_rank_1_takes_the_group_back_with_fewer_workers_recorded_once(tmp_path, how):
+    """Rank 1's worker is lost in epoch 1 (a real MemoryError under RLIMIT_AS, or a SIGKILL): the
+    whole group goes back to its last checkpoint with one worker per rank instead of two, finishes,
+    and rank 0 records the event once; the weights are those of a group whose worker was never lost."""
+    marker = tmp_path / "lost"
+    workload = {"name": "tests.workloads:RankLosesLoaderWorkerWorkload",
+                "params": {**MLP["params"], "how": how, "marker": str(marker), "at": 300}}  # 1024 samples per rank
+    lossy = sweep(tmp_path / "a", workload, {"device": "cpu", "estimator": "none"}, checkpoint={"every": {"steps": 1}},
+                  data={"num_workers": 2})
+    assert lossy.ok, lossy.rows
+    assert marker.exists()
+    state = final_state(lossy)
+    [event] = state["host_memory_events"]
+    assert (event["phase"], event["epoch"], event["num_workers"], event["action"]) == ("train", 1, 2, "data.num_workers 2->1")
+    lost = "Caught MemoryError in DataLoader worker" if how == "rlimit" else "DataLoader worker"
+    assert event["message"].startswith("rank 1: ") and lost in event["message"], event
+    assert state["trainer"]["progress"] == {"epoch": 2, "step_in_epoch": 0, "step": 8}
+
+    whole = sweep(tmp_path / "b", {**workload, "params": {**workload["params"], "on_rank": 5}},
+                  {"device": "cpu", "estimator": "none"}, checkpoint={"every": {"steps": 1}}, data={"num_workers": 2})
+    assert whole.ok and "host_memory_events" in final_state(whole) and not final_state(whole)["host_memory_events"]
+    for name, tensor in state["trainer"]["model"].items():
+        torch.testing.assert_close(tensor, final_state(whole)["trainer"]["model"][name])

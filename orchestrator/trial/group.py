@@ -36,7 +36,7 @@ from typing import Any
 import ray
 
 from orchestrator.config import SweepSpec
-from orchestrator.contract import STATE_FILE, OomEvent
+from orchestrator.contract import STATE_FILE, HostMemoryEvent, OomEvent
 from orchestrator.device import Device, configure_allocator, gpu_visible
 from orchestrator.device.oom import is_oom
 from orchestrator.device.target import resolve_target
@@ -45,7 +45,8 @@ from orchestrator.estimates import Estimates
 from orchestrator.memory.cache import ProfileCache
 from orchestrator.planner import Plan, plan_for_ranks
 from orchestrator.trial.checkpoint import LocalCheckpoints
-from orchestrator.trial.errors import OomRetriesExhausted
+from orchestrator.trial.errors import HostMemoryExhausted, OomRetriesExhausted
+from orchestrator.trial.host_memory import host_memory_failure
 from orchestrator.trial.node import NodeInfo, current_node
 from orchestrator.trial.run import TrialRun
 from orchestrator.trial.worker_exit import exit_requests_survive_finalisers
@@ -123,10 +124,10 @@ class GroupTrialRun(_GroupRank, TrialRun):
                 state = ray.put(f.read())
         actors, runs = self._start_ranks(address, state)
         try:
-            self.group = RankGroup(0, self.ranks, address, self.device)
+            self.group = RankGroup(0, self.ranks, address, self.device, lost_worker=host_memory_failure)
             super().run()
         except Exception as exc:
-            if isinstance(exc, (GroupFailure, OomRetriesExhausted)) or is_oom(exc):
+            if isinstance(exc, (GroupFailure, OomRetriesExhausted, HostMemoryExhausted)) or is_oom(exc):
                 raise  # agreed by every rank: this error is the group's
             # The group broke without an agreement: a rank died, or failed where no rank waits for
             # it (its group closed, so this rank's collective failed at once). Say which.
@@ -169,7 +170,8 @@ class GroupTrialRun(_GroupRank, TrialRun):
             self.group.broadcast(f"{type(exc).__name__}: {exc}")
             raise
         self.group.broadcast({"plan": plan.to_dict(), "events": [e.to_dict() for e in self.events],
-                              "applied_shrinks": self.applied_shrinks})
+                              "applied_shrinks": self.applied_shrinks,
+                              "host_memory_events": [e.to_dict() for e in self.host_events]})
         return plan
 
     def _plan_from_estimates(self, profiles: ProfileCache) -> Plan:
@@ -213,7 +215,7 @@ class RankRun(_GroupRank, TrialRun):
         self.applied_shrinks = 0
         self.plan_checks, self.profiles, self.unreported = [], None, None
         self.estimated_by = "rank 0"
-        self.group = RankGroup(rank, ranks, group_address, self.device)
+        self.group = RankGroup(rank, ranks, group_address, self.device, lost_worker=host_memory_failure)
 
     def run(self) -> None:
         try:
@@ -228,6 +230,8 @@ class RankRun(_GroupRank, TrialRun):
             raise GroupFailure(f"rank 0 could not plan the group: {sent}")
         self.events = [OomEvent.from_dict(e) for e in sent["events"]]
         self.applied_shrinks = sent["applied_shrinks"]
+        for event in sent["host_memory_events"]:  # a restarted group's ranks load with rank 0's fewer workers
+            self._record_host_event(HostMemoryEvent.from_dict(event))
         return Plan.from_dict(sent["plan"])
 
     def _report(self, trainer: Trainer, milestone: Milestone) -> None:
