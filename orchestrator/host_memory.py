@@ -21,6 +21,7 @@ fit, the sweep is refused. Pure arithmetic: the measurements are the caller's
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 from orchestrator.config import DataLoading
@@ -110,13 +111,78 @@ def _changes(before: DataLoading, after: DataLoading) -> tuple[str, ...]:
     return tuple(changes)
 
 
-def available_host_memory() -> int | None:
-    """This machine's available memory (Linux ``MemAvailable``); None where it cannot be read."""
+def available_host_memory(root: str = "/") -> int | None:
+    """This machine's available memory (Linux ``MemAvailable``), or what this process's cgroup
+    leaves where that is less (a container's or a SLURM job's memory limit, which ``MemAvailable``
+    does not see); None where neither can be read. ``root``: where ``/proc`` and ``/sys`` are."""
+    available = [n for n in (_mem_available(root), _cgroup_available(root)) if n is not None]
+    return min(available) if available else None
+
+
+def _mem_available(root: str) -> int | None:
     try:
-        with open("/proc/meminfo") as meminfo:
+        with open(os.path.join(root, "proc/meminfo")) as meminfo:
             for line in meminfo:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+#: cgroup v2's and v1's files: the limit, the usage, and the usage's page cache the kernel reclaims
+#: before it kills (``inactive_file`` in ``memory.stat``; Ray's own estimate subtracts it too).
+_CGROUP_FILES = {2: ("memory.max", "memory.current", "inactive_file"),
+                 1: ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
+#: A v1 limit at least this large is "no limit" (the kernel writes the largest page-aligned value).
+_NO_LIMIT = 1 << 60
+
+
+def _cgroup_available(root: str) -> int | None:
+    """What the memory limits of this process's cgroup and of the cgroups above it leave (a SLURM
+    job's limit is on the job's cgroup, above its step's), the least of them (v2, or v1's
+    ``memory`` controller); None without a limit. A container sees its own cgroup at the mount's
+    root, so only that is read where the path ``/proc/self/cgroup`` names is not there."""
+    try:
+        with open(os.path.join(root, "proc/self/cgroup")) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        version = 2 if controllers == "" else 1 if "memory" in controllers.split(",") else None
+        if version is None:
+            continue
+        mount = os.path.join(root, "sys/fs/cgroup", "" if version == 2 else "memory")
+        folder = os.path.join(mount, path.strip("/")) if path.strip("/") else mount
+        if not os.path.isdir(folder):
+            folder = mount
+        left = []
+        while True:
+            found = _cgroup_left(folder, *_CGROUP_FILES[version])
+            if found is not None:
+                left.append(found)
+            if os.path.normpath(folder) == os.path.normpath(mount):
+                break
+            folder = os.path.dirname(folder)
+        return min(left) if left else None
+    return None
+
+
+def _cgroup_left(folder: str, limit_file: str, usage_file: str, cache_key: str) -> int | None:
+    try:
+        with open(os.path.join(folder, limit_file)) as f:
+            limit = f.read().strip()
+        with open(os.path.join(folder, usage_file)) as f:
+            usage = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    if limit == "max" or int(limit) >= _NO_LIMIT:
+        return None
+    cache = 0
+    try:
+        with open(os.path.join(folder, "memory.stat")) as f:
+            cache = next((int(line.split()[1]) for line in f if line.split()[:1] == [cache_key]), 0)
+    except (OSError, ValueError, IndexError):
+        pass
+    return max(int(limit) - usage + cache, 0)

@@ -17,7 +17,7 @@ plan takes as given, so that it errs on the side of holding less:
   largest micro-batch a plan can choose; each trial plans its own on its worker), and the
   optimizer's state as Adam keeps it (two moments per parameter);
 * a node's available memory is ``--host-memory`` where given; else, for the embedded local
-  Ray, this machine's ``MemAvailable``; on a cluster, the ``memory`` Ray gave each node for
+  Ray, this machine's ``MemAvailable`` (or what its cgroup's limit leaves, where less); on a cluster, the ``memory`` Ray gave each node for
   tasks and actors when it started (its available memory less the object store).
 """
 
@@ -105,7 +105,11 @@ def fit_host_memory(spec: SweepSpec, nodes: list[NodeMemory], device: str) -> Sw
 
     if not nodes:
         return spec
-    footprint = sweep_footprint(spec, distinct_configs(spec))
+    try:
+        footprint = sweep_footprint(spec, distinct_configs(spec))
+    except Exception as exc:  # noqa: BLE001 - e.g. a model that does not build on ``meta``: its trials still run
+        print(f"host memory: not planned, the trials' data could not be measured ({_line(exc)})", flush=True)
+        return spec
     found = tightest_plan(spec, footprint, nodes, pins_host_memory(spec, device), len(trial_configs(spec)))
     if found is None:
         return spec
@@ -118,6 +122,11 @@ def fit_host_memory(spec: SweepSpec, nodes: list[NodeMemory], device: str) -> Sw
     for change in plan.changes:
         print(f"host memory: {change}, so that {held} (`orchestrator plan` shows each trial's)", flush=True)
     return replace(spec, data=plan.data) if plan.changes else spec
+
+
+def _line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 def _parts(plan: HostPlan) -> str:
