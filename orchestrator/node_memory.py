@@ -97,21 +97,28 @@ def tightest_plan(spec: SweepSpec, footprint, nodes: list[NodeMemory], pinned: b
     return min(plans, key=lambda p: (p[1].refusal is None, p[1].data.num_workers, p[1].data.prefetch_factor or 0))
 
 
-def fit_host_memory(spec: SweepSpec, nodes: list[NodeMemory], device: str) -> SweepSpec:
-    """The spec the trials run with: ``data`` cut so that the nodes hold the trials they run at
-    once, one printed line per setting cut; a :class:`UserError` when even no loader workers fit."""
+def sweep_host_plan(spec: SweepSpec, nodes: list[NodeMemory], device: str) -> tuple[NodeMemory, HostPlan] | str | None:
+    """The plan ``run`` applies: the tightest node's, for the sweep's largest trial (the line
+    why, where the trials' data could not be measured; None without a node to plan for)."""
     from orchestrator.preflight import distinct_configs
     from orchestrator.space import trial_configs
 
     if not nodes:
-        return spec
+        return None
     try:
         footprint = sweep_footprint(spec, distinct_configs(spec))
     except Exception as exc:  # noqa: BLE001 - e.g. a model that does not build on ``meta``: its trials still run
-        print(f"host memory: not planned, the trials' data could not be measured ({_line(exc)})", flush=True)
-        return spec
-    found = tightest_plan(spec, footprint, nodes, pins_host_memory(spec, device), len(trial_configs(spec)))
-    if found is None:
+        return f"not planned, the trials' data could not be measured ({_line(exc)})"
+    return tightest_plan(spec, footprint, nodes, pins_host_memory(spec, device), len(trial_configs(spec)))
+
+
+def fit_host_memory(spec: SweepSpec, nodes: list[NodeMemory], device: str) -> SweepSpec:
+    """The spec the trials run with: ``data`` cut so that the nodes hold the trials they run at
+    once, one printed line per setting cut; a :class:`UserError` when even no loader workers fit."""
+    found = sweep_host_plan(spec, nodes, device)
+    if isinstance(found, str):
+        print(f"host memory: {found}", flush=True)
+    if not isinstance(found, tuple):
         return spec
     node, plan = found
     held = (f"{plan.trials_at_once} trial process(es) at once on {node.name}, each holding up to "

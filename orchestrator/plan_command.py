@@ -94,10 +94,14 @@ def plan_command(args) -> int:
         results.append({"trial": index, "config": config, "plan": plan, "profile": profile,
                         "host": None if plan.refusal else host.plan(workload, signature, plan.micro_batch)})
 
+    swept = host.for_run(planned)
     if args.json:
-        print(json.dumps(_as_json(spec, policy, target, budget, results), indent=2, default=str))
+        print(json.dumps({**_as_json(spec, policy, target, budget, results), "run_host_memory": _run_host_json(swept)},
+                         indent=2, default=str))
     else:
         print(_as_text(policy, target, budget, results))
+        if swept is not None:
+            print(_run_host_text(swept))
     return 1 if any("error" in r for r in results) else 0
 
 
@@ -279,6 +283,30 @@ class _HostMemory:
             self.footprints[key] = data_footprint(workload, micro_batch)
         return plan_host_memory(self.footprints[key], self.spec.data, pinned=self.pinned, trials_at_once=self.at_once,
                                 available_bytes=self.available)
+
+    def for_run(self, target):
+        """The plan ``run`` would apply on this machine (``node_memory.sweep_host_plan``)."""
+        from orchestrator.capacity import local_node
+        from orchestrator.node_memory import NodeMemory, sweep_host_plan
+
+        if self.available is None:
+            return None
+        return sweep_host_plan(self.spec, [NodeMemory("this machine", local_node(None, None), self.available)], target.device)
+
+
+def _run_host_text(swept) -> str:
+    """What ``run`` does with the data settings (``orchestrator.node_memory``)."""
+    if isinstance(swept, str):
+        return f"run: host memory {swept}"
+    _, plan = swept
+    return (f"run (every trial as the largest, its batches at the whole rank batch): {plan.describe()}"
+            + ("" if plan.changes or plan.refusal else "; data settings kept"))
+
+
+def _run_host_json(swept) -> dict | None:
+    if swept is None or isinstance(swept, str):
+        return None if swept is None else {"error": swept}
+    return _host_json(swept[1])
 
 
 def _host_json(host) -> dict | None:
