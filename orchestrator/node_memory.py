@@ -121,13 +121,14 @@ def fit_host_memory(spec: SweepSpec, nodes: list[NodeMemory], device: str) -> Sw
     if not isinstance(found, tuple):
         return spec
     node, plan = found
-    held = (f"{plan.trials_at_once} trial process(es) at once on {node.name}, each holding up to "
-            f"{human(plan.trial_bytes)} ({_parts(plan)}), of {human(plan.available_bytes)} available")
     if plan.refusal:
-        raise UserError(f"host memory: {node.name}: {plan.refusal}; or, if the nodes have more memory available "
-                        "than measured, say how much with --host-memory SIZE")
+        raise UserError(f"host memory: {node.name}: {plan.refusal}; or, where more is available than measured, "
+                        "say how much with --host-memory SIZE")
+    held = (f"so that the {plan.trials_at_once} trial process(es) {node.name} runs at once fit in its "
+            f"{human(plan.available_bytes)} available (each holds up to {human(plan.trial_bytes)}: {_parts(plan)}); "
+            "`orchestrator plan` shows each trial's")
     for change in plan.changes:
-        print(f"host memory: {change}, so that {held} (`orchestrator plan` shows each trial's)", flush=True)
+        print(f"host memory: {change}, {held}", flush=True)
     return replace(spec, data=plan.data) if plan.changes else spec
 
 

@@ -141,6 +141,6 @@ def test_run_cuts_the_loader_workers_to_what_the_node_holds_or_refuses_before_an
     lines = re.findall(r"^host memory: .*$", cut.stdout, re.M)
     assert [line.split(",")[0] for line in lines] == ["host memory: data.num_workers 2->1",
                                                       "host memory: data.prefetch_factor 2->1"], lines
-    assert all("so that 2 trial process(es) at once on this machine, each holding up to " in line for line in lines)
+    assert all("so that the 2 trial process(es) this machine runs at once fit in its " in line for line in lines), lines
     seen = {p.read_text() for p in folder.glob("workers-*")}
     assert seen == {"1"}, seen
