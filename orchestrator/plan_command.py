@@ -268,7 +268,8 @@ class _HostMemory:
 
     def __init__(self, spec, target, available: int | None = None):
         from orchestrator.capacity import local_node, trial_request
-        from orchestrator.host_memory import available_host_memory, trials_at_once
+        from orchestrator.available_memory import available_host_memory
+        from orchestrator.host_memory import trials_at_once
 
         self.spec = spec
         self.available = available if available is not None else available_host_memory()
