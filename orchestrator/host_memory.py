@@ -15,7 +15,8 @@ A node runs several trials at once (as many as its CPUs and GPUs hold ``resource
 plan is for all of them: when they do not fit the node's available memory, fewer batches are
 loaded ahead (``prefetch_factor`` down to 1), then fewer workers (halved, down to none), the
 same for every trial; when even that does not fit, the sweep is refused. Pure arithmetic: the
-measurements are the caller's (``trainables.footprint``), and so is the node.
+measurements are the caller's (``trainables.footprint``), and so is the node (this machine's:
+``orchestrator.available_memory``).
 """
 
 from __future__ import annotations
@@ -110,14 +111,3 @@ def trials_at_once(request: dict[str, float], node: dict[str, float]) -> int:
     counts = [int(node.get(kind, 0.0) // amount) for kind, amount in request.items() if amount > 0]
     return max(min(counts), 1) if counts else 1
 
-
-def available_host_memory() -> int | None:
-    """This machine's available memory (Linux ``MemAvailable``); None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None

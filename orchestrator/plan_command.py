@@ -267,8 +267,9 @@ class _HostMemory:
     (``orchestrator.host_memory``); the data measured once per memory signature and micro-batch."""
 
     def __init__(self, spec, target, available: int | None = None):
+        from orchestrator.available_memory import available_host_memory
         from orchestrator.capacity import local_node, trial_request
-        from orchestrator.host_memory import available_host_memory, trials_at_once
+        from orchestrator.host_memory import trials_at_once
 
         self.spec = spec
         self.available = available if available is not None else available_host_memory()
