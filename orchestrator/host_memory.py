@@ -16,12 +16,12 @@ A node runs several trial processes at once (one per bundle of ``resources`` it 
 the node's available memory, fewer batches are loaded ahead (``prefetch_factor`` down to 1),
 then fewer workers (halved, down to none), the same for every trial; when even that does not
 fit, the sweep is refused. Pure arithmetic: the measurements are the caller's
-(``trainables.footprint``), and so is the node.
+(``trainables.footprint``), and so is the node (this machine's:
+``orchestrator.available_memory``).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 from orchestrator.config import DataLoading
@@ -109,80 +109,3 @@ def _changes(before: DataLoading, after: DataLoading) -> tuple[str, ...]:
     if after.num_workers and (after.prefetch_factor or DEFAULT_PREFETCH) != prefetch_before:
         changes.append(f"data.prefetch_factor {prefetch_before}->{after.prefetch_factor}")
     return tuple(changes)
-
-
-def available_host_memory(root: str = "/") -> int | None:
-    """This machine's available memory (Linux ``MemAvailable``), or what this process's cgroup
-    leaves where that is less (a container's or a SLURM job's memory limit, which ``MemAvailable``
-    does not see); None where neither can be read. ``root``: where ``/proc`` and ``/sys`` are."""
-    available = [n for n in (_mem_available(root), _cgroup_available(root)) if n is not None]
-    return min(available) if available else None
-
-
-def _mem_available(root: str) -> int | None:
-    try:
-        with open(os.path.join(root, "proc/meminfo")) as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-#: cgroup v2's and v1's files: the limit, the usage, and the usage's page cache the kernel reclaims
-#: before it kills (``inactive_file`` in ``memory.stat``; Ray's own estimate subtracts it too).
-_CGROUP_FILES = {2: ("memory.max", "memory.current", "inactive_file"),
-                 1: ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
-#: A v1 limit at least this large is "no limit" (the kernel writes the largest page-aligned value).
-_NO_LIMIT = 1 << 60
-
-
-def _cgroup_available(root: str) -> int | None:
-    """What the memory limits of this process's cgroup and of the cgroups above it leave (a SLURM
-    job's limit is on the job's cgroup, above its step's), the least of them (v2, or v1's
-    ``memory`` controller); None without a limit. A container sees its own cgroup at the mount's
-    root, so only that is read where the path ``/proc/self/cgroup`` names is not there."""
-    try:
-        with open(os.path.join(root, "proc/self/cgroup")) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        version = 2 if controllers == "" else 1 if "memory" in controllers.split(",") else None
-        if version is None:
-            continue
-        mount = os.path.join(root, "sys/fs/cgroup", "" if version == 2 else "memory")
-        folder = os.path.join(mount, path.strip("/")) if path.strip("/") else mount
-        if not os.path.isdir(folder):
-            folder = mount
-        left = []
-        while True:
-            found = _cgroup_left(folder, *_CGROUP_FILES[version])
-            if found is not None:
-                left.append(found)
-            if os.path.normpath(folder) == os.path.normpath(mount):
-                break
-            folder = os.path.dirname(folder)
-        return min(left) if left else None
-    return None
-
-
-def _cgroup_left(folder: str, limit_file: str, usage_file: str, cache_key: str) -> int | None:
-    try:
-        with open(os.path.join(folder, limit_file)) as f:
-            limit = f.read().strip()
-        with open(os.path.join(folder, usage_file)) as f:
-            usage = int(f.read().strip())
-    except (OSError, ValueError):
-        return None
-    if limit == "max" or int(limit) >= _NO_LIMIT:
-        return None
-    cache = 0
-    try:
-        with open(os.path.join(folder, "memory.stat")) as f:
-            cache = next((int(line.split()[1]) for line in f if line.split()[:1] == [cache_key]), 0)
-    except (OSError, ValueError, IndexError):
-        pass
-    return max(int(limit) - usage + cache, 0)

@@ -29,7 +29,8 @@ from orchestrator.capacity import bundles_held, trial_request
 from orchestrator.config import SweepSpec
 from orchestrator.device_kinds import device_kind
 from orchestrator.errors import UserError
-from orchestrator.host_memory import HostPlan, available_host_memory, plan_host_memory
+from orchestrator.available_memory import available_host_memory
+from orchestrator.host_memory import HostPlan, plan_host_memory
 from orchestrator.units import human
 
 

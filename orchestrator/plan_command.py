@@ -262,8 +262,8 @@ class _HostMemory:
     (``orchestrator.host_memory``); the data measured once per memory signature and micro-batch."""
 
     def __init__(self, spec, target, available: int | None = None, trials: int | None = None):
+        from orchestrator.available_memory import available_host_memory
         from orchestrator.capacity import local_node
-        from orchestrator.host_memory import available_host_memory
         from orchestrator.node_memory import pins_host_memory, processes_at_once
 
         self.spec = spec

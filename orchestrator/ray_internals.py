@@ -10,7 +10,9 @@ what changed; ``pyproject.toml`` pins Ray to the minor series that test passed o
   cluster's token, for the dashboard and the job client (``orchestrator.dashboard``).
 * :func:`trial_storage_folder`: Tune's ``StorageContext`` (``ray.train._internal.storage``), where
   a trial writes the OOM it is recovering from so the driver can read it should the worker die
-  (``orchestrator.trial.evidence``).
+  (``orchestrator.trial.evidence``); :func:`state_folders`: the same context's staging and
+  storage folders of the sweep, whose state files the driver keeps whole copies of
+  (``orchestrator.tune_state``).
 * :func:`make_last_failure`: ``Trial.run_metadata.num_failures``, which the OOM-aware scheduler
   raises so that a failure it will not retry is the trial's last (``orchestrator.retry``).
 * :func:`make_next_failure_last`: ``Trial.max_failures`` lowered to ``run_metadata.num_failures``,
@@ -62,18 +64,32 @@ def storage_folder(storage: Any) -> str | None:
     """A Tune ``StorageContext``'s trial folder; None where the storage is not a local (or
     shared) filesystem path the driver can read too. Raises :class:`RayChanged` where the
     context is no longer what this reads, rather than quietly writing no OOM evidence."""
+    return _local_path(storage, "trial_fs_path", "a trial cannot write down the OOM it recovers from")
+
+
+def state_folders(trial: Any) -> tuple[str, str | None]:
+    """Where Tune writes the sweep's state files: first to the driver's local staging folder
+    (``StorageContext.experiment_driver_staging_path``, whole once written), then uploaded, in
+    place and not atomically, to the sweep's folder on the storage path (None where that is not a
+    local or shared filesystem path)."""
+    why = "the driver cannot keep whole copies of Tune's state files"
+    try:
+        staging = trial.storage.experiment_driver_staging_path
+    except AttributeError as exc:
+        raise RayChanged(f"Ray changed: Tune's Trial.storage has no {exc.name!r}, so {why} (orchestrator/ray_internals.py)") from exc
+    return staging, _local_path(trial.storage, "experiment_fs_path", why)
+
+
+def _local_path(storage: Any, attribute: str, why: str) -> str | None:
     import pyarrow.fs
 
     try:
-        filesystem, folder = storage.storage_filesystem, storage.trial_fs_path
+        filesystem, path = storage.storage_filesystem, getattr(storage, attribute)
     except AttributeError as exc:
-        raise RayChanged(
-            f"Ray changed: Tune's StorageContext has no {exc.name!r}, so a trial cannot write down the "
-            "OOM it recovers from (orchestrator/ray_internals.py)"
-        ) from exc
+        raise RayChanged(f"Ray changed: Tune's StorageContext has no {exc.name!r}, so {why} (orchestrator/ray_internals.py)") from exc
     if not isinstance(filesystem, pyarrow.fs.LocalFileSystem):
         return None
-    return folder
+    return path
 
 
 def make_last_failure(trial: Any) -> None:

@@ -177,6 +177,9 @@ def run_sweep(
             claim = claim_sweep(os.path.join(storage, name), spec, resuming=restore_from is not None,
                                 allow_config_change=allow_config_change)
             try:
+                from orchestrator.tune_state import restore_cut_off
+
+                put_back = restore_cut_off(restore_from) if restore_from else []
                 estimates, started_ray = _estimate_while_ray_starts(
                     spec, lambda: _connect_ray(ray_address, num_cpus, num_gpus, dashboard, dashboard_host, verbose))
                 nodes = alive_nodes()
@@ -192,10 +195,8 @@ def run_sweep(
         trainable = _trainable(trial_spec, estimates)
         _tune_settings()
         if restore_from:
-            from orchestrator.tune_state import restore_cut_off
-
             print(f"Resuming {restore_from}: finishing the trials that did not finish")
-            for cut_off in restore_cut_off(restore_from):
+            for cut_off in put_back:
                 print(f"{cut_off} was cut off (a full storage?): resuming from its last whole copy")
             tuner = tune.Tuner.restore(restore_from, trainable=trainable, resume_unfinished=True, resume_errored=False)
         else:

@@ -1,94 +1,119 @@
 """Tune's state files in the sweep's folder, kept whole through a storage that fills up.
 
-Tune rewrites its state files in the sweep's folder in place (``experiment_state-*.json``, the
-search's ``basic-variant-state-*.json``, ``callback-states-*.pkl``, ``tuner.pkl``): when the
-storage fills up mid-write the file is left cut off, and ``--resume`` then fails ("Failed to
-restore the run state", then every trial ``KeyError: 'workload'``). So the driver keeps the last
-whole copy of each (:class:`KeepWholeState`, written atomically beside them, in
-:data:`COPIES`), and a resume first puts back any that is cut off (:func:`restore_cut_off`).
+Tune writes its state files (``experiment_state-*.json``, the search's
+``basic-variant-state-*.json``, ``callback-states-*.pkl``, ``tuner.pkl``) to a local staging
+folder on the driver, then uploads them to the sweep's folder in place: when the storage fills
+up mid-upload the file there is left cut off, and ``--resume`` then fails ("Failed to restore
+the run state", then every trial ``KeyError: 'workload'``). So after each of Tune's saves the
+driver copies the staged files, whole, to :data:`COPIES` in the sweep's folder, atomically
+(:class:`KeepWholeState`); a resume first puts back any state file that is cut off or missing
+(:func:`restore_cut_off`), and refuses in one line where no whole copy was ever stored.
+
+The copies come from the staging folder rather than the sweep's folder because the upload runs
+in the background: the sweep's folder may hold no whole state file yet when the storage fails,
+while the staged one is whole from Tune's first save (made at the sweep's first step).
 """
 
 from __future__ import annotations
 
-import glob
+import fnmatch
 import json
 import os
 import shutil
-import time
 
 from ray import tune
 
 from orchestrator.atomic_file import atomic_write
+from orchestrator.errors import UserError
+from orchestrator.ray_internals import state_folders
 
 COPIES = ".whole_state"  # folder in the sweep's folder
 _PATTERNS = ("experiment_state-*.json", "basic-variant-state-*.json", "callback-states-*.pkl", "tuner.pkl")
-#: How often the driver looks for state files Tune rewrote (seconds).
-LOOK_EVERY_S = 5.0
 
 
 def whole(path: str) -> bool:
-    """Whether a state file reads to its end: JSON that parses, a pickle that ends with its STOP."""
+    """Whether a state file reads to its end: a pickle that ends with its STOP opcode, JSON that
+    parses. Told apart by content, not name: Tune pickles the search's ``basic-variant-state-*.json``."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError:
         return False
-    if path.endswith(".json"):
+    if data[:1] == b"\x80":  # pickle protocol 2 and later start with PROTO
+        return data.endswith(b".")
+    try:
+        json.loads(data)
+    except ValueError:
+        return False
+    return True
+
+
+def _state_files(folder: str) -> list[str]:
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    return sorted(os.path.join(folder, n) for n in names if any(fnmatch.fnmatchcase(n, p) for p in _PATTERNS))
+
+
+def keep_whole_copies(source: str, sweep: str, copied: dict[str, tuple[int, int]]) -> None:
+    """Copy each state file in ``source`` that changed since (``copied``: path -> mtime, size) and
+    reads whole to the sweep's :data:`COPIES`; where the storage refuses, the last copy stays."""
+    for path in _state_files(source):
         try:
-            json.loads(data)
-        except ValueError:
-            return False
-        return True
-    return data.endswith(b".")
-
-
-def _state_files(sweep: str) -> list[str]:
-    return sorted(f for pattern in _PATTERNS for f in glob.glob(os.path.join(sweep, pattern)))
-
-
-def keep_whole_copies(sweep: str, copied: dict[str, int]) -> None:
-    """Copy each state file that changed since (``copied``: path -> mtime) and reads whole."""
-    for path in _state_files(sweep):
-        try:
-            mtime = os.stat(path).st_mtime_ns
-            if copied.get(path) == mtime or not whole(path):
+            stat = os.stat(path)
+            version = (stat.st_mtime_ns, stat.st_size)
+            if copied.get(path) == version or not whole(path):
                 continue
             os.makedirs(os.path.join(sweep, COPIES), exist_ok=True)
-            with open(path, "rb") as source, atomic_write(os.path.join(sweep, COPIES, os.path.basename(path)), "wb") as f:
-                shutil.copyfileobj(source, f)
-            copied[path] = mtime
-        except OSError:  # the storage refuses: the last whole copy stays
+            with open(path, "rb") as f_in, atomic_write(os.path.join(sweep, COPIES, os.path.basename(path)), "wb") as f_out:
+                shutil.copyfileobj(f_in, f_out)
+            copied[path] = version
+        except OSError:
             continue
 
 
 def restore_cut_off(sweep: str) -> list[str]:
-    """Put back the last whole copy of each state file that is cut off; the names put back."""
+    """Put back the last whole copy of each state file that is cut off or missing; the names put
+    back. A cut-off file with no whole copy is a :class:`UserError`: Tune cannot resume from it."""
+    copies = {os.path.basename(c): c for c in _state_files(os.path.join(sweep, COPIES)) if whole(c)}
     restored = []
-    for path in _state_files(sweep):
-        copy = os.path.join(sweep, COPIES, os.path.basename(path))
-        if not whole(path) and whole(copy):
-            with open(copy, "rb") as source, atomic_write(path, "wb") as f:
-                shutil.copyfileobj(source, f)
-            restored.append(os.path.basename(path))
+    for name in sorted({os.path.basename(p) for p in _state_files(sweep)} | set(copies)):
+        path = os.path.join(sweep, name)
+        if whole(path):
+            continue
+        if name not in copies:
+            raise UserError(
+                f"cannot resume {sweep}: Tune's {name} is cut off (the storage filled up while Tune wrote it?) "
+                "and no whole copy of it was kept; run the sweep again without --resume"
+            )
+        with open(copies[name], "rb") as f_in, atomic_write(path, "wb") as f_out:
+            shutil.copyfileobj(f_in, f_out)
+        restored.append(name)
     return restored
 
 
 class KeepWholeState(tune.Callback):
-    """Keeps the last whole copy of Tune's state files while the sweep runs, and at its end."""
+    """Copies Tune's state files, whole, after each of its saves and at the sweep's end.
+
+    Tune saves them (at most every 10 s, and at the end) just before it calls ``on_step_end``; a
+    step that saved nothing costs a ``stat`` of each staged file."""
 
     def __init__(self) -> None:
-        self._copied: dict[str, int] = {}
-        self._next = 0.0
+        self._copied: dict[str, tuple[int, int]] = {}
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_copied": {}, "_next": 0.0}
+        return {**self.__dict__, "_copied": {}}
 
     def on_step_end(self, iteration, trials, **info) -> None:
-        now = time.monotonic()
-        if now >= self._next and trials:
-            self._next = now + LOOK_EVERY_S
-            keep_whole_copies(os.path.dirname(str(trials[0].path)), self._copied)
+        self._keep(trials)
 
     def on_experiment_end(self, trials, **info) -> None:
-        if trials:
-            keep_whole_copies(os.path.dirname(str(trials[0].path)), self._copied)
+        self._keep(trials)
+
+    def _keep(self, trials) -> None:
+        if not trials:
+            return
+        staging, sweep = state_folders(trials[0])
+        if sweep is not None:  # a storage the driver cannot write as a path keeps no copies
+            keep_whole_copies(staging, sweep, self._copied)

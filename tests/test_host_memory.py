@@ -4,7 +4,7 @@ measured footprints."""
 from __future__ import annotations
 
 from orchestrator.config import DataLoading
-from orchestrator.host_memory import available_host_memory, plan_host_memory, trial_parts
+from orchestrator.host_memory import plan_host_memory, trial_parts
 from trainables.footprint import DataFootprint
 
 MiB = 1 << 20
@@ -43,31 +43,3 @@ def test_a_node_that_cannot_hold_them_even_without_workers_is_refused_in_one_lin
     assert "\n" not in plan.describe()
 
 
-
-def _machine(tmp_path, cgroup: str, files: dict[str, str], mem_available_kib: int = 64 * 2**20):
-    """A ``/proc`` and ``/sys/fs/cgroup`` under ``tmp_path``, laid out as the kernel shows them."""
-    (tmp_path / "proc" / "self").mkdir(parents=True)
-    (tmp_path / "proc" / "meminfo").write_text(f"MemTotal: {2 * mem_available_kib} kB\nMemAvailable: {mem_available_kib} kB\n")
-    (tmp_path / "proc" / "self" / "cgroup").write_text(cgroup)
-    for path, text in files.items():
-        (tmp_path / "sys/fs/cgroup" / path).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / "sys/fs/cgroup" / path).write_text(text)
-    return str(tmp_path)
-
-
-def test_available_memory_is_the_machine_s_or_what_its_cgroup_limit_leaves_whichever_is_less(tmp_path):
-    # cgroup v2, a SLURM job's limit on the job (above the step the process is in): 8 GiB, 5 GiB used, 1 GiB of it cache.
-    v2 = _machine(tmp_path / "v2", "0::/slurm/job_7/step_0\n", {
-        "slurm/job_7/memory.max": str(8 << 30), "slurm/job_7/memory.current": str(5 << 30),
-        "slurm/job_7/memory.stat": f"anon 1\ninactive_file {1 << 30}\n",
-        "slurm/job_7/step_0/memory.max": "max", "slurm/job_7/step_0/memory.current": str(5 << 30),
-    })
-    assert available_host_memory(v2) == 4 << 30
-    # cgroup v1, a container that sees its own cgroup at the mount's root; no limit: the machine's MemAvailable.
-    v1 = _machine(tmp_path / "v1", "4:memory:/docker/abc\n3:cpu:/docker/abc\n", {
-        "memory/memory.limit_in_bytes": "9223372036854771712", "memory/memory.usage_in_bytes": str(3 << 30)})
-    assert available_host_memory(v1) == 64 << 30
-    limited = _machine(tmp_path / "v1b", "4:memory:/docker/abc\n", {
-        "memory/memory.limit_in_bytes": str(2 << 30), "memory/memory.usage_in_bytes": str(1 << 30)})
-    assert available_host_memory(limited) == 1 << 30
-    assert available_host_memory(str(tmp_path / "nothing")) is None

@@ -35,6 +35,7 @@ from orchestrator.ray_internals import (
     make_last_failure,
     make_next_failure_last,
     ray_processes_in_group,
+    state_folders,
     storage_folder,
     trial_storage_folder,
 )
@@ -150,6 +151,16 @@ def test_a_trial_finds_its_storage_folder_where_the_driver_looks_for_the_evidenc
     trial = a_trial(tmp_path, max_failures=1)
     trial.storage = storage
     assert Path(trial.path) == Path(folder), "Ray changed: Trial.path is not the StorageContext's trial folder"
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("local_ray")  # the staging folder is in Ray's session folder
+def test_the_driver_finds_where_tune_stages_and_stores_the_sweeps_state(tmp_path):
+    trial = a_trial(tmp_path, max_failures=1)
+    trial.storage = StorageContext(storage_path=str(tmp_path), experiment_dir_name="sweep", trial_dir_name="t")
+    staging, sweep = state_folders(trial)
+    assert sweep == str(tmp_path / "sweep"), f"Ray changed: StorageContext.experiment_fs_path is {sweep}"
+    assert staging.endswith("/sweep/driver_artifacts"), f"Ray changed: the driver's staging folder is {staging}"
 
 
 def test_a_storage_the_driver_cannot_read_has_no_evidence_folder(tmp_path):
