@@ -39,6 +39,7 @@ from orchestrator.config import SweepSpec
 from orchestrator.contract import STATE_FILE, HostMemoryEvent, OomEvent
 from orchestrator.device import Device, gpu_visible
 from orchestrator.device.oom import is_oom
+from orchestrator.device.torch_internals import loader_worker_deaths_found_at_fetch
 from orchestrator.device.target import resolve_target
 from orchestrator.device_kinds import device_kind
 from orchestrator.estimates import Estimates
@@ -237,6 +238,9 @@ class RankActor:
 
     def run(self, config, spec, trial_id, address, rank, ranks, state) -> None:
         exit_requests_survive_finalisers()
+        # Ray runs this on the process's main thread: a lost loader worker must reach the rank at
+        # its next fetch, inside the group's agreement, not wherever torch's SIGCHLD handler finds it.
+        loader_worker_deaths_found_at_fetch()
         RankRun(config, spec, trial_id, address, rank, ranks, state).run()
 
 
