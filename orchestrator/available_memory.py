@@ -1,9 +1,9 @@
 """This machine's available memory: the one reader, for every part that weighs something against it.
 
-Two parts ask: ``plan`` weighs the host memory of the trials a node runs at once against it
-(``orchestrator.host_memory``), and the ``static`` estimator refuses to build a model for real
-whose states would not fit in it (``orchestrator.memory.static``). Both read it here, so they
-agree on what "available" means. Neither torch nor Ray: the contract layer, below both.
+Two parts ask: the host-memory plan, which ``plan`` shows and ``run`` applies, weighs what the
+trials a node runs at once hold against it (``orchestrator.host_memory``, ``node_memory``), and
+the ``static`` estimator refuses to build a model for real whose states would not fit in it
+(``orchestrator.memory.static``). Both read it here, so they agree on what "available" means. Neither torch nor Ray: the contract layer, below both.
 
 Available is Linux's ``MemAvailable`` (free memory plus what the kernel can reclaim without
 swapping: page cache, reclaimable slabs), not ``MemFree``, which leaves out a page cache that
