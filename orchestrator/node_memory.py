@@ -17,19 +17,20 @@ plan takes as given, so that it errs on the side of holding less:
   largest micro-batch a plan can choose; each trial plans its own on its worker), and the
   optimizer's state as Adam keeps it (two moments per parameter);
 * a node's available memory is ``--host-memory`` where given; else, for the embedded local
-  Ray, this machine's ``MemAvailable`` (or what its cgroup's limit leaves, where less); on a cluster, the ``memory`` Ray gave each node for
-  tasks and actors when it started (its available memory less the object store).
+  Ray, this machine's (``orchestrator.available_memory``: ``MemAvailable``, or what its cgroup's
+  limit leaves where less); on a cluster, the ``memory`` Ray gave each node for tasks and actors
+  when it started (its available memory less the object store).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from orchestrator.available_memory import available_host_memory
 from orchestrator.capacity import bundles_held, trial_request
 from orchestrator.config import SweepSpec
 from orchestrator.device_kinds import device_kind
 from orchestrator.errors import UserError
-from orchestrator.available_memory import available_host_memory
 from orchestrator.host_memory import HostPlan, plan_host_memory
 from orchestrator.units import human
 

@@ -39,8 +39,8 @@ from orchestrator.config import SweepSpec
 from orchestrator.contract import STATE_FILE, HostMemoryEvent, OomEvent
 from orchestrator.device import Device, gpu_visible
 from orchestrator.device.oom import is_oom
-from orchestrator.device.torch_internals import loader_worker_deaths_found_at_fetch
 from orchestrator.device.target import resolve_target
+from orchestrator.device.torch_internals import loader_worker_deaths_found_at_fetch
 from orchestrator.device_kinds import device_kind
 from orchestrator.estimates import Estimates
 from orchestrator.memory.cache import ProfileCache
