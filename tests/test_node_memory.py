@@ -144,3 +144,23 @@ def test_run_cuts_the_loader_workers_to_what_the_node_holds_or_refuses_before_an
     assert all("so that the 2 trial process(es) this machine runs at once fit in its " in line for line in lines), lines
     seen = {p.read_text() for p in folder.glob("workers-*")}
     assert seen == {"1"}, seen
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("local_ray")
+def test_on_a_running_ray_each_node_is_planned_with_its_memory_and_a_refusal_leaves_nothing_behind(tmp_path):
+    """A driver joining a Ray that runs already plans for its nodes (here the one node of the
+    embedded Ray this module started: 2 CPUs, so 2 trial processes) once connected, before any
+    trial: a refusal names the node, and the sweep's folder goes again."""
+    from orchestrator.errors import UserError
+    from orchestrator.runner import run_sweep
+
+    spec = parse_spec({"experiment": "nodes", "workload": "mlp", "search_space": {"lr": {"grid": [0.1, 0.01]}},
+                       "effective_batch_size": 32, "stop": {"epochs": 1}, "data": {"num_workers": 2},
+                       "memory": {"estimator": "none"}})
+    with pytest.raises(UserError) as refused:
+        run_sweep(spec, tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", storage_path=str(tmp_path / "results"),
+                  host_memory="64KiB")
+    assert re.match(r"host memory: node [\d.]+: 2 trial\(s\) at once need .* and the node has 64\.0 KiB available", str(refused.value)), \
+        str(refused.value)
+    assert not list(tmp_path.glob("results/*"))  # no sweep folder (nor the storage folder the run made)
