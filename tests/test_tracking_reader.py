@@ -10,6 +10,7 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 from mlflow_server import MlflowServer
+from postgres_server import PostgresServer, why_not_here
 
 from orchestrator.tracking import reader
 from orchestrator.tracking.reader import StoredRun, trial_runs
@@ -94,6 +95,19 @@ def test_a_sqlite_store_is_read_whole_as_the_client_reads_it(tmp_path):
     client = MlflowClient(uri)
     check_sweep(trial_runs(client, experiment, "s1"), client, experiment)
     assert trial_runs(client, experiment, "nope") == []
+
+
+@pytest.mark.integration  # starts a PostgreSQL cluster
+def test_a_postgresql_store_is_read_whole_as_the_client_reads_it():
+    """The SQL path on the database a shared tracking store runs on (``--tracking-uri postgresql://``)."""
+    reason = why_not_here()
+    if reason:
+        pytest.skip(f"PostgreSQL: {reason}")
+    with PostgresServer() as database:
+        experiment = make_store(database.uri)
+        client = MlflowClient(database.uri)
+        assert reader._is_sql(client._tracking_client.store)
+        check_sweep(trial_runs(client, experiment, "s1"), client, experiment)
 
 
 @pytest.mark.integration  # starts an mlflow server
