@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--num-cpus", type=int, help="CPUs of the embedded local Ray (default: all)")
     run.add_argument("--num-gpus", type=float, help="GPUs of the embedded local Ray (default: detected)")
+    run.add_argument(
+        "--host-memory", metavar="SIZE",
+        help="the memory each node has available for the trials, e.g. 64GiB (default: this machine's for the "
+             "embedded local Ray, else the memory Ray gave each node); data.prefetch_factor, then data.num_workers "
+             "are cut until the trials a node runs at once fit it (see `orchestrator plan`)",
+    )
     run.add_argument("--dashboard", action="store_true", help="start the Ray dashboard with the embedded local Ray")
     run.add_argument("--dashboard-host", default="127.0.0.1", help="address the dashboard binds to (default 127.0.0.1)")
     run.add_argument(

@@ -11,11 +11,13 @@ sweeps of the seeds' post-mortems ran out. A trial holds on its host:
   the trial's own process, without workers), and as many pinned copies when they go to a GPU;
 * its model and optimizer state, once more, as a checkpoint copies them to the host.
 
-A node runs several trials at once (as many as its CPUs and GPUs hold ``resources``), so the
-plan is for all of them: when they do not fit the node's available memory, fewer batches are
-loaded ahead (``prefetch_factor`` down to 1), then fewer workers (halved, down to none), the
-same for every trial; when even that does not fit, the sweep is refused. Pure arithmetic: the
-measurements are the caller's (``trainables.footprint``), and so is the node.
+A node runs several trial processes at once (one per bundle of ``resources`` it holds, as
+``orchestrator.node_memory`` counts them), so the plan is for all of them: when they do not fit
+the node's available memory, fewer batches are loaded ahead (``prefetch_factor`` down to 1),
+then fewer workers (halved, down to none), the same for every trial; when even that does not
+fit, the sweep is refused. Pure arithmetic: the measurements are the caller's
+(``trainables.footprint``), and so is the node (this machine's:
+``orchestrator.available_memory``).
 """
 
 from __future__ import annotations
@@ -38,12 +40,16 @@ class HostPlan:
     parts: dict[str, int]  # what one trial holds, by part
     trials_at_once: int
     available_bytes: int
-    reduced: str = ""  # "data.num_workers 8->2, data.prefetch_factor 4->1" when the settings were cut
+    changes: tuple[str, ...] = ()  # ("data.num_workers 8->2", "data.prefetch_factor 4->1") when the settings were cut
     refusal: str | None = None
 
     @property
     def trial_bytes(self) -> int:
         return sum(self.parts.values())
+
+    @property
+    def reduced(self) -> str:
+        return ", ".join(self.changes)
 
     def describe(self) -> str:
         parts = ", ".join(f"{name} {human(n)}" for name, n in self.parts.items() if n)
@@ -95,29 +101,11 @@ def _smaller(data: DataLoading) -> DataLoading | None:
     return None
 
 
-def _changes(before: DataLoading, after: DataLoading) -> str:
+def _changes(before: DataLoading, after: DataLoading) -> tuple[str, ...]:
     changes = []
     if after.num_workers != before.num_workers:
         changes.append(f"data.num_workers {before.num_workers}->{after.num_workers}")
     prefetch_before = before.prefetch_factor or (DEFAULT_PREFETCH if before.num_workers else None)
     if after.num_workers and (after.prefetch_factor or DEFAULT_PREFETCH) != prefetch_before:
         changes.append(f"data.prefetch_factor {prefetch_before}->{after.prefetch_factor}")
-    return ", ".join(changes)
-
-
-def trials_at_once(request: dict[str, float], node: dict[str, float]) -> int:
-    """How many trials asking ``request`` (Ray's CPU/GPU) a node of ``node`` runs at once."""
-    counts = [int(node.get(kind, 0.0) // amount) for kind, amount in request.items() if amount > 0]
-    return max(min(counts), 1) if counts else 1
-
-
-def available_host_memory() -> int | None:
-    """This machine's available memory (Linux ``MemAvailable``); None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return tuple(changes)

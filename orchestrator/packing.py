@@ -41,17 +41,19 @@ def auto_gpu_resources(spec: SweepSpec, estimates) -> Callable[[dict[str, Any]],
     (``orchestrator.estimates``), request its share."""
     from ray.tune import PlacementGroupFactory
 
+    from orchestrator.device.target import resolve_target
     from orchestrator.memory.cache import ProfileCache
     from orchestrator.planner import make_plan
     from trainables.workload import build_workload
 
     total = device_total_bytes(spec)
+    target = resolve_target(spec, card=total)  # as `plan --device-memory` plans for a card of that size
 
     def resources(config: dict[str, Any]) -> PlacementGroupFactory:
         # A CUDA profile's peak already counts the context, workspaces and fragmentation.
         workload = build_workload(config)
-        profiles = ProfileCache(workload, spec.memory, "cuda", known=estimates.known(config, "cuda"))
-        plan = make_plan(workload, spec.memory, spec.effective_batch_size, total, target="cuda", profiles=profiles)
+        profiles = ProfileCache(workload, spec.memory, target.kind, known=estimates.known(config, target.kind))
+        plan = make_plan(workload, spec.memory, spec.effective_batch_size, target.budget, target=target.kind, profiles=profiles)
         share = gpu_fraction(plan.predicted_peak_bytes or total, total, spec.memory.gpu_granularity)
         return PlacementGroupFactory([{"CPU": spec.resources.cpu, "GPU": share}])
 

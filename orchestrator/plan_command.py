@@ -32,7 +32,7 @@ from orchestrator.device_kinds import device_kind
 from orchestrator.errors import UserError
 from orchestrator.estimator_registry import NO_ESTIMATE
 from orchestrator.estimator_registry import names as estimator_names
-from orchestrator.units import parse_bytes
+from orchestrator.units import size_flag
 
 
 def plan_command(args) -> int:
@@ -69,7 +69,7 @@ def plan_command(args) -> int:
     rank_batch = spec.effective_batch_size // spec.resources.workers
     estimates = estimate_trials(configs, policy, target, budget, rank_batch, on_done=progress)
     results, caches = [], {}
-    host = _HostMemory(spec, planned, _size_flag("--host-memory", getattr(args, "host_memory", None)))
+    host = _HostMemory(spec, planned, size_flag("--host-memory", getattr(args, "host_memory", None)), len(configs))
     for index, config in enumerate(configs):
         signature = memory_signature(config, policy, target)
         if signature in estimates.errors:  # e.g. a model whose library is not installed here: show it, go on
@@ -94,10 +94,14 @@ def plan_command(args) -> int:
         results.append({"trial": index, "config": config, "plan": plan, "profile": profile,
                         "host": None if plan.refusal else host.plan(workload, signature, plan.micro_batch)})
 
+    swept = host.for_run(planned)
     if args.json:
-        print(json.dumps(_as_json(spec, policy, target, budget, results), indent=2, default=str))
+        print(json.dumps({**_as_json(spec, policy, target, budget, results), "run_host_memory": _run_host_json(swept)},
+                         indent=2, default=str))
     else:
         print(_as_text(policy, target, budget, results))
+        if swept is not None:
+            print(_run_host_text(swept))
     return 1 if any("error" in r for r in results) else 0
 
 
@@ -122,16 +126,7 @@ def planning_target(spec, device_memory: str | None):
 
 
 def _device_memory(text: str | None) -> int | None:
-    return _size_flag("--device-memory", text)
-
-
-def _size_flag(flag: str, text: str | None) -> int | None:
-    if text is None:
-        return None
-    try:
-        return parse_bytes(text)
-    except ValueError as exc:
-        raise UserError(f"{flag}: {exc}") from None
+    return size_flag("--device-memory", text)
 
 
 def _rank_budgets(spec, planned, card: bool) -> list[int | None] | None:
@@ -266,14 +261,15 @@ class _HostMemory:
     """Each trial's host memory against this machine's, for the trials it would run at once
     (``orchestrator.host_memory``); the data measured once per memory signature and micro-batch."""
 
-    def __init__(self, spec, target, available: int | None = None):
-        from orchestrator.capacity import local_node, trial_request
-        from orchestrator.host_memory import available_host_memory, trials_at_once
+    def __init__(self, spec, target, available: int | None = None, trials: int | None = None):
+        from orchestrator.available_memory import available_host_memory
+        from orchestrator.capacity import local_node
+        from orchestrator.node_memory import pins_host_memory, processes_at_once
 
         self.spec = spec
         self.available = available if available is not None else available_host_memory()
-        self.at_once = trials_at_once(trial_request(spec), local_node(None, None)) * spec.resources.workers
-        self.pinned = device_kind(target.device).accelerator and spec.data.pin_memory is not False
+        self.at_once = processes_at_once(spec, local_node(None, None), trials)
+        self.pinned = pins_host_memory(spec, target.device)
         self.footprints = {}
 
     def plan(self, workload, signature, micro_batch: int):
@@ -287,6 +283,30 @@ class _HostMemory:
             self.footprints[key] = data_footprint(workload, micro_batch)
         return plan_host_memory(self.footprints[key], self.spec.data, pinned=self.pinned, trials_at_once=self.at_once,
                                 available_bytes=self.available)
+
+    def for_run(self, target):
+        """The plan ``run`` would apply on this machine (``node_memory.sweep_host_plan``)."""
+        from orchestrator.capacity import local_node
+        from orchestrator.node_memory import NodeMemory, sweep_host_plan
+
+        if self.available is None:
+            return None
+        return sweep_host_plan(self.spec, [NodeMemory("this machine", local_node(None, None), self.available)], target.device)
+
+
+def _run_host_text(swept) -> str:
+    """What ``run`` does with the data settings (``orchestrator.node_memory``)."""
+    if isinstance(swept, str):
+        return f"run: host memory {swept}"
+    _, plan = swept
+    return (f"run (every trial as the largest, its batches at the whole rank batch): {plan.describe()}"
+            + ("" if plan.changes or plan.refusal else "; data settings kept"))
+
+
+def _run_host_json(swept) -> dict | None:
+    if swept is None or isinstance(swept, str):
+        return None if swept is None else {"error": swept}
+    return _host_json(swept[1])
 
 
 def _host_json(host) -> dict | None:

@@ -113,17 +113,25 @@ def check_workloads(spec: SweepSpec, build_models: bool = True) -> None:
     parameters sampled, ``lr`` and ``seed`` left out). ``build_models=False``: the data only, for
     ``plan``, which shows a model that does not build here (its library is installed only where
     the trials run, say) as that trial's error and plans the others."""
-    from orchestrator.space import trial_configs
     from trainables.workload import build_workload
 
-    seen = set()
-    for config in trial_configs(spec):
-        key = json.dumps({k: v for k, v in sorted(config.items()) if k not in CHECK_NEUTRAL}, default=str)
-        if key in seen:
-            continue
-        seen.add(key)
+    for config in distinct_configs(spec):
         workload = build_workload(config)
         check_workload(workload, spec, _label(config, spec), build_model=build_models)
+
+
+def distinct_configs(spec: SweepSpec) -> list[dict[str, Any]]:
+    """The sweep's trial configs that may build different data or models: one per distinct
+    value of everything but ``lr`` and ``seed``."""
+    from orchestrator.space import trial_configs
+
+    seen, configs = set(), []
+    for config in trial_configs(spec):
+        key = json.dumps({k: v for k, v in sorted(config.items()) if k not in CHECK_NEUTRAL}, default=str)
+        if key not in seen:
+            seen.add(key)
+            configs.append(config)
+    return configs
 
 
 def check_workload(workload, spec: SweepSpec, label: str, build_model: bool = True) -> None:

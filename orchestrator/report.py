@@ -10,6 +10,8 @@ still running or was interrupted.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
 import os
@@ -22,6 +24,7 @@ from typing import Any
 from orchestrator.contract import MEMORY_LABELS
 from orchestrator.errors import UserError
 from orchestrator.table import format_table
+from orchestrator.tracking.reader import READERS, StoredRun, trial_runs
 from orchestrator.tracking.runs import ROLE_TAG, STEP_METRIC, SWEEP_ID_TAG, sqlite_path
 from orchestrator.tracking.store import reading
 from orchestrator.trial_report import TrialReport
@@ -62,10 +65,7 @@ class TrialRecord:
 
     def latest(self) -> TrialReport:
         """The trial's report as of its last result: each metric's value at the last step that has it."""
-        merged: dict[str, float] = {}
-        for step in sorted(self.results):
-            merged.update(self.results[step])
-        return TrialReport.from_result(merged)
+        return self._latest
 
     def peak(self) -> tuple[float | None, float | None, float | None]:
         """(predicted, measured, error) at the result whose measured peak was highest.
@@ -73,6 +73,18 @@ class TrialRecord:
         Measured is what the prediction is compared with (:attr:`TrialReport.measured_peak`, the
         same rule the trainable uses for ``prediction_error``). A refused trial has a prediction
         and no measurement."""
+        return self._peak
+
+    # Worked out once: the table, the summary and the plot each ask for them, for thousands of trials.
+    @functools.cached_property
+    def _latest(self) -> TrialReport:
+        merged: dict[str, float] = {}
+        for step in sorted(self.results):
+            merged.update(self.results[step])
+        return TrialReport.from_result(merged)
+
+    @functools.cached_property
+    def _peak(self) -> tuple[float | None, float | None, float | None]:
         best: TrialReport | None = None
         for metrics in self.results.values():
             report = TrialReport.from_result(metrics)
@@ -104,8 +116,6 @@ class SweepRecord:
 # -- the command ----------------------------------------------------------------------------------
 
 
-#: Trials whose histories are read from MLflow at once.
-HISTORY_READERS = 8
 #: What a store that cannot be read (a corrupted ``mlflow.db``, a server that does not answer) asks of the user.
 STORE_ADVICE = "pass the sweep's --tracking-uri, or restore its store"
 
@@ -163,11 +173,10 @@ def load_sweep(tracking_uri: str, experiment: str | None = None) -> SweepRecord:
         where = f"experiment {experiment!r}" if experiment else tracking_uri
         raise UserError(f"no orchestrator sweep in {where}; sweeps there: {_sweep_experiments(client)}")
     parent = parents[0]
-    trial_filter = f"tags.`{SWEEP_ID_TAG}` = '{parent.data.tags[SWEEP_ID_TAG]}' and tags.`{ROLE_TAG}` = 'trial'"
-    runs = _all_runs(client, parent.info.experiment_id, trial_filter)
-    # One request per metric of every run (MLflow has no bulk read of histories): a sweep of
-    # thousands of trials is tens of thousands of them, so they go out several at a time.
-    with ThreadPoolExecutor(HISTORY_READERS, thread_name_prefix="mlflow-history") as pool:
+    # Every trial's params, tags and metric histories, in a few requests (not one per metric per run).
+    runs = trial_runs(client, parent.info.experiment_id, parent.data.tags[SWEEP_ID_TAG])
+    # A trial that ran out of memory also has its events to download: a request each, several at a time.
+    with ThreadPoolExecutor(READERS, thread_name_prefix="mlflow-artifacts") as pool:
         trials = sorted(pool.map(lambda run: _trial_record(client, run), runs), key=lambda t: t.name)
     return SweepRecord(
         experiment=client.get_experiment(parent.info.experiment_id).name,
@@ -187,33 +196,19 @@ def _sweep_experiments(client) -> str:
     return ", ".join(names) or "none"
 
 
-def _all_runs(client, experiment_id: str, filter_string: str) -> list:
-    runs, token = [], None
-    while True:
-        page = client.search_runs([experiment_id], filter_string, max_results=1000, page_token=token)
-        runs.extend(page)
-        token = page.token
-        if not token:
-            return runs
-
-
-def _trial_record(client, run) -> TrialRecord:
-    results: dict[int, dict[str, float]] = {}
-    for key in run.data.metrics:
-        for point in client.get_metric_history(run.info.run_id, key):
-            results.setdefault(int(point.step), {})[key] = point.value
-    events: list[dict] = []
-    if TrialReport.from_result(run.data.metrics).oom_retries > 0:
-        try:
-            events = json.loads(Path(client.download_artifacts(run.info.run_id, "oom_events.json")).read_text())
-        except Exception:  # noqa: BLE001 - the count is still in the metrics
-            events = []
-    info = run.info
-    duration = (info.end_time - info.start_time) / 1000 if info.end_time and info.start_time else None
-    return TrialRecord(
-        name=info.run_name, trial_id=run.data.tags.get("trial_id", ""), run_id=info.run_id, status=info.status,
-        params=dict(run.data.params), tags=dict(run.data.tags), results=results, oom_events=events, duration_s=duration,
+def _trial_record(client, run: StoredRun) -> TrialRecord:
+    duration = (run.end_time - run.start_time) / 1000 if run.end_time and run.start_time else None
+    trial = TrialRecord(
+        name=run.name, trial_id=run.tags.get("trial_id", ""), run_id=run.run_id, status=run.status,
+        params=run.params, tags=run.tags, results=run.history, oom_events=[], duration_s=duration,
     )
+    if trial.latest().oom_retries <= 0:
+        return trial
+    try:
+        events = json.loads(Path(client.download_artifacts(run.run_id, "oom_events.json")).read_text())
+    except Exception:  # noqa: BLE001 - the count is still in the metrics
+        return trial
+    return dataclasses.replace(trial, oom_events=events)
 
 
 # -- the table and the summary ------------------------------------------------------------------
@@ -447,16 +442,31 @@ def peak_chart(sweep: SweepRecord) -> PeakChart:
     return PeakChart(title, unit, tuple(bars), scaled(shared), measured_label)
 
 
+#: Up to this many trials the plot is a labelled pair of bars per trial; above, a point per trial.
+#: 2,048 pairs of bars are a PNG 80,000 pixels tall that no one reads, and drawing them took
+#: longer than the whole rest of a report (``bench/report_scale.py``).
+MAX_BARS = 200
+
+
 def plot_peaks(sweep: SweepRecord, path: Path) -> None:
-    """Draws :func:`peak_chart`: a horizontal pair of bars per trial, so that each trial's label
-    reads level however many trials there are (the figure grows in height with them)."""
+    """Draws :func:`peak_chart`: a pair of bars per trial, or for more than :data:`MAX_BARS`
+    trials a point per trial (its measured peak over its predicted one)."""
     import matplotlib
 
     matplotlib.use("Agg")
+    chart = peak_chart(sweep)
+    if len(chart.bars) > MAX_BARS:
+        _plot_points(chart, path)
+    else:
+        _plot_bars(chart, path)
+
+
+def _plot_bars(chart: PeakChart, path: Path) -> None:
+    """A horizontal pair of bars per trial, so that each trial's label reads level however many
+    trials there are (the figure grows in height with them)."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter
 
-    chart = peak_chart(sweep)
     count = len(chart.bars)
     fig, ax = plt.subplots(figsize=(11.0, max(5.5, 0.34 * count + 2.5)), layout="constrained")
     height = 0.4
@@ -490,5 +500,51 @@ def plot_peaks(sweep: SweepRecord, path: Path) -> None:
     ax.set_ylim(count - 0.5, -0.5)  # the first trial on top, as in the table
     ax.grid(axis="x", alpha=0.3)
     fig.legend(legend.values(), legend.keys(), loc="outside lower center", ncols=min(4, len(legend) or 1), fontsize=8)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_points(chart: PeakChart, path: Path) -> None:
+    """A point per trial at (predicted, measured), on a figure of fixed size: the diagonal is a
+    perfect estimate, points above it trials that needed more than planned. A trial without a
+    prediction sits on the left edge, one without a measurement (refused) on the bottom edge."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    bars = chart.bars
+    fig, ax = plt.subplots(figsize=(11.0, 8.0), layout="constrained")
+    legend: dict[str, object] = {}
+
+    def points(label: str, chosen: list[tuple[float, float]], **style) -> None:
+        if chosen:
+            legend[label] = ax.scatter([x for x, _ in chosen], [y for _, y in chosen], **style)
+
+    points(f"trial: {chart.measured_label} over predicted peak",
+           [(b.predicted, b.measured) for b in bars if b.predicted and b.measured is not None],
+           s=14, color="#3182bd", alpha=0.6, linewidths=0)
+    points("trial without a prediction", [(0.0, b.measured) for b in bars if not b.predicted and b.measured is not None],
+           s=14, marker=">", color="#3182bd", alpha=0.6, linewidths=0)
+    points("refused (no measurement)", [(b.predicted, 0.0) for b in bars if b.predicted and b.measured is None],
+           s=22, marker="v", color="#b30000")
+    points("OOM event (in use + requested)", [(b.predicted or 0.0, need) for b in bars for need in b.ooms],
+           s=40, marker="X", color="#d62728")
+    points("budget per trial", [(b.predicted or 0.0, b.budget) for b in bars if b.budget is not None],
+           s=60, marker="_", color="#d62728")
+    top = max([v for b in bars for v in (b.predicted, b.measured, b.budget, *b.ooms) if v] + [chart.budget or 0, 0.0])
+    top = top * 1.1 or 1.0
+    legend["measured = predicted"] = ax.plot([0, top], [0, top], color="grey", linewidth=1, linestyle=":")[0]
+    if chart.budget is not None:
+        legend[f"budget {chart.budget:.3g} {chart.unit}"] = ax.axhline(chart.budget, color="#d62728", linestyle="--")
+        ax.axvline(chart.budget, color="#d62728", linestyle="--", linewidth=0.8)
+    ax.set_title(f"{chart.title} ({len(bars)} trials)", fontsize=11)
+    ax.set_xlabel(f"predicted peak ({chart.unit})")
+    ax.set_ylabel(f"{chart.measured_label} ({chart.unit})")
+    ax.set_xlim(0, top)
+    ax.set_ylim(0, top)
+    formatter = FuncFormatter(lambda v, _: f"{v:.4g}")
+    ax.xaxis.set_major_formatter(formatter)
+    ax.yaxis.set_major_formatter(formatter)
+    ax.grid(alpha=0.3)
+    fig.legend(legend.values(), legend.keys(), loc="outside lower center", ncols=min(3, len(legend)), fontsize=8)
     fig.savefig(path, dpi=120)
     plt.close(fig)

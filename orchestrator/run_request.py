@@ -36,6 +36,7 @@ class RunRequest:
     ray_address: str | None = None  # the driver joins this cluster's GCS instead of starting a Ray
     num_cpus: int | None = None  # of the embedded local Ray
     num_gpus: float | None = None
+    host_memory: str | None = None  # each node's available memory for the trials, as given ("64GiB")
     offline_tracking: bool = False
     verbose: bool = False  # Ray's and Tune's own output instead of one line per trial event
     name: str | None = None  # the sweep's folder under the storage path
@@ -59,7 +60,7 @@ class RunRequest:
             words += ["--set", override]
         for flag, value in (("--storage-path", self.storage_path), ("--tracking-uri", self.tracking_uri),
                             ("--ray-address", self.ray_address), ("--num-cpus", self.num_cpus),
-                            ("--num-gpus", self.num_gpus)):
+                            ("--num-gpus", self.num_gpus), ("--host-memory", self.host_memory)):
             if value is not None:
                 words += [flag, value if isinstance(value, str) else str(value)]
         if self.offline_tracking:

@@ -49,7 +49,7 @@ from orchestrator.stop_signal import sigterm_stops_like_sigint
 from orchestrator.sweep_guard import claim_sweep
 from orchestrator.table import format_table
 from orchestrator.trial_report import TrialReport
-from orchestrator.units import human
+from orchestrator.units import human, size_flag
 
 DEFAULT_TRACKING_DB = "mlflow.db"
 
@@ -144,6 +144,7 @@ def run_sweep(
     resume: bool = False,
     num_cpus: int | None = None,
     num_gpus: float | None = None,
+    host_memory: str | None = None,
     dashboard: bool = False,
     dashboard_host: str = "127.0.0.1",
     offline_tracking: bool = False,
@@ -151,20 +152,25 @@ def run_sweep(
     allow_config_change: bool = False,
 ) -> SweepOutcome:
     """``verbose``: Ray's and Tune's own output as they print it, instead of ``orchestrator.console``'s view.
-    ``allow_config_change``: resume even where the config differs from the stored sweep's (``sweep_guard``)."""
+    ``allow_config_change``: resume even where the config differs from the stored sweep's (``sweep_guard``).
+    ``host_memory``: each node's available memory for the trials (``orchestrator.node_memory``)."""
     import ray
     from ray import tune
 
     quiet_libraries(verbose)
     tracking_uri = resolve_tracking_uri(tracking_uri, spec)
     storage = os.path.abspath(storage_path or spec.storage_path)
-    if ray_address is None and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
+    node_memory = size_flag("--host-memory", host_memory)
+    embedded = ray_address is None and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized()
+    if embedded:
         check_local_node(trial_request(spec), spec.resources.workers, local_node(num_cpus, num_gpus))
     started_ray = False
     claim = None
     try:
         with taken_back_if_refused(storage):
             _check_before_ray(spec, storage, tracking_uri, offline_tracking)
+            if embedded:  # the trials' spec: data loading cut to what this machine holds (the user's is recorded)
+                trial_spec = _fit_host_memory(spec, node_memory, local=local_node(num_cpus, num_gpus))
             # The sweep's folder is this driver's before Ray starts: a second driver of it is
             # refused at once, and so is a resume whose config differs (orchestrator.sweep_guard).
             name, restore_from = _experiment_name(spec, storage, name, resume)
@@ -180,11 +186,13 @@ def run_sweep(
                 print(cluster_text(nodes))
                 check_shared_storage(storage_path or spec.storage_path, storage, len(nodes))
                 wait = check_schedulable(trial_request(spec), spec.resources.wait_minutes, spec.resources.workers)
+                if not embedded:
+                    trial_spec = _fit_host_memory(spec, node_memory, cluster=nodes)
             except UserError:
                 claim.release(refused=True)
                 raise
         claim.record(spec)
-        trainable = _trainable(spec, estimates)
+        trainable = _trainable(trial_spec, estimates)
         _tune_settings()
         if restore_from:
             print(f"Resuming {restore_from}: finishing the trials that did not finish")
@@ -208,6 +216,18 @@ def run_sweep(
             claim.release()
         if started_ray:
             ray.shutdown()
+
+
+def _fit_host_memory(spec: SweepSpec, host_memory: int | None, *, local: dict[str, float] | None = None,
+                     cluster: list[dict[str, float]] | None = None) -> SweepSpec:
+    """The spec the trials run with: its ``data`` settings cut so that the embedded Ray's machine
+    (``local``), or each node of the ``cluster``, holds the trials it runs at once
+    (``orchestrator.node_memory``); ``host_memory``: ``--host-memory``, each node's available memory."""
+    from orchestrator.device.target import resolve_target
+    from orchestrator.node_memory import cluster_nodes, fit_host_memory, local_nodes
+
+    nodes = local_nodes(local, host_memory) if local is not None else cluster_nodes(cluster or [], host_memory)
+    return fit_host_memory(spec, nodes, resolve_target(spec).device)
 
 
 def _estimate_while_ray_starts(spec: SweepSpec, connect: Callable[[], bool]):

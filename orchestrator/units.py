@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from orchestrator.errors import UserError
+
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -34,6 +36,16 @@ def parse_bytes(value: int | float | str) -> int:
     if size <= 0:
         raise ValueError(f"expected a positive size, got {value!r}")
     return size
+
+
+def size_flag(flag: str, text: str | None) -> int | None:
+    """A command line's size (``--host-memory 64GiB``), None when not given; a bad one is one line."""
+    if text is None:
+        return None
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise UserError(f"{flag}: {exc}") from None
 
 
 def gib(n_bytes: float) -> str:

@@ -112,6 +112,34 @@ def test_every_rank_learns_of_one_ranks_oom_and_gradients_sum_through_a_small_bu
 
 @pytest.mark.integration
 @pytest.mark.usefixtures("local_ray")
+def test_a_rank_holds_a_trials_state_and_its_first_checkpoint_saves_it():
+    """A rank (``RankRun``) is set up where a trial is, so it has every piece of a trial's state:
+    a rank that listed them by hand once lacked one, its first checkpoint raised, and the group
+    hung. A group of one rank, built as ``RankActor`` builds its rank, trains to its first
+    checkpoint here."""
+    from orchestrator.space import trial_configs
+    from orchestrator.trial.group import RankRun
+
+    spec = parse_spec({"experiment": "ddp_test", "workload": MLP, "search_space": {"lr": 0.05},
+                       "effective_batch_size": 512, "stop": {"epochs": 2}, "resources": {"cpu": 1, "workers": 2},
+                       "memory": {"device": "cpu", "estimator": "none"}})
+    rank = RankRun(trial_configs(spec)[0], spec, "trial", f"tcp://127.0.0.1:{free_port()}", 0, 1, None)
+    try:
+        rank.plan = rank._plan_from_estimates(rank._profiles())  # rank 0 sends it in a group of more
+        trainer = rank._new_trainer()
+        milestone = next(m for m in trainer.run() if m.checkpoint)
+        rank._report(trainer, milestone)
+        saved = rank.checkpoints.load(map_location="cpu")
+    finally:
+        rank.group.close()
+        rank.checkpoints.remove()
+    assert saved["plan"] == rank.plan.to_dict() and saved["trainer"]["progress"]["step"] == milestone.progress.step
+    assert (saved["oom_events"], saved["host_memory_events"], saved["moves"], saved["plan_checks"]) == ([], [], [], [])
+    assert saved["node_id"] == rank.node.node_id and rank.metrics is None and rank.evidence_folder is None
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("local_ray")
 def test_an_oom_on_rank_1_only_is_recovered_by_the_group_with_the_weights_of_a_small_plan(tmp_path):
     # Rank 1's device holds its 256 samples of a step as 64 x 4 (4.77 MB at its peak, 5.82 MB with the
     # exchange's 1.05 MB bucket), not 128 x 2 (5.32 MB) or 256 x 1 (5.39 MB, from the second step
@@ -212,3 +240,31 @@ def test_a_nan_loss_ends_the_group_together_at_the_first_bad_step(tmp_path, nan_
     assert outcome.ok and row.status == "DIVERGED", row
     assert re.fullmatch(rf"loss not finite at step 3 \(epoch 2\); last finite loss {last_loss}; not retried \(on_nan: stop\)",
                         row.note), row.note
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("local_ray")
+@pytest.mark.parametrize("how", ["rlimit", "kill"])
+def test_a_loader_worker_lost_on_rank_1_takes_the_group_back_with_fewer_workers_recorded_once(tmp_path, how):
+    """Rank 1's worker is lost in epoch 1 (a real MemoryError under RLIMIT_AS, or a SIGKILL): the
+    whole group goes back to its last checkpoint with one worker per rank instead of two, finishes,
+    and rank 0 records the event once; the weights are those of a group whose worker was never lost."""
+    marker = tmp_path / "lost"
+    workload = {"name": "tests.workloads:RankLosesLoaderWorkerWorkload",
+                "params": {**MLP["params"], "how": how, "marker": str(marker), "at": 300}}  # 1024 samples per rank
+    lossy = sweep(tmp_path / "a", workload, {"device": "cpu", "estimator": "none"}, checkpoint={"every": {"steps": 1}},
+                  data={"num_workers": 2})
+    assert lossy.ok, lossy.rows
+    assert marker.exists()
+    state = final_state(lossy)
+    [event] = state["host_memory_events"]
+    assert (event["phase"], event["epoch"], event["num_workers"], event["action"]) == ("train", 1, 2, "data.num_workers 2->1")
+    lost = "Caught MemoryError in DataLoader worker" if how == "rlimit" else "DataLoader worker"
+    assert event["message"].startswith("rank 1: ") and lost in event["message"], event
+    assert state["trainer"]["progress"] == {"epoch": 2, "step_in_epoch": 0, "step": 8}
+
+    whole = sweep(tmp_path / "b", {**workload, "params": {**workload["params"], "on_rank": 5}},
+                  {"device": "cpu", "estimator": "none"}, checkpoint={"every": {"steps": 1}}, data={"num_workers": 2})
+    assert whole.ok and "host_memory_events" in final_state(whole) and not final_state(whole)["host_memory_events"]
+    for name, tensor in state["trainer"]["model"].items():
+        torch.testing.assert_close(tensor, final_state(whole)["trainer"]["model"][name])

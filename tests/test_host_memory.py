@@ -4,7 +4,7 @@ measured footprints."""
 from __future__ import annotations
 
 from orchestrator.config import DataLoading
-from orchestrator.host_memory import plan_host_memory, trial_parts, trials_at_once
+from orchestrator.host_memory import plan_host_memory, trial_parts
 from trainables.footprint import DataFootprint
 
 MiB = 1 << 20
@@ -43,7 +43,3 @@ def test_a_node_that_cannot_hold_them_even_without_workers_is_refused_in_one_lin
     assert "\n" not in plan.describe()
 
 
-def test_a_node_runs_as_many_trials_as_its_cpus_and_gpus_hold():
-    assert trials_at_once({"CPU": 2, "GPU": 0}, {"CPU": 16, "GPU": 0}) == 8
-    assert trials_at_once({"CPU": 2, "GPU": 1}, {"CPU": 16, "GPU": 4}) == 4
-    assert trials_at_once({"CPU": 4, "GPU": 0}, {"CPU": 2, "GPU": 0}) == 1

@@ -102,7 +102,7 @@ def test_a_model_too_large_for_this_machine_is_not_built_for_real(monkeypatch):
     """The real-tensor fallback would build the model: it refuses when its states would not fit."""
     import orchestrator.memory.static as static
 
-    monkeypatch.setattr(static, "_available_memory", lambda: 4 * F32 * MLP_PARAMS)  # states need 4x, half is allowed
+    monkeypatch.setattr(static, "available_host_memory", lambda: 4 * F32 * MLP_PARAMS)  # states need 4x, half is allowed
     built = []
     monkeypatch.setattr(Masked, "build_model", lambda self: built.append(1) or MLPWorkload.build_model(self))
     with pytest.raises(static.TooLargeForRealTensors, match=r"aten\.nonzero.*test_memory_static.py:\d+ \(loss\).*too large to run on real CPU tensors"):

@@ -160,7 +160,10 @@ def test_each_trial_s_host_memory_is_planned_for_the_trials_a_node_runs_at_once(
     config = sweep()
     workers = {"overrides": ["data.num_workers=8", "data.prefetch_factor=4"], "estimator": "static"}
     assert plan_command(args(config, json=True, host_memory="64GiB", **workers)) == 0
-    [host] = [t["host_memory"] for t in json.loads(capsys.readouterr().out)["trials"][:1]]
+    shown = json.loads(capsys.readouterr().out)
+    [host] = [t["host_memory"] for t in shown["trials"][:1]]
+    swept = shown["run_host_memory"]  # what `run` applies: every trial process as the sweep's largest
+    assert swept["num_workers"] == 8 and not swept["reduced"] and swept["refusal"] is None
     assert host["num_workers"] == 8 and host["prefetch_factor"] == 4 and not host["reduced"] and host["refusal"] is None
     assert host["available_bytes"] == 64 * 2**30 and host["trials_at_once"] >= 1
     assert set(host["parts"]) == {"datasets", "batches ahead", "pinned", "checkpoint copy"}
@@ -174,6 +177,8 @@ def test_each_trial_s_host_memory_is_planned_for_the_trials_a_node_runs_at_once(
     out = capsys.readouterr().out
     assert "4 trials, 0 refused, 4 refused for host memory" in out
     assert "refused: " in out and "of host memory even loading in their own processes" in out
+    [run_line] = [line for line in out.splitlines() if line.startswith("run (every trial as the largest")]
+    assert "of 1.0 KiB available; refused: " in run_line, run_line
 
 
 def _installed_plan(project, *flags: str):

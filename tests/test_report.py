@@ -312,3 +312,15 @@ def test_a_plot_of_64_trials_grows_in_height(tmp_path):
     plot_peaks(sweep_of(trials), tmp_path / "report.png")
     width, height = png_size(tmp_path / "report.png")
     assert height > width >= 1000
+
+
+def test_a_plot_of_hundreds_of_trials_is_a_point_per_trial(tmp_path):
+    """Above MAX_BARS trials a pair of bars each would be an image taller than anyone reads (and
+    slower to draw than the rest of the report): one point per trial, on a figure of fixed size."""
+    from orchestrator.report import MAX_BARS
+
+    trials = [record(i, {"lr": str(10 ** (-1 - i / 64))}, (i + 1) * KiB, (i + 2) * KiB, budget=512 * KiB,
+                     ooms=(600 * KiB,) if i % 50 == 0 else (), refused=i % 100 == 7)
+              for i in range(MAX_BARS + 1)]
+    plot_peaks(sweep_of(trials), tmp_path / "report.png")
+    assert png_size(tmp_path / "report.png") == (1320, 960)

@@ -12,7 +12,7 @@ from orchestrator.run_request import Expanded, RunRequest
 def test_a_parsed_run_command_line_renders_back_to_itself():
     argv = ["run", "sweep file.yaml", "--set", "search_space.width={grid: [16, 32]}", "--storage-path", "/r",
             "--tracking-uri", "http://mlflow:5000", "--ray-address", "10.0.0.1:6379", "--num-cpus", "2",
-            "--num-gpus", "0.5", "--offline-tracking", "--name", "exp_1", "--resume"]
+            "--num-gpus", "0.5", "--host-memory", "64GiB", "--offline-tracking", "--name", "exp_1", "--resume"]
     request = RunRequest.from_args(build_parser().parse_args(argv))
     assert request.arguments() == argv
     assert shlex.split(request.command(("python", "-m", "orchestrator"))) == ["python", "-m", "orchestrator", *argv]

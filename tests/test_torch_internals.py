@@ -149,3 +149,15 @@ def test_a_compiled_models_eager_modules_are_found_without_compiling():
     assert graphs == [], "the eager modules ran through dynamo"
     plain = nn.Linear(2, 2)
     assert ti.eager_module(plain) == (plain, False)
+
+
+def test_a_process_can_make_data_loaders_without_torch_s_sigchld_handler(monkeypatch):
+    import signal
+
+    from torch.utils.data._utils import signal_handling
+
+    monkeypatch.setattr(signal_handling, "_SIGCHLD_handler_set", False)  # restored after the test
+    before = signal.getsignal(signal.SIGCHLD)
+    ti.loader_worker_deaths_found_at_fetch()
+    signal_handling._set_SIGCHLD_handler()  # what a DataLoader with workers calls in the main thread
+    assert signal.getsignal(signal.SIGCHLD) is before

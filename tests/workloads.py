@@ -3,6 +3,7 @@
 
 import dataclasses
 import os
+import signal
 from typing import Literal
 
 import torch
@@ -140,6 +141,53 @@ class RankDiesOnceWorkload(MLPWorkload):
                 open(marker, "w").close()
                 os._exit(1)
         return super().loss(model, batch)
+
+
+class _LosesItsWorker(torch.utils.data.Dataset):
+    """A training set that, read in a DataLoader worker, fails once (``marker`` says it did) at
+    its ``at``-th sample: the worker SIGKILLs itself (the kernel's OOM killer), or bounds its
+    address space near what it holds and then needs more (a real ``MemoryError`` in the worker)."""
+
+    def __init__(self, inner, how: str, marker: str, at: int):
+        self.inner, self.how, self.marker, self.at, self.fetched = inner, how, marker, at, 0
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        from torch.utils.data import get_worker_info
+
+        if get_worker_info() is not None and not os.path.exists(self.marker):
+            self.fetched += 1
+            if self.fetched == self.at:
+                open(self.marker, "w").close()
+                if self.how == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                import resource
+
+                with open("/proc/self/status") as status:
+                    size = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+                resource.setrlimit(resource.RLIMIT_AS, (size + (16 << 20), resource.RLIM_INFINITY))
+                bytearray(256 << 20)  # the data this sample needs: more than the bound leaves
+        return self.inner[index]
+
+
+@dataclasses.dataclass
+class RankLosesLoaderWorkerWorkload(MLPWorkload):
+    """In a data-parallel trial, one of rank ``on_rank``'s DataLoader workers is lost once, at its
+    ``at``-th training sample (``_LosesItsWorker``); ``marker``: the file that says it was."""
+
+    on_rank: int = 1
+    how: str = "rlimit"  # kill | rlimit
+    marker: str = ""
+    at: int = 100
+
+    def train_data(self):
+        import torch.distributed as dist
+
+        data = super().train_data()
+        rank = dist.get_rank() if dist.is_initialized() else 0  # built by each rank once its group is up
+        return _LosesItsWorker(data, self.how, self.marker, self.at) if rank == self.on_rank else data
 
 
 @dataclasses.dataclass

@@ -7,9 +7,10 @@ its backward never posts the buckets the others are waiting for, and the group h
 1. local: the rank's forward/backward passes over its micro-batches (its slice of the step),
    and, at the first step, the bucket buffer the exchange keeps; any error is caught, not raised;
 2. :meth:`RankGroup.agree`: one small all-reduce of every rank's outcome (ok / out of memory /
-   other error). If any rank failed, every rank raises the same :class:`GroupOutOfMemory` (or
-   :class:`GroupFailure`) naming the rank, phase and step, and the trial's recovery (release,
-   next reduction, back to the last checkpoint) runs on every rank in step;
+   a DataLoader worker lost to host memory / other error). If any rank failed, every rank raises
+   the same :class:`GroupOutOfMemory` (or :class:`GroupLostLoaderWorker`, or :class:`GroupFailure`)
+   naming the rank, phase and step, and the trial's recovery (release, next reduction or fewer
+   loader workers, back to the last checkpoint) runs on every rank in step;
 3. only when all succeeded: the gradients are summed bucket by bucket through the buffer (each
    rank weighted its losses by its share of the *whole* step, so the sum is the gradient of one
    process over the whole effective batch);
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -50,7 +52,7 @@ BUCKET_CAP_BYTES = 25 * 2**20
 #: closed connection fails the collective at once). Longer than any one step or evaluation.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
-_OK, _OOM, _ERROR = 0, 1, 2
+_OK, _OOM, _ERROR, _LOST_WORKER = 0, 1, 2, 3
 
 
 class GroupOutOfMemory(torch.OutOfMemoryError):
@@ -69,10 +71,16 @@ class GroupFailure(RuntimeError):
     """Some rank of the group failed for a reason other than memory; raised on its peers."""
 
 
+class GroupLostLoaderWorker(RuntimeError):
+    """Some rank lost a DataLoader worker to host memory; raised on every rank alike, so that the
+    whole group goes back to its last checkpoint with fewer workers (``orchestrator.trial.host_memory``).
+    Its message: ``rank 1: DataLoader worker (pid(s) 4242) exited unexpectedly``."""
+
+
 @dataclass(frozen=True)
 class RankFailure:
     rank: int
-    kind: int  # _OOM | _ERROR
+    kind: int  # _OOM | _ERROR | _LOST_WORKER
     message: str  # the rank's own exception line
     allocated: int  # bytes the rank's device held when it failed
     reserved: int | None  # and its allocator reserved (a GPU)
@@ -88,10 +96,16 @@ def failed_rank(exc: BaseException) -> int | None:
 
 
 class RankGroup:
-    """This process's membership of the trial's process group: its rank and the collectives."""
+    """This process's membership of the trial's process group: its rank and the collectives.
 
-    def __init__(self, rank: int, ranks: int, address: str, device: Device):
+    ``lost_worker``: the trial's recognition of a DataLoader worker lost to host memory (its line,
+    else None), so that one rank's is agreed on as the group's instead of as a bug.
+    """
+
+    def __init__(self, rank: int, ranks: int, address: str, device: Device,
+                 lost_worker: Callable[[BaseException], str | None] | None = None):
         self.rank, self.ranks, self.device = rank, ranks, device
+        self.lost_worker = lost_worker
         self.backend = device.collective_backend
         # A small tensor per collective, where the backend needs it (NCCL: on the GPU), made
         # outside the emulated device's count (bookkeeping, not the model's memory).
@@ -121,7 +135,8 @@ class RankGroup:
         The rank that failed passes its exception (it is not raised here: its frames hold the
         failed step's tensors, and what is raised must not keep them alive).
         """
-        kind = _OK if failure is None else _OOM if is_oom(failure) else _ERROR
+        lost = self.lost_worker(failure) if failure is not None and self.lost_worker is not None else None
+        kind = _OK if failure is None else _LOST_WORKER if lost else _OOM if is_oom(failure) else _ERROR
         with self.device.host():
             outcome = torch.zeros(self.ranks, dtype=torch.int64, device=self.tensor_device)
             outcome[self.rank] = kind
@@ -129,12 +144,16 @@ class RankGroup:
             kinds = outcome.tolist()
         if not any(kinds):
             return
-        mine = RankFailure(self.rank, kind, _exception_line(failure), self.device.allocated(), self.device.reserved()) if failure is not None else None
+        mine = None if failure is None else RankFailure(self.rank, kind, lost or _exception_line(failure),
+                                                        self.device.allocated(), self.device.reserved())
         del failure
         failures = [f for f in self.all_gather(mine) if f is not None]
         first_error = next((f for f in failures if f.kind == _ERROR), None)
         if first_error is not None:
             raise GroupFailure(f"rank {first_error.rank} failed in {phase} at {position}: {first_error.message}")
+        lost_worker = next((f for f in failures if f.kind == _LOST_WORKER), None)
+        if lost_worker is not None:  # back to the checkpoint with fewer workers; an OOM elsewhere recurs if real
+            raise GroupLostLoaderWorker(f"rank {lost_worker.rank}: {lost_worker.message}")
         first = failures[0]
         others = [f.rank for f in failures[1:]]
         also = f" (and rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})" if others else ""

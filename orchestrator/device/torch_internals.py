@@ -25,6 +25,8 @@ What each is for:
   dispatches to, called directly to allocate what CUDA's fused kernels allocate.
 * :func:`eager_module`: a ``torch.compile``d model's eager modules (``OptimizedModule._orig_mod``,
   ``Module._compiled_call_impl``), which a trace runs instead of compiling on fake tensors.
+* :func:`loader_worker_deaths_found_at_fetch`: no DataLoader SIGCHLD handler in this process
+  (``torch.utils.data._utils.signal_handling._SIGCHLD_handler_set``), for a data-parallel rank.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ __all__ = [
     "disable_current_modes",
     "eager_module",
     "excluding_dispatch_key",
+    "loader_worker_deaths_found_at_fetch",
     "math_attention",
     "op_schema",
     "ops_with_kernel",
@@ -165,3 +168,18 @@ def eager_module(model: nn.Module) -> tuple[nn.Module, bool]:
         if getattr(module, "_compiled_call_impl", None) is not None:
             module._compiled_call_impl, compiled = None, True
     return model, compiled
+
+
+def loader_worker_deaths_found_at_fetch() -> None:
+    """DataLoaders made from now on in this process's main thread install no SIGCHLD handler.
+
+    Torch's handler raises a loader worker's death in the main thread wherever it then is; in a
+    data-parallel rank that may be between two collectives, outside the agreement that makes one
+    rank's lost worker the group's (``trainables.distributed``), so that rank alone would recover.
+    Without it the loader finds the dead worker when the rank next fetches a batch (its liveness
+    check, every few seconds while it waits), inside the agreement: as in rank 0, whose Tune
+    trainable runs off the main thread, where torch installs no handler anyway.
+    """
+    from torch.utils.data._utils import signal_handling
+
+    signal_handling._SIGCHLD_handler_set = True

@@ -40,6 +40,7 @@ class LocalLauncher(Launcher):
                 resume=request.resume,
                 num_cpus=request.num_cpus,
                 num_gpus=request.num_gpus,
+                host_memory=request.host_memory,
                 dashboard=self.dashboard,
                 dashboard_host=self.dashboard_host,
                 offline_tracking=request.offline_tracking,

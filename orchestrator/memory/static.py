@@ -19,10 +19,9 @@ for real, and the estimate fails with both reasons.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from orchestrator.available_memory import available_host_memory
 from orchestrator.contract import COMPILED_MODEL_NOTE
 from orchestrator.device.tensor_tracker import CUDA_BLOCK, StorageTracker, model_tensors, optimizer_tensors
 from orchestrator.device.torch_internals import eager_module, tree_leaves
@@ -135,28 +134,18 @@ class TooLargeForRealTensors(Exception):
     """Fake tensors failed, and the model is too large to run on real CPU tensors here instead."""
 
 
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
 def _check_fits_here(workload: Workload) -> None:
     """Refuse to build a model for real whose states would not fit this machine's memory.
 
     Its size comes from a build that makes no large tensor (``memory.construction``); its
     states on real tensors are the parameters, their gradients and an optimizer's two moments.
+    Where this machine's available memory cannot be read, the model is built and tried.
     """
     with HostOrMeta():
         model = workload.build_model()
     size = sum(t.numel() * t.element_size() for t in model_tensors(model))
-    available = _available_memory()
-    if REAL_STATES_PER_PARAMETER_BYTE * size > REAL_MEMORY_SHARE * available:
+    available = available_host_memory()
+    if available is not None and REAL_STATES_PER_PARAMETER_BYTE * size > REAL_MEMORY_SHARE * available:
         raise TooLargeForRealTensors(
             f"its {human(size)} of parameters and buffers are too large to run on real CPU tensors "
             f"here ({human(available)} available)"

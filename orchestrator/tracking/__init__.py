@@ -27,7 +27,8 @@ any failure, since a request may land although its reply was lost), params are o
 artifacts are overwritten.
 
 The package, one module per concern (none of them is imported here: ``orchestrator report``
-reads :mod:`~orchestrator.tracking.runs` and :mod:`~orchestrator.tracking.store` without loading Ray):
+reads :mod:`~orchestrator.tracking.runs`, :mod:`~orchestrator.tracking.store` and
+:mod:`~orchestrator.tracking.reader` without loading Ray):
 
 * :mod:`~orchestrator.tracking.runs`: how a sweep's runs are found in MLflow (tags, the step metric, the store's file);
 * :mod:`~orchestrator.tracking.operations`: the writes, each one idempotent;
@@ -35,6 +36,7 @@ reads :mod:`~orchestrator.tracking.runs` and :mod:`~orchestrator.tracking.store`
 * :mod:`~orchestrator.tracking.outbox`: the queue and the thread that sends them, waiting out outages;
 * :mod:`~orchestrator.tracking.check`: the tracking store checked before a sweep starts;
 * :mod:`~orchestrator.tracking.store`: a store that cannot be used, said in one line (``run`` and ``report``);
+* :mod:`~orchestrator.tracking.reader`: a sweep's trial runs read back whole in a few requests (``report``);
 * :mod:`~orchestrator.tracking.flatten`: a spec, a plan and a result as MLflow params and metrics;
 * :mod:`~orchestrator.tracking.callback`: the Tune callback that turns a sweep's events into writes.
 """

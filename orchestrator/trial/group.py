@@ -36,24 +36,24 @@ from typing import Any
 import ray
 
 from orchestrator.config import SweepSpec
-from orchestrator.contract import STATE_FILE, OomEvent
-from orchestrator.device import Device, configure_allocator, gpu_visible
+from orchestrator.contract import STATE_FILE, HostMemoryEvent, OomEvent
+from orchestrator.device import Device, gpu_visible
 from orchestrator.device.oom import is_oom
 from orchestrator.device.target import resolve_target
+from orchestrator.device.torch_internals import loader_worker_deaths_found_at_fetch
 from orchestrator.device_kinds import device_kind
 from orchestrator.estimates import Estimates
 from orchestrator.memory.cache import ProfileCache
 from orchestrator.planner import Plan, plan_for_ranks
-from orchestrator.trial.checkpoint import LocalCheckpoints
-from orchestrator.trial.errors import OomRetriesExhausted
-from orchestrator.trial.node import NodeInfo, current_node
+from orchestrator.trial.errors import HostMemoryExhausted, OomRetriesExhausted
+from orchestrator.trial.host_memory import host_memory_failure
+from orchestrator.trial.node import NodeInfo
 from orchestrator.trial.run import TrialRun
 from orchestrator.trial.worker_exit import exit_requests_survive_finalisers
 from orchestrator.trial_report import RankPeak, TrialReport
 from trainables.distributed import DistributedTrainer, GroupFailure, GroupOutOfMemory, RankGroup, failed_rank
 from trainables.divergence import Divergence
-from trainables.loop import LoopSettings, Milestone, Trainer
-from trainables.workload import build_workload
+from trainables.loop import Milestone, Trainer
 
 #: How long rank 0 waits, after its group failed, for Ray to say which rank's actor died.
 DEATH_NOTICE_S = 10.0
@@ -123,10 +123,10 @@ class GroupTrialRun(_GroupRank, TrialRun):
                 state = ray.put(f.read())
         actors, runs = self._start_ranks(address, state)
         try:
-            self.group = RankGroup(0, self.ranks, address, self.device)
+            self.group = RankGroup(0, self.ranks, address, self.device, lost_worker=host_memory_failure)
             super().run()
         except Exception as exc:
-            if isinstance(exc, (GroupFailure, OomRetriesExhausted)) or is_oom(exc):
+            if isinstance(exc, (GroupFailure, OomRetriesExhausted, HostMemoryExhausted)) or is_oom(exc):
                 raise  # agreed by every rank: this error is the group's
             # The group broke without an agreement: a rank died, or failed where no rank waits for
             # it (its group closed, so this rank's collective failed at once). Say which.
@@ -169,7 +169,8 @@ class GroupTrialRun(_GroupRank, TrialRun):
             self.group.broadcast(f"{type(exc).__name__}: {exc}")
             raise
         self.group.broadcast({"plan": plan.to_dict(), "events": [e.to_dict() for e in self.events],
-                              "applied_shrinks": self.applied_shrinks})
+                              "applied_shrinks": self.applied_shrinks,
+                              "host_memory_events": [e.to_dict() for e in self.host_events]})
         return plan
 
     def _plan_from_estimates(self, profiles: ProfileCache) -> Plan:
@@ -187,33 +188,17 @@ class RankRun(_GroupRank, TrialRun):
 
     def __init__(self, config: dict[str, Any], spec: SweepSpec, trial_id: str, group_address: str, rank: int,
                  ranks: int, state: bytes | None):
-        self.config, self.spec, self.estimates = config, spec, None
         self.rank, self.ranks = rank, ranks
-        self.policy = spec.memory
-        self.loop_settings = LoopSettings.of(spec)
-        self.node = current_node()  # checkpoints record it; an emulated device reads its capacity
-        self.moves = []  # rank 0 records the group's moves
         try:
-            configure_allocator(self.policy.allocator_conf)
-            self.workload = build_workload(config)
-            self.checkpointable = type(self.workload).supports_activation_checkpointing
-            self.gpu_free_before_context = self._gpu_free_before_context()
-            self.device = self._open_device()
+            self._set_up(config, spec, estimates=None, context=None, scratch=f"{trial_id}-rank{rank}",
+                         metrics=None, evidence_folder=None, estimated_by="rank 0")
         except Exception:
             # Rank 0 waits for this rank to join the group: join and leave, so it stops at once.
             RankGroup.join_and_leave(rank, ranks, group_address, _backend(spec, rank))
             raise
-        self.metrics = None
-        self.checkpoints = LocalCheckpoints(f"{trial_id}-rank{rank}")
         if state is not None:
             self.checkpoints.adopt(data=state)
-        self.events: list[OomEvent] = []
-        self.host_events = []  # a rank's lost DataLoader workers (orchestrator.trial.host_memory)
-        self.evidence_folder, self.evidence_written = None, False  # rank 0 writes the group's evidence
-        self.applied_shrinks = 0
-        self.plan_checks, self.profiles, self.unreported = [], None, None
-        self.estimated_by = "rank 0"
-        self.group = RankGroup(rank, ranks, group_address, self.device)
+        self.group = RankGroup(rank, ranks, group_address, self.device, lost_worker=host_memory_failure)
 
     def run(self) -> None:
         try:
@@ -228,6 +213,8 @@ class RankRun(_GroupRank, TrialRun):
             raise GroupFailure(f"rank 0 could not plan the group: {sent}")
         self.events = [OomEvent.from_dict(e) for e in sent["events"]]
         self.applied_shrinks = sent["applied_shrinks"]
+        for event in sent["host_memory_events"]:  # a restarted group's ranks load with rank 0's fewer workers
+            self._record_host_event(HostMemoryEvent.from_dict(event))
         return Plan.from_dict(sent["plan"])
 
     def _report(self, trainer: Trainer, milestone: Milestone) -> None:
@@ -251,6 +238,9 @@ class RankActor:
 
     def run(self, config, spec, trial_id, address, rank, ranks, state) -> None:
         exit_requests_survive_finalisers()
+        # Ray runs this on the process's main thread: a lost loader worker must reach the rank at
+        # its next fetch, inside the group's agreement, not wherever torch's SIGCHLD handler finds it.
+        loader_worker_deaths_found_at_fetch()
         RankRun(config, spec, trial_id, address, rank, ranks, state).run()
 
 

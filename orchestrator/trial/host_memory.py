@@ -9,6 +9,10 @@ nor a reason to fail it: like a GPU OOM, it is an event (:class:`~orchestrator.c
 in the checkpoint, the reports, the console and MLflow), and the trial goes back to its last
 checkpoint with half the loader workers (none, at the last), so it holds less host memory.
 
+In a data-parallel group the rank that lost the worker passes it to the group's agreement
+(``trainables.distributed``), and every rank raises the same :class:`GroupLostLoaderWorker`, so
+the whole group goes back to the checkpoint with fewer workers, in step; rank 0 reports it.
+
 The optimisation does not change: the sampler runs in the trial's process and decides which
 samples form each step whatever the number of workers (``trainables.data``), and DataLoader
 hands batches over in the sampler's order.
@@ -19,6 +23,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from orchestrator.config import DataLoading
+from trainables.distributed import GroupLostLoaderWorker
 
 #: How torch names a DataLoader worker that is gone: its timeout check, and its SIGCHLD handler.
 _WORKER_DIED = ("DataLoader worker (pid",)
@@ -31,6 +36,8 @@ def host_memory_failure(exc: BaseException) -> str | None:
     """The failure's line when it is a DataLoader worker lost to host memory, else None."""
     text = str(exc)
     first = text.strip().splitlines()[0] if text.strip() else ""
+    if isinstance(exc, GroupLostLoaderWorker):  # a rank's, agreed on by the group: "rank 1: DataLoader worker ..."
+        return first
     if isinstance(exc, RuntimeError) and first.startswith(_WORKER_DIED):
         return first.rstrip(". ")
     if isinstance(exc, (ConnectionError, EOFError)) and _raised_reading_a_loader_worker(exc):

@@ -41,6 +41,7 @@ from orchestrator.trial.checkpoint import LocalCheckpoints
 from orchestrator.trial.errors import DataError, HostMemoryExhausted, OomRetriesExhausted
 from orchestrator.trial.evidence import clear_oom_evidence, write_oom_evidence
 from orchestrator.trial.host_memory import fewer_workers, host_memory_failure
+from orchestrator.trial.metrics import TrialMetrics
 from orchestrator.trial.node import NodeInfo, current_node, left_its_node, restart_reason
 from orchestrator.trial.reuse import HISTORY
 from orchestrator.trial.storage import StorageUnavailable, report_with_retries, wait_to_be_stopped
@@ -57,33 +58,43 @@ class TrialRun:
     rank: int | None = None  # a rank of a data-parallel group sets its own
 
     def __init__(self, config: dict[str, Any], spec: SweepSpec, estimates: Estimates | None = None):
+        """The trial Tune runs in this worker: its id, metrics and folder on the storage are Tune's."""
         from ray import tune
 
-        from orchestrator.trial.metrics import TrialMetrics
+        context = tune.get_context()
+        trial_id = context.get_trial_id()
+        self._set_up(config, spec, estimates=estimates, context=context, scratch=trial_id,
+                     metrics=TrialMetrics(spec.experiment, trial_id, config["workload"]),
+                     evidence_folder=trial_storage_folder(), estimated_by="checkpoint")
 
+    def _set_up(self, config: dict[str, Any], spec: SweepSpec, *, estimates: Estimates | None, context: Any,
+                scratch: str, metrics: TrialMetrics | None, evidence_folder: str | None, estimated_by: str) -> None:
+        """Everything a trial's story reads, set in this one place for a trial and for each other
+        rank of a data-parallel group (``orchestrator.trial.group.RankRun``), so a rank never lacks
+        what a trial has. What differs is passed in: a trial's comes from Tune; a rank has no Tune
+        context, no metrics or evidence of its own (rank 0 keeps the group's) and its own scratch folder."""
         self.config = config
         self.spec = spec
         self.estimates = estimates
+        self.context = context
         self.policy = spec.memory
         self.loop_settings = LoopSettings.of(spec)
         configure_allocator(self.policy.allocator_conf)  # before anything touches CUDA
         self.left_behind = HISTORY.left_behind()  # before this trial allocates anything
         self.workload = build_workload(config)
         self.checkpointable = type(self.workload).supports_activation_checkpointing
-        self.context = tune.get_context()
-        trial_id = self.context.get_trial_id()
-        self.metrics = TrialMetrics(spec.experiment, trial_id, config["workload"])
-        self.node = current_node()
-        self.moves: list[Move] = []  # every time this trial resumed on another node, oldest first
+        self.metrics = metrics
+        self.node = current_node()  # checkpoints record it; an emulated device reads its capacity
+        self.moves: list[Move] = []  # every time this trial resumed on another node, oldest first (rank 0's)
         self.gpu_free_before_context = self._gpu_free_before_context()
         self.device = self._open_device()
-        self.checkpoints = LocalCheckpoints(trial_id)
+        self.checkpoints = LocalCheckpoints(scratch)
         self.events: list[OomEvent] = []
         self.host_events: list[HostMemoryEvent] = []  # DataLoader workers lost (orchestrator.trial.host_memory)
-        self.evidence_folder = trial_storage_folder()  # where an OOM being recovered from is written down
+        self.evidence_folder = evidence_folder  # where an OOM being recovered from is written down
         self.evidence_written = False
         self.applied_shrinks = 0  # Tune-level shrinks (OOM_SHRINKS_KEY) already in self.plan
-        self.estimated_by = "checkpoint"  # where the plan's profile was made: driver | worker | none
+        self.estimated_by = estimated_by  # where the plan's profile was made: driver | worker | none | checkpoint | rank 0
         self.plan_checks: list[PlanCheck] = []  # the plan verified on the device, phase by phase
         self.verification: PlanVerification | None = None  # while it has phases to verify
         self.profiles: ProfileCache | None = None  # made on first need
