@@ -9,7 +9,6 @@ another user's cluster.
 from __future__ import annotations
 
 import glob
-import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -477,7 +476,9 @@ def _row(result, spec: SweepSpec, record: SweepRecord | None = None) -> TrialRow
         status=status,
         epochs=report.epoch or 0,
         steps=report.step or 0,
-        final_metric=value if isinstance(value, (int, float)) and math.isfinite(value) else None,
+        # A diverged trial's value is the worst one, told to the searcher, not one it reached; a
+        # trial trained on through a NaN (on_nan: continue) reached NaN, and the table says so.
+        final_metric=value if isinstance(value, (int, float)) and not report.diverged else None,
         plan=plan_text(report),
         peak_bytes=report.measured_peak,
         memory_source=report.memory_source or "",

@@ -170,6 +170,8 @@ def test_a_diverged_trial_says_where_and_counts_as_on_nan_says(on_nan, ok):
     rows = [_row(result(metrics), SPEC), _row(result({**METRICS, "done": True}), SPEC)]
     assert (rows[0].status, rows[0].note, rows[0].final_metric) == ("DIVERGED", line, None)
     assert f"DIVERGED: {line}" in summary_table(rows, SPEC)
+    trained_on = _row(result({**METRICS, "eval_loss": float("nan"), "done": True}), SPEC)  # on_nan: continue
+    assert trained_on.status == "TERMINATED" and " nan " in summary_table([trained_on], SPEC)
     outcome = SweepOutcome(rows, "/x", "sqlite:///m.db", on_nan=on_nan)
     assert outcome.ok is ok
     request = RunRequest(config="sweep.yaml")
