@@ -70,6 +70,10 @@ class NonFiniteWatch:
         self._last = torch.where(keep, loss.float(), self._last)
         self._seen_finite = self._seen_finite | keep
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """What it keeps between steps (replaced by every ``observe``), for a device that counts them."""
+        return self._first, self._epoch, self._loss_bad, self._last, self._seen_finite
+
     def found(self) -> Divergence | None:
         """The divergence seen so far, if any (reads the device: call it where a wait costs nothing)."""
         first = int(self._first.item())
