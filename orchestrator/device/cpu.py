@@ -31,7 +31,7 @@ class CpuDevice(Device):
     of its shape does, once the state that outlives steps is the one every step runs with: the
     first optimizer step of a trainer creates the optimizer's state, and the step after it peaks
     higher. So a window whose first step of a phase finds another state than the one a second
-    step of that phase last found (by count and bytes of its tensors: a new trainer, a fresh
+    step of that phase last found (its tensors' shapes and dtypes differ: a new trainer's fresh
     optimizer, the first window) measures its second step too (``CPU_SAMPLED_STEPS``). Batches
     of varying shape may peak between samples.
     """
@@ -45,7 +45,7 @@ class CpuDevice(Device):
         self.tracker = tracker if tracker is not None else StorageTracker("cpu")
         self._window_samples: dict[str, int] = {}  # steps measured per phase since the last reset_peak
         self._window_quota: dict[str, int] = {}  # steps to measure per phase in this window (1 or 2)
-        self._settled: dict[str, tuple[int, int]] = {}  # phase -> the state its last second sampled step found
+        self._settled: dict[str, tuple] = {}  # phase -> the state (its tensors' shapes) a second measured step found
         self._last_sample = -float("inf")
         self._measuring_step = True  # False inside a step that is not sampled
 
@@ -87,7 +87,7 @@ class CpuDevice(Device):
         self.tracker.track(tensors)
         if sampled >= CPU_SAMPLED_STEPS:  # one a second, past the window's first steps
             return
-        found = (len(tensors), self.tracker.bytes_of(tensors))
+        found = tuple((t.shape, t.dtype) for t in tensors)
         if sampled == 0:
             self._window_quota[phase] = 1 if self._settled.get(phase) == found else CPU_SAMPLED_STEPS
         elif sampled == 1:
