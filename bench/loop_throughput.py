@@ -9,9 +9,9 @@ Samples per second of the same model on the same data, three ways:
 * ``plain``: a ``DataLoader(shuffle=True, drop_last=True)`` and an optimizer loop, written as
   one would by hand (forward, backward, step, zero_grad; the loss summed on the device);
 * ``trainer``: ``trainables.loop.Trainer`` as a trial runs it, memory measurement on: on the
-  CPU its device's tensor tracker is active for the whole run (every op of the step goes
-  through it, every batch is admitted to it), on a GPU the CUDA device reads the allocator's
-  statistics at milestones and nothing per op;
+  CPU its device's tensor tracker is on for the whole run and counts the steps a trial samples
+  (``orchestrator.device.cpu``: every op of those goes through it, their batches are admitted to
+  it), on a GPU the CUDA device reads the allocator's statistics at milestones and nothing per op;
 * ``trainer-untracked`` (CPU only): the same trainer without the tracker active, which splits
   the trainer's cost into the loop's own and the measurement's.
 
