@@ -68,7 +68,8 @@ class CpuDevice(Device):
     def step(self, phase, state):
         now = time.monotonic()
         sampled = self._window_samples.get(phase, 0)
-        if sampled < self._window_quota.get(phase, 1) or now - self._last_sample >= CPU_SAMPLE_EVERY_S:
+        quota = self._window_quota.get(phase, min(1, CPU_SAMPLED_STEPS))  # its first step, until it says more
+        if sampled < quota or now - self._last_sample >= CPU_SAMPLE_EVERY_S:
             self._window_samples[phase] = sampled + 1
             self._last_sample = now
             self._measure_state(phase, sampled, list(state()))
@@ -85,11 +86,12 @@ class CpuDevice(Device):
         """Count what earlier, unmeasured steps made and kept, and decide from it whether this
         window measures a second step of ``phase``: when its first finds an unsettled state."""
         self.tracker.track(tensors)
-        if sampled >= CPU_SAMPLED_STEPS:  # one a second, past the window's first steps
+        if sampled > 1:  # past a window's first two measured steps: nothing more to decide
             return
         found = tuple((t.shape, t.dtype) for t in tensors)
         if sampled == 0:
-            self._window_quota[phase] = 1 if self._settled.get(phase) == found else CPU_SAMPLED_STEPS
+            settled = self._settled.get(phase) == found
+            self._window_quota[phase] = min(1, CPU_SAMPLED_STEPS) if settled else CPU_SAMPLED_STEPS
         elif sampled == 1:
             self._settled[phase] = found  # the state the step after a state-making one runs with
 
