@@ -9,9 +9,9 @@ Samples per second of the same model on the same data, three ways:
 * ``plain``: a ``DataLoader(shuffle=True, drop_last=True)`` and an optimizer loop, written as
   one would by hand (forward, backward, step, zero_grad; the loss summed on the device);
 * ``trainer``: ``trainables.loop.Trainer`` as a trial runs it, memory measurement on: on the
-  CPU its device's tensor tracker is active for the whole run (every op of the step goes
-  through it, every batch is admitted to it), on a GPU the CUDA device reads the allocator's
-  statistics at milestones and nothing per op;
+  CPU its device's tensor tracker is on for the whole run and counts the steps a trial samples
+  (``orchestrator.device.cpu``: every op of those goes through it, their batches are admitted to
+  it), on a GPU the CUDA device reads the allocator's statistics at milestones and nothing per op;
 * ``trainer-untracked`` (CPU only): the same trainer without the tracker active, which splits
   the trainer's cost into the loop's own and the measurement's.
 
@@ -141,8 +141,10 @@ class Clock:
 
 
 def _cpu_seconds() -> float:
+    """This process's CPU time from the kernel's clock (``os.times`` counts 10 ms ticks, 2-3 % of
+    a 0.4 s run), plus its finished children's, which only ``os.times`` gives."""
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    return time.process_time() + t.children_user + t.children_system
 
 
 def run_plain(workload: JpegWorkload, batch: int, steps: int, workers: int, device: torch.device) -> tuple[float, float]:

@@ -28,6 +28,21 @@ def test_a_first_step_that_diverges_has_no_last_finite_loss():
     assert NonFiniteWatch(torch.device("meta")).reads_free is False  # an accelerator: read at milestones
 
 
+@pytest.mark.parametrize("losses, norms", [
+    ([0.9, 0.7, float("nan"), 0.5], [1.0, 2.0, 3.0, 4.0]),
+    ([0.9, 0.7, 0.6, float("inf")], [1.0, float("inf"), float("nan"), 4.0]),
+    ([0.9, 0.8], [1.0, 2.0]),
+], ids=["loss", "gradient norm", "none"])
+def test_reading_at_once_finds_what_the_queued_watch_finds(losses, norms):
+    """On the CPU the watch reads each step (free there); on a GPU it queues tensor ops: the same answer."""
+    read, queued = NonFiniteWatch(torch.device("cpu")), NonFiniteWatch(torch.device("cpu"))
+    queued.reads_free = False  # as on a GPU
+    for step, (loss, norm) in enumerate(zip(losses, norms), 1):
+        for watch in (read, queued):
+            watch.observe(step, 1, torch.tensor(loss), torch.tensor(norm))
+    assert read.found() == queued.found()
+
+
 UNSTABLE = '''
 import dataclasses
 

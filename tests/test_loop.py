@@ -274,35 +274,68 @@ def test_the_dataset_is_host_memory_and_a_batch_is_device_memory_while_in_use():
 
 @dataclasses.dataclass
 class WatchedMLP(MLPWorkload):
-    """Records, per train step, whether a tensor tracker was watching it."""
+    """Records, per micro-batch (train) and eval batch, whether a tensor tracker was watching it."""
 
-    watched: list = dataclasses.field(default_factory=list)
+    watched: list = dataclasses.field(default_factory=list)  # (model.training, watched), in order
 
     def loss(self, model, batch):
         from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-        self.watched.append(_get_current_dispatch_mode() is not None)
+        self.watched.append((model.training, _get_current_dispatch_mode() is not None))
         return super().loss(model, batch)
 
+    def measured(self, training: bool, per_step: int = 1) -> list[int]:
+        """The steps (or eval batches), from 1, that the tracker watched."""
+        calls = [w for t, w in self.watched if t == training]
+        return [i // per_step + 1 for i in range(0, len(calls), per_step) if calls[i]]
 
-def test_the_cpu_measures_the_first_steps_of_each_window_and_then_one_a_second(monkeypatch):
-    """Counting every op costs a small model 2-3x its step time; sampled steps peak as the rest."""
+
+def test_the_cpu_measures_a_windows_first_step_a_second_where_the_first_made_state_then_one_a_second(monkeypatch):
+    """Counting every op costs a small model 2-3x its step time; sampled steps peak as the rest.
+    The first step of a trainer creates the optimizer's state: its window measures the step
+    after it too; later windows measure one train step. Each phase's peaks are the ones
+    measuring every step finds."""
     from orchestrator.device import cpu
 
-    workload = WatchedMLP(width=64, train_samples=64 * 32, eval_samples=64)
-    settings = epochs(2)  # a report window per epoch, 32 steps each
+    workload = WatchedMLP(width=64, train_samples=64 * 32, eval_samples=192)
+    settings = epochs(3)  # a report window per epoch, 32 steps each; an evaluation of three batches
     # Sampled once an hour, so how fast a loaded machine runs the steps does not change the count.
     monkeypatch.setattr(cpu, "CPU_SAMPLE_EVERY_S", 3600.0)
     _, sampled = train(workload, LoopPlan(32, 64, 64), settings)  # two micro-batches a step
-    assert workload.watched[:4] == [True] * 4  # a window's first two steps, two micro-batches each
-    assert workload.watched[64:68] == [True] * 4  # the next window's too
-    assert sum(workload.watched) < len(workload.watched) / 4, workload.watched
+    assert workload.measured(True, per_step=2) == [1, 2, 33, 65]
+    # Eval batches: the first two of each evaluation, as the first finds no running total of the eval sums yet.
+    assert workload.measured(False) == [1, 2, 4, 5, 7, 8]
 
     monkeypatch.setattr(cpu, "CPU_SAMPLE_EVERY_S", 0.0)  # every step measured
-    everything = WatchedMLP(width=64, train_samples=64 * 32, eval_samples=64)
+    everything = WatchedMLP(width=64, train_samples=64 * 32, eval_samples=192)
     _, full = train(everything, LoopPlan(32, 64, 64), settings)
-    assert all(everything.watched)
-    assert [m.memory.peak_allocated for m in sampled] == [m.memory.peak_allocated for m in full]
+    assert all(w for _, w in everything.watched)
+    for a, b in zip(sampled, full, strict=True):
+        assert (a.train_memory, a.eval_memory, a.memory) == (b.train_memory, b.eval_memory, b.memory)
+
+
+def test_a_new_trainer_on_the_cpu_measures_two_steps_unless_it_resumes_with_the_optimizers_state(monkeypatch):
+    """After an OOM or a switch of plan a trial builds a new trainer on the same device: a fresh
+    optimizer makes its state again (two steps measured); one loaded from a checkpoint has it (one)."""
+    from orchestrator.device import cpu
+
+    monkeypatch.setattr(cpu, "CPU_SAMPLE_EVERY_S", 3600.0)
+    settings, plan = epochs(1), LoopPlan(64, 64, 64)
+    device = CpuDevice()
+    with device.measuring():
+        first = WatchedMLP(width=64, train_samples=64 * 8, eval_samples=64)
+        trained = Trainer(first, device, plan, settings)
+        list(trained.run())
+        resumed_workload, fresh_workload = (WatchedMLP(width=64, train_samples=64 * 8, eval_samples=64) for _ in "ab")
+        resumed = Trainer(resumed_workload, device, plan, epochs(2))
+        resumed.load_state_dict(trained.state_dict())
+        device.reset_peak()
+        list(resumed.run())
+        device.reset_peak()
+        list(Trainer(fresh_workload, device, plan, settings).run())
+    assert first.measured(True) == [1, 2]
+    assert resumed_workload.measured(True) == [1]  # its epoch 2's first step: the state was loaded
+    assert fresh_workload.measured(True) == [1, 2]
 
 
 # -- divergence ------------------------------------------------------------------------------

@@ -162,7 +162,8 @@ class StepSampler(Sampler[list[int]]):
         share = self.cut.effective_batch
         first = self.shard.rank * share
         if self.ordered:
-            return [stream * self.steps_per_epoch + step for stream in range(first, first + share)]
+            steps = self.steps_per_epoch  # read once: a property, per index of every step
+            return [stream * steps + step for stream in range(first, first + share)]
         first += step * self.step_samples
         return order[first : first + share]
 

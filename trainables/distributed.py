@@ -242,7 +242,6 @@ class DistributedTrainer(Trainer):
         super().__init__(workload, device, plan, settings, seed=seed, shard=group.shard)
 
     def _train_step(self, batches) -> None:
-        self.model.train()
         self.phase, self.position = "train", self.progress.step
         self.device.seed(step_seed(self.seed, self.progress.step) + self.group.rank * 2**42)
         sizes = self.cut.sizes

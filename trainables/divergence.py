@@ -9,9 +9,11 @@ sweep's YAML says what the trial's end then means).
 Watching must not make a GPU wait for the host at every step (the loop reads its losses only at
 milestones): :class:`NonFiniteWatch` keeps, on the device, the first bad step and the last finite
 loss before it, updated by a few tensor operations queued behind the step's own. The host reads
-them where that costs no wait: at every step when the tensors are on the CPU, else at each
-milestone, where the loop reads its losses anyway (so on a GPU, the steps between the bad one
-and the next milestone still run, and the trial reports the bad step all the same).
+them at each milestone, where the loop reads its losses anyway (so on a GPU, the steps between
+the bad one and the next milestone still run, and the trial reports the bad step all the same).
+On the CPU, where reading a tensor waits for nothing, the watch reads each step's loss and
+gradient norm at once instead (two reads: about 1 us a step; the dozen queued operations: 40 us),
+and the loop asks it after every step.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class NonFiniteWatch:
 
     def __init__(self, device: torch.device):
         self.reads_free = device.type == "cpu"  # reading a CPU tensor waits for nothing
+        self._read: Divergence | None = None  # where reads are free: found at the step's own observe
+        self._read_last: float | None = None  # ... and the last finite loss so far
         self._first = torch.full((), -1, dtype=torch.int64, device=device)  # the bad step (from 1), -1: none
         self._epoch = torch.zeros((), dtype=torch.int64, device=device)
         self._loss_bad = torch.zeros((), dtype=torch.bool, device=device)  # else the gradient norm was
@@ -58,7 +62,11 @@ class NonFiniteWatch:
 
     def observe(self, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor | None = None) -> None:
         """Step ``step`` (from 1, of epoch ``epoch`` from 1) had mean loss ``loss`` and, where clipping
-        computed one, gradient norm ``grad_norm``: queued device operations, no read."""
+        computed one, gradient norm ``grad_norm``: queued device operations, no read (where reads
+        are free: two reads)."""
+        if self.reads_free:
+            self._observe_read(step, epoch, loss, grad_norm)
+            return
         loss_ok = torch.isfinite(loss)
         ok = loss_ok if grad_norm is None else loss_ok & torch.isfinite(grad_norm)
         watching = self._first < 0
@@ -70,8 +78,27 @@ class NonFiniteWatch:
         self._last = torch.where(keep, loss.float(), self._last)
         self._seen_finite = self._seen_finite | keep
 
+    def _observe_read(self, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
+        """``observe`` by reading: the same first bad step and last finite loss (the bad step's own
+        loss where only its gradient norm was not finite, as the queued operations keep it)."""
+        if self._read is not None:
+            return
+        value = loss.item()
+        if not math.isfinite(value):
+            self._read = Divergence(step, epoch, "loss", self._read_last)
+            return
+        self._read_last = value
+        if grad_norm is not None and not math.isfinite(grad_norm.item()):
+            self._read = Divergence(step, epoch, "gradient norm", value)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """What it keeps between steps (replaced by every queued ``observe``), for a device that counts them."""
+        return self._first, self._epoch, self._loss_bad, self._last, self._seen_finite
+
     def found(self) -> Divergence | None:
         """The divergence seen so far, if any (reads the device: call it where a wait costs nothing)."""
+        if self.reads_free:
+            return self._read
         first = int(self._first.item())
         if first < 0:
             return None

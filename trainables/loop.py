@@ -178,6 +178,9 @@ class Trainer:
         :class:`~trainables.divergence.TrainingDiverged` once a step's loss is not finite."""
         while not self.done:
             self.workload.set_epoch(self.model, self.progress.epoch)
+            # Training mode for the epoch's steps (``evaluate`` restores it after eval), set here
+            # and not at every step: the call walks every submodule (13 us a step of a 2-layer LSTM).
+            self.model.train()
             if self.progress.step_in_epoch == 0 and self.carry is not None:
                 self.carry = self._initial_carry()  # every epoch's streams start afresh
             batches = self._epoch_batches()
@@ -202,7 +205,6 @@ class Trainer:
             return Batches(self.train_loader, "train_data")
 
     def _train_step(self, batches) -> None:
-        self.model.train()
         self.phase, self.position = "train", self.progress.step
         self.device.seed(step_seed(self.seed, self.progress.step))
         sizes = self.cut.sizes
@@ -340,22 +342,32 @@ class Trainer:
         totals: dict[str, torch.Tensor] = {}
         with self.device.host():
             batches = Batches(self.eval_loader, "eval_data")
+
+        def state():  # the running totals outlive each batch too (none yet at the first)
+            yield from self.state_tensors()
+            yield from totals.values()
+
         for self.position, samples in enumerate(eval_batch_sizes(self.shard_eval_samples, self.plan.eval_batch)):
-            with self.device.step("eval", self.state_tensors):
+            with self.device.step("eval", state):
                 sums = eval_step(
                     self.workload, self.model, self.device.admit(self._fetch(batches)), samples,
                     self.device.torch_device, self.plan.precision,
                 )
-            for name, value in sums.items():
-                totals[name] = totals[name] + value if name in totals else value
+            _add_sums(totals, sums)
+            del sums  # not alive through the next batch: each holds the running totals only
         del batches
         return {k: v.item() for k, v in totals.items()}
 
     def state_tensors(self):
-        """Tensors that exist between steps: what a device holds for this trainer at rest."""
+        """Tensors that exist between steps: what a device holds for this trainer at rest (the
+        running loss and the divergence watch too: a few bytes, but a device that measures some
+        steps only would miss them where an unmeasured step made them)."""
         yield from state_tensors(self.model, self.optimizer)
         if self.carry is not None:
             yield from leaves(self.carry.state)
+        yield self._loss_sum
+        if self._watch is not None:
+            yield from self._watch.tensors()
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -392,6 +404,11 @@ def _at_most(dataset, max_batches: int | None, batch: int):
     if max_batches is None or max_batches * batch >= len(dataset):
         return dataset
     return Subset(dataset, range(max_batches * batch))
+
+
+def _add_sums(totals: dict[str, torch.Tensor], sums: dict[str, torch.Tensor]) -> None:
+    for name, value in sums.items():
+        totals[name] = totals[name] + value if name in totals else value
 
 
 def step_seed(seed: int, step: int) -> int:

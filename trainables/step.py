@@ -82,7 +82,7 @@ def accumulate_gradients(
     holds their new states, detached (not before: a step that fails leaves it as it was).
     """
     total = total or sum(sizes)
-    mean_loss = torch.zeros((), device=device)
+    mean_loss = None
     states = carry.split(sizes) if carry is not None else None
     new_states = []
     # Not enumerate(): its cached result tuple would hold the previous micro-batch while the next is fetched.
@@ -90,18 +90,20 @@ def accumulate_gradients(
         batch = to_device(batch, device)
         with autocast(precision, device):
             if states is None:
-                loss = workload.loss(model, batch) * (size / total)
+                loss = workload.loss(model, batch)
             else:
                 loss, state = stateful_loss(workload, model, batch, states.pop(0))  # its rows, then held by its graph only
-                loss = loss * (size / total)
                 new_states.append(map_tensors(torch.Tensor.detach, state))  # no graph kept past backward
                 del state
+            if size != total:  # a share of the step (x 1.0 would change no bit: one op and its backward less)
+                loss = loss * (size / total)
         (scaler.scale(loss) if scaler else loss).backward()
-        mean_loss += loss.detach().float()
-        del loss, batch  # the next micro-batch must not find this one's graph still alive
+        part = loss.detach().float()
+        mean_loss = part if mean_loss is None else mean_loss + part  # as 0 + a + b would, bit for bit
+        del loss, batch, part  # the next micro-batch must not find this one's graph still alive
     if carry is not None:
         carry.state = merge_rows(new_states, carry.dim)
-    return mean_loss
+    return mean_loss if mean_loss is not None else torch.zeros((), device=device)
 
 
 def apply_gradients(

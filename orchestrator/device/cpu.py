@@ -14,7 +14,8 @@ from orchestrator.device.base import Device, MemoryReading
 from orchestrator.device.tensor_tracker import StorageTracker
 from orchestrator.device.torch_internals import disable_current_modes, tree_leaves
 
-#: The CPU measures the first steps of every report window, then one step per this many seconds.
+#: The CPU measures at most this many steps of a phase at the start of every report window (two
+#: where the first one changed the state that outlives steps), then one step per this many seconds.
 CPU_SAMPLED_STEPS = 2
 CPU_SAMPLE_EVERY_S = 1.0
 
@@ -24,11 +25,15 @@ class CpuDevice(Device):
 
     Counting runs every op through a Python dispatch mode, about 1 ms a step for a small MLP,
     which would make a CPU trial 2-3x slower than a plain loop (``bench/sweep_overhead.py
-    --long``). So a trial's steps are sampled: the first ``CPU_SAMPLED_STEPS`` train steps and
-    eval batches of each report window (the first step creates the optimizer's state), then one
-    every ``CPU_SAMPLE_EVERY_S``; the others run with the tracker off and admit nothing. A step's
-    tensors are temporaries, so a sampled step peaks as any step of its shape does; batches of
-    varying shape may peak between samples.
+    --long``). So a trial's steps are sampled: the first train step and the first eval batch of
+    each report window, then one every ``CPU_SAMPLE_EVERY_S``; the others run with the tracker
+    off and admit nothing. A step's tensors are temporaries, so a sampled step peaks as any step
+    of its shape does, once the state that outlives steps is the one every step runs with: the
+    first optimizer step of a trainer creates the optimizer's state, and the step after it peaks
+    higher. So a window whose first step of a phase finds another state than the one a second
+    step of that phase last found (its tensors' shapes and dtypes differ: a new trainer's fresh
+    optimizer, the first window) measures its second step too (``CPU_SAMPLED_STEPS``). Batches
+    of varying shape may peak between samples.
     """
 
     kind = "cpu_tensor_tracker"
@@ -39,6 +44,8 @@ class CpuDevice(Device):
         self.torch_device = torch.device(self.torch_type)
         self.tracker = tracker if tracker is not None else StorageTracker("cpu")
         self._window_samples: dict[str, int] = {}  # steps measured per phase since the last reset_peak
+        self._window_quota: dict[str, int] = {}  # steps to measure per phase in this window (1 or 2)
+        self._settled: dict[str, tuple] = {}  # phase -> the state (its tensors' shapes) a second measured step found
         self._last_sample = -float("inf")
         self._measuring_step = True  # False inside a step that is not sampled
 
@@ -61,10 +68,11 @@ class CpuDevice(Device):
     def step(self, phase, state):
         now = time.monotonic()
         sampled = self._window_samples.get(phase, 0)
-        if sampled < CPU_SAMPLED_STEPS or now - self._last_sample >= CPU_SAMPLE_EVERY_S:
+        quota = self._window_quota.get(phase, min(1, CPU_SAMPLED_STEPS))  # its first step, until it says more
+        if sampled < quota or now - self._last_sample >= CPU_SAMPLE_EVERY_S:
             self._window_samples[phase] = sampled + 1
             self._last_sample = now
-            self.tracker.track(state())  # what earlier, unmeasured steps made and kept
+            self._measure_state(phase, sampled, list(state()))
             yield
             return
         self._measuring_step = False
@@ -74,9 +82,23 @@ class CpuDevice(Device):
         finally:
             self._measuring_step = True
 
+    def _measure_state(self, phase: str, sampled: int, tensors: list[torch.Tensor]) -> None:
+        """Count what earlier, unmeasured steps made and kept, and decide from it whether this
+        window measures a second step of ``phase``: when its first finds an unsettled state."""
+        self.tracker.track(tensors)
+        if sampled > 1:  # past a window's first two measured steps: nothing more to decide
+            return
+        found = tuple((t.shape, t.dtype) for t in tensors)
+        if sampled == 0:
+            settled = self._settled.get(phase) == found
+            self._window_quota[phase] = min(1, CPU_SAMPLED_STEPS) if settled else CPU_SAMPLED_STEPS
+        elif sampled == 1:
+            self._settled[phase] = found  # the state the step after a state-making one runs with
+
     def reset_peak(self):
         self.tracker.reset_peak()
         self._window_samples.clear()
+        self._window_quota.clear()
 
     def allocated(self) -> int:
         return self.tracker.allocated
