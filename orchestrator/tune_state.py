@@ -111,36 +111,52 @@ class KeepWholeState(tune.Callback):
 
     Tune saves them (at most every 10 s, and at the end) just before it calls ``on_step_end``; a
     step that saved nothing costs a ``stat`` of each staged file. The copies themselves (each
-    flushed to disk: tens of milliseconds on a busy disk) are made in a thread of their own: made
-    in Tune's event loop, they held up every trial waiting for the driver to take its report
-    (about as long as Tune's own save took again). A save made while a copy runs is copied by a
-    later step's check; the sweep's end waits for the copy and makes the last one itself.
+    flushed to disk: tens of milliseconds on a busy disk) are made by one thread of the
+    callback's own: made in Tune's event loop, they held up every trial waiting for the driver
+    to take its report (about as long as Tune's own save took again). A save made while a copy
+    runs is copied by the next round; the sweep's end stops the thread and makes the last copy
+    itself.
     """
 
     def __init__(self) -> None:
         self._copied: dict[str, tuple[int, int]] = {}
         self._folders: tuple[str, str | None] | None = None  # Tune's staging folder, the sweep's
-        self._copying: threading.Thread | None = None
+        self._copier: threading.Thread | None = None
+        self._due = threading.Event()  # something changed since the last copy
+        self._ending = False
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_copied": {}, "_folders": None, "_copying": None}
+        return {"_copied": {}, "_folders": None, "_copier": None, "_ending": False}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _due=threading.Event())
 
     def on_step_end(self, iteration, trials, **info) -> None:
-        if self._copying is not None and self._copying.is_alive():
-            return
         folders = self._sweep_folders(trials)
-        if folders is None or not changed(folders[0], self._copied):
+        if folders is None or self._due.is_set() or not changed(folders[0], self._copied):
             return
-        self._copying = threading.Thread(target=keep_whole_copies, args=(*folders, self._copied),
-                                         name="keep-whole-state", daemon=True)
-        self._copying.start()
+        if self._copier is None:
+            self._copier = threading.Thread(target=self._copy_when_due, args=folders, name="keep-whole-state", daemon=True)
+            self._copier.start()
+        self._due.set()
 
     def on_experiment_end(self, trials, **info) -> None:
-        if self._copying is not None:
-            self._copying.join()
+        if self._copier is not None:
+            self._ending = True
+            self._due.set()
+            self._copier.join()
+            self._copier = None
         folders = self._sweep_folders(trials)
         if folders is not None:
             keep_whole_copies(*folders, self._copied)
+
+    def _copy_when_due(self, staging: str, sweep: str) -> None:
+        while True:
+            self._due.wait()
+            if self._ending:
+                return
+            keep_whole_copies(staging, sweep, self._copied)
+            self._due.clear()
 
     def _sweep_folders(self, trials) -> tuple[str, str] | None:
         """Tune's staging folder and the sweep's, or None where there is nothing to copy yet (no

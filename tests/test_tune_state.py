@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 import threading
+import time
 from types import SimpleNamespace
 
 import pyarrow.fs
@@ -74,6 +75,10 @@ def test_the_copies_are_made_outside_tunes_event_loop_and_the_last_one_at_the_sw
     keep = KeepWholeState()
     (staging / STATE).write_text(json.dumps({"saved": 1}))
     keep.on_step_end(iteration=1, trials=trials)
+    for _ in range(500):  # the copier takes it up
+        if (sweep / COPIES / STATE).exists():
+            break
+        time.sleep(0.01)
     assert writers == ["keep-whole-state"]
     keep.on_step_end(iteration=2, trials=trials)  # nothing changed (or the copy still runs): no second copy
     (staging / STATE).write_text(json.dumps({"saved": 2, "more": True}))
