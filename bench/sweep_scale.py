@@ -16,7 +16,8 @@ Each size runs two variants, each in a fresh process that starts its own local R
 A trial is the demo MLP on 10,240 samples, batch 32, 3 epochs: about a second of training on
 one core; the sweep draws ``lr`` log-uniformly, ``--trials`` samples. Per variant the table gives
 the wall time, its ratio to the compute floor (trials x one trial's training seconds, measured
-here on one thread / cores) and to ``tune-reuse``, the driver's peak RSS and how much its RSS
+here on one thread / cores) and to ``tune-reuse``, the CPU time of the driver process (its
+threads compete with the trials for the cores), the driver's peak RSS and how much its RSS
 grew from the first to the last quarter of the trials (sampled each time a trial ends, from
 ``/proc``), and for the orchestrator MLflow's database size, how long the driver still waited
 for MLflow after the last trial ended, and how long ``orchestrator report`` took on the result.
@@ -105,6 +106,7 @@ class Measured:
     wall_s: float
     ended: int  # trials the output said ended
     peak_rss: int  # the driver's, bytes (VmHWM)
+    driver_cpu_s: float = 0.0  # the driver process's own CPU time (all its threads; not Ray's processes)
     rss_at_end: list[int] = field(default_factory=list)  # the driver's RSS as each trial ended
     mlflow_db_bytes: int | None = None
     mlflow_wait_s: float | None = None  # from the last trial's end to the driver's summary line
@@ -129,6 +131,16 @@ def proc_status(pid: int) -> dict[str, int]:
         return {}
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """The user and system CPU time a process has used so far (None once it has gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def measure(variant: str, trials: int, scheduler: str, folder: str, tracking_uri: str | None) -> Measured:
     """Run the variant in a fresh process, following its output line by line."""
     if variant == "orchestrator":
@@ -140,13 +152,14 @@ def measure(variant: str, trials: int, scheduler: str, folder: str, tracking_uri
     started = time.perf_counter()
     process = subprocess.Popen(command, cwd=folder, env=bench_env(), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, bufsize=1)
-    peak = 0
+    peak, cpu = 0, 0.0
     stop = threading.Event()
 
-    def watch_peak() -> None:  # VmHWM is the peak; read it until the process has gone
-        nonlocal peak
+    def watch_peak() -> None:  # VmHWM is the peak, the CPU time grows: read them until the process has gone
+        nonlocal peak, cpu
         while not stop.wait(0.5):
             peak = max(peak, proc_status(process.pid).get("VmHWM", 0))
+            cpu = max(cpu, cpu_seconds(process.pid) or 0.0)
 
     watcher = threading.Thread(target=watch_peak, daemon=True)
     watcher.start()
@@ -164,7 +177,7 @@ def measure(variant: str, trials: int, scheduler: str, folder: str, tracking_uri
     watcher.join()
     if process.returncode != 0:
         raise SystemExit(f"{variant} failed ({process.returncode}):\n{''.join(tail)}")
-    measured = Measured(variant, trials, scheduler, wall, len(rss), peak, rss)
+    measured = Measured(variant, trials, scheduler, wall, len(rss), peak, cpu, rss)
     if variant == "orchestrator":
         uri = tracking_uri or f"sqlite:///{folder}/mlflow.db"
         database = os.path.join(folder, "mlflow.db")
@@ -222,7 +235,7 @@ def rows(results: list[Measured], trial_s: float, cores: int) -> list[list[str]]
         growth = m.rss_growth()
         out.append([
             f"{m.trials} {m.scheduler}", m.variant, f"{m.wall_s:.0f}s", f"{floor:.0f}s", f"{m.wall_s / floor:.2f}x",
-            f"{m.wall_s / base.wall_s:.2f}x" if base else "-", f"{m.peak_rss / 2**20:.0f} MiB",
+            f"{m.wall_s / base.wall_s:.2f}x" if base else "-", f"{m.driver_cpu_s:.0f}s", f"{m.peak_rss / 2**20:.0f} MiB",
             f"{growth:+.1%}" if growth is not None else "-",
             f"{m.mlflow_db_bytes / 2**20:.1f} MiB" if m.mlflow_db_bytes else "-",
             f"{m.mlflow_wait_s:.1f}s" if m.mlflow_wait_s is not None else "-",
@@ -232,7 +245,7 @@ def rows(results: list[Measured], trial_s: float, cores: int) -> list[list[str]]
     return out
 
 
-HEADERS = ["trials", "variant", "wall", "floor", "vs floor", "vs tune-reuse", "driver peak RSS", "RSS growth q1->q4",
+HEADERS = ["trials", "variant", "wall", "floor", "vs floor", "vs tune-reuse", "driver CPU", "driver peak RSS", "RSS growth q1->q4",
            "mlflow.db", "MLflow wait", "report", "epochs in MLflow"]
 
 

@@ -20,6 +20,7 @@ import fnmatch
 import json
 import os
 import shutil
+import threading
 
 from ray import tune
 
@@ -54,6 +55,18 @@ def _state_files(folder: str) -> list[str]:
     except OSError:
         return []
     return sorted(os.path.join(folder, n) for n in names if any(fnmatch.fnmatchcase(n, p) for p in _PATTERNS))
+
+
+def changed(source: str, copied: dict[str, tuple[int, int]]) -> bool:
+    """Whether a state file in ``source`` differs from its last copy (``copied``: path -> mtime, size)."""
+    for path in _state_files(source):
+        try:
+            stat = os.stat(path)
+        except OSError:
+            continue
+        if copied.get(path) != (stat.st_mtime_ns, stat.st_size):
+            return True
+    return False
 
 
 def keep_whole_copies(source: str, sweep: str, copied: dict[str, tuple[int, int]]) -> None:
@@ -97,23 +110,59 @@ class KeepWholeState(tune.Callback):
     """Copies Tune's state files, whole, after each of its saves and at the sweep's end.
 
     Tune saves them (at most every 10 s, and at the end) just before it calls ``on_step_end``; a
-    step that saved nothing costs a ``stat`` of each staged file."""
+    step that saved nothing costs a ``stat`` of each staged file. The copies themselves (each
+    flushed to disk: tens of milliseconds on a busy disk) are made by one thread of the
+    callback's own: made in Tune's event loop, they held up every trial waiting for the driver
+    to take its report (about as long as Tune's own save took again). A save made while a copy
+    runs is copied by the next round; the sweep's end stops the thread and makes the last copy
+    itself.
+    """
 
     def __init__(self) -> None:
         self._copied: dict[str, tuple[int, int]] = {}
+        self._folders: tuple[str, str | None] | None = None  # Tune's staging folder, the sweep's
+        self._copier: threading.Thread | None = None
+        self._due = threading.Event()  # something changed since the last copy
+        self._ending = False
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_copied": {}}
+        return {"_copied": {}, "_folders": None, "_copier": None, "_ending": False}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _due=threading.Event())
 
     def on_step_end(self, iteration, trials, **info) -> None:
-        self._keep(trials)
+        folders = self._sweep_folders(trials)
+        if folders is None or self._due.is_set() or not changed(folders[0], self._copied):
+            return
+        if self._copier is None:
+            self._copier = threading.Thread(target=self._copy_when_due, args=folders, name="keep-whole-state", daemon=True)
+            self._copier.start()
+        self._due.set()
 
     def on_experiment_end(self, trials, **info) -> None:
-        self._keep(trials)
+        if self._copier is not None:
+            self._ending = True
+            self._due.set()
+            self._copier.join()
+            self._copier = None
+        folders = self._sweep_folders(trials)
+        if folders is not None:
+            keep_whole_copies(*folders, self._copied)
 
-    def _keep(self, trials) -> None:
-        if not trials:
-            return
-        staging, sweep = state_folders(trials[0])
-        if sweep is not None:  # a storage the driver cannot write as a path keeps no copies
+    def _copy_when_due(self, staging: str, sweep: str) -> None:
+        while True:
+            self._due.wait()
+            if self._ending:
+                return
             keep_whole_copies(staging, sweep, self._copied)
+            self._due.clear()
+
+    def _sweep_folders(self, trials) -> tuple[str, str] | None:
+        """Tune's staging folder and the sweep's, or None where there is nothing to copy yet (no
+        trial) or nowhere to (a storage the driver cannot write as a path keeps no copies)."""
+        if self._folders is None and trials:
+            self._folders = state_folders(trials[0])
+        if self._folders is None or self._folders[1] is None:
+            return None
+        return self._folders

@@ -3,11 +3,14 @@
 device by the trials before it."""
 
 import csv
+import gc
 import glob
 import os
 
 import pytest
+import torch
 
+from orchestrator.device import open_device
 from orchestrator.trial.reuse import WorkerHistory
 
 
@@ -17,6 +20,35 @@ def test_a_reused_workers_budget_adds_back_its_own_cuda_context():
     history.cuda_context_bytes = 600 * 2**20
     assert history.gpu_free_before_context(70 * 2**30) == 70 * 2**30 + 600 * 2**20
     assert history.gpu_free_before_context(None) is None  # no NVML
+
+
+def test_a_reused_worker_collects_garbage_only_where_the_last_trial_left_something():
+    """A trial that left nothing allocated costs the next one no garbage collection (a full one
+    is a quarter of a one-second trial); one that left a tensor in a reference cycle has it
+    collected before it is counted, so only what really outlived it is reported."""
+    device = open_device("cpu")
+    history = WorkerHistory(last_device=device)
+    collections = []
+
+    def seen(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    was_enabled = gc.isenabled()
+    gc.disable()  # only the collections left_behind asks for
+    gc.callbacks.append(seen)
+    try:
+        assert history.left_behind() == 0 and collections == []
+        with device.measuring():
+            cycle = [torch.ones(1024)]
+            cycle.append(cycle)  # only a collection frees it
+            kept = torch.ones(256)
+        del cycle
+        assert history.left_behind() == kept.nbytes and collections == [2]
+    finally:
+        gc.callbacks.remove(seen)
+        if was_enabled:
+            gc.enable()
 
 
 def _reused_sweep(tmp_path, workload: str) -> list[int | None]:

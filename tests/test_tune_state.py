@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import json
 import pickle
+import threading
+import time
+from types import SimpleNamespace
 
+import pyarrow.fs
 import pytest
 
+from orchestrator import tune_state
 from orchestrator.errors import UserError
-from orchestrator.tune_state import COPIES, keep_whole_copies, restore_cut_off
+from orchestrator.tune_state import COPIES, KeepWholeState, keep_whole_copies, restore_cut_off
 
 STATE = "experiment_state-2026-11-26_14-00-00.json"
 SEARCHER = "basic-variant-state-2026-11-26_14-00-00.json"  # a pickle, whatever its name says
@@ -52,3 +57,32 @@ def test_a_cut_off_state_file_without_a_whole_copy_refuses_the_resume_naming_it(
     (sweep / STATE).write_text('{"runner_data": {"tri')
     with pytest.raises(UserError, match=f"cannot resume {sweep}: Tune's {STATE} is cut off .* without --resume"):
         restore_cut_off(str(sweep))
+
+
+def test_the_copies_are_made_outside_tunes_event_loop_and_the_last_one_at_the_sweeps_end(folders, monkeypatch):
+    """Each copy is flushed to disk, which on a busy disk would hold up every trial waiting for
+    the driver to take its report: the callback copies in a thread of its own, and the sweep's
+    end waits for it and copies what changed since. The callback still pickles (Tune saves it)."""
+    staging, sweep = folders
+    # Where Tune's trial says the staging folder and the sweep's folder are (a Tune Trial needs Ray).
+    storage = SimpleNamespace(experiment_driver_staging_path=str(staging), experiment_fs_path=str(sweep),
+                              storage_filesystem=pyarrow.fs.LocalFileSystem())
+    trials = [SimpleNamespace(storage=storage)]
+    writers = []
+    real_copy = tune_state.keep_whole_copies
+    monkeypatch.setattr(tune_state, "keep_whole_copies",
+                        lambda *a: (writers.append(threading.current_thread().name), real_copy(*a)))
+    keep = KeepWholeState()
+    (staging / STATE).write_text(json.dumps({"saved": 1}))
+    keep.on_step_end(iteration=1, trials=trials)
+    for _ in range(500):  # the copier takes it up
+        if (sweep / COPIES / STATE).exists():
+            break
+        time.sleep(0.01)
+    assert writers == ["keep-whole-state"]
+    keep.on_step_end(iteration=2, trials=trials)  # nothing changed (or the copy still runs): no second copy
+    (staging / STATE).write_text(json.dumps({"saved": 2, "more": True}))
+    keep.on_experiment_end(trials=trials)
+    assert writers[-1] == threading.current_thread().name
+    assert json.loads((sweep / COPIES / STATE).read_text()) == {"saved": 2, "more": True}
+    assert isinstance(pickle.loads(pickle.dumps(keep)), KeepWholeState)

@@ -29,14 +29,18 @@ def bytes_requested(message: str) -> int | None:
     return int(float(match.group(1)) * _UNIT[match.group(2)]) if match else None
 
 
-def release() -> None:
+def release(collect: bool = True) -> None:
     """After an OOM (or a probe, or before a reused worker's next trial) only: drop the failed
     work's garbage and hand the allocator's cached blocks back to the device.
 
     The one place that frees memory this way. ``empty_cache`` belongs here, once per OOM, and
     never in the training loop (one team made their epochs 3x slower by calling it every 10
-    batches); it does nothing where CUDA was never initialised.
+    batches); it does nothing where CUDA was never initialised. ``collect=False`` skips the
+    garbage collection where no tensor is left for it to free (a reused worker whose last trial
+    left nothing allocated): a full collection costs a process that imported torch a few
+    hundred milliseconds.
     """
-    gc.collect()
+    if collect:
+        gc.collect()
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()

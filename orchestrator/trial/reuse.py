@@ -14,8 +14,8 @@ process's own CUDA context, which the plan counts itself. A trial that recovered
 leaves nothing cached behind it either; tensors that outlive a trial (a workload's module-level
 cache) stay allocated and shrink the next trial's budget instead of overflowing it.
 Each trial reports what the one before it still held on the device when it started
-(``left_behind_bytes``, after collecting reference cycles: 0 unless something outlived its
-trial), so a leak shows in the trial that pays for it.
+(``left_behind_bytes``, after collecting reference cycles where something was still held: 0
+unless something outlived its trial), so a leak shows in the trial that pays for it.
 
 Tune 2.60 offers no way for a worker to decline reuse: a ``reset_config`` that returns False
 fails the trial it was handed (``TuneController._on_trial_reset``), so the worker makes itself
@@ -54,13 +54,18 @@ class WorkerHistory:
     def left_behind(self) -> int | None:
         """Bytes the trial this worker ran last still holds on its device, read when the next one
         starts (None in a fresh worker): 0 unless something outlived its trial (a workload's
-        module-level cache, a reference a library kept). Reference cycles are collected first,
-        as the next trial's first allocation that needs the memory would make CUDA's allocator
-        wait for them too."""
+        module-level cache, a reference a library kept). Where something is still held,
+        reference cycles are collected before it is counted, as the next trial's first
+        allocation that needs the memory would make CUDA's allocator wait for them too; where
+        nothing is, there is nothing a collection could free on the device, and a full one costs
+        a worker that imported torch a few hundred milliseconds (a quarter of a one-second trial)."""
         if self.last_device is None:
             return None
-        gc.collect()
-        return self.last_device.allocated()
+        held = self.last_device.allocated()
+        if held:
+            gc.collect()
+            held = self.last_device.allocated()
+        return held
 
     def gpu_free_before_context(self, free_now: int | None) -> int | None:
         """NVML's free memory as the plan counts it (before this process's CUDA context).

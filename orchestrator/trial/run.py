@@ -479,10 +479,11 @@ class TrialRun:
     def _gpu_free_before_context(self) -> int | None:
         """NVML's free memory before this process creates its CUDA context (None without a GPU):
         plans count the context themselves, so the budget must not have it taken out already. A
-        reused worker gives the previous trial's cached blocks back first."""
+        reused worker gives the previous trial's cached blocks back first (collecting garbage
+        only where that trial left tensors allocated: ``left_behind``, read before this)."""
         if not gpu_visible():
             return None
-        release()
+        release(collect=bool(self.left_behind))
         return HISTORY.gpu_free_before_context(self._gpu_free())
 
     def _gpu_free(self) -> int | None:
