@@ -51,9 +51,13 @@ class HostPlan:
     def reduced(self) -> str:
         return ", ".join(self.changes)
 
+    @property
+    def parts_text(self) -> str:
+        """What one trial holds, by part: ``datasets 3.8 MiB, batches ahead 512.0 KiB``."""
+        return ", ".join(f"{name} {human(n)}" for name, n in self.parts.items() if n)
+
     def describe(self) -> str:
-        parts = ", ".join(f"{name} {human(n)}" for name, n in self.parts.items() if n)
-        line = (f"host memory {human(self.trial_bytes)} a trial ({parts}); {self.trials_at_once} at once: "
+        line = (f"host memory {human(self.trial_bytes)} a trial ({self.parts_text}); {self.trials_at_once} at once: "
                 f"{human(self.trial_bytes * self.trials_at_once)} of {human(self.available_bytes)} available")
         if self.refusal:
             return f"{line}; refused: {self.refusal}"

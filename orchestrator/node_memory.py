@@ -110,7 +110,9 @@ def sweep_host_plan(spec: SweepSpec, nodes: list[NodeMemory], device: str) -> tu
     try:
         footprint = sweep_footprint(spec, distinct_configs(spec))
     except Exception as exc:  # noqa: BLE001 - e.g. a model that does not build on ``meta``: its trials still run
-        return f"not planned, the trials' data could not be measured ({_line(exc)})"
+        from orchestrator.memory.failure import summary
+
+        return f"not planned, the trials' data could not be measured ({summary(exc)})"
     return tightest_plan(spec, footprint, nodes, pins_host_memory(spec, device), len(trial_configs(spec)))
 
 
@@ -127,17 +129,9 @@ def fit_host_memory(spec: SweepSpec, nodes: list[NodeMemory], device: str) -> Sw
         raise UserError(f"host memory: {node.name}: {plan.refusal}; or, where more is available than measured, "
                         "say how much with --host-memory SIZE")
     held = (f"so that the {plan.trials_at_once} trial process(es) {node.name} runs at once fit in its "
-            f"{human(plan.available_bytes)} available (each holds up to {human(plan.trial_bytes)}: {_parts(plan)}); "
+            f"{human(plan.available_bytes)} available (each holds up to {human(plan.trial_bytes)}: {plan.parts_text}); "
             "`orchestrator plan` shows each trial's")
     for change in plan.changes:
         print(f"host memory: {change}, {held}", flush=True)
     return replace(spec, data=plan.data) if plan.changes else spec
 
-
-def _line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
-
-
-def _parts(plan: HostPlan) -> str:
-    return ", ".join(f"{name} {human(n)}" for name, n in plan.parts.items() if n)

@@ -287,11 +287,9 @@ class _HostMemory:
     def for_run(self, target):
         """The plan ``run`` would apply on this machine (``node_memory.sweep_host_plan``)."""
         from orchestrator.capacity import local_node
-        from orchestrator.node_memory import NodeMemory, sweep_host_plan
+        from orchestrator.node_memory import local_nodes, sweep_host_plan
 
-        if self.available is None:
-            return None
-        return sweep_host_plan(self.spec, [NodeMemory("this machine", local_node(None, None), self.available)], target.device)
+        return sweep_host_plan(self.spec, local_nodes(local_node(None, None), self.available), target.device)
 
 
 def _run_host_text(swept) -> str:
