@@ -57,15 +57,26 @@ def _state_files(folder: str) -> list[str]:
     return sorted(os.path.join(folder, n) for n in names if any(fnmatch.fnmatchcase(n, p) for p in _PATTERNS))
 
 
+def _version(path: str) -> tuple[int, int]:
+    """What tells one write of a state file from the next: its mtime and size."""
+    stat = os.stat(path)
+    return stat.st_mtime_ns, stat.st_size
+
+
+def _copy(source: str, destination: str) -> None:
+    """``source`` to ``destination``, which is either its old self or the whole copy (``atomic_write``)."""
+    with open(source, "rb") as f_in, atomic_write(destination, "wb") as f_out:
+        shutil.copyfileobj(f_in, f_out)
+
+
 def changed(source: str, copied: dict[str, tuple[int, int]]) -> bool:
     """Whether a state file in ``source`` differs from its last copy (``copied``: path -> mtime, size)."""
     for path in _state_files(source):
         try:
-            stat = os.stat(path)
+            if copied.get(path) != _version(path):
+                return True
         except OSError:
             continue
-        if copied.get(path) != (stat.st_mtime_ns, stat.st_size):
-            return True
     return False
 
 
@@ -74,13 +85,11 @@ def keep_whole_copies(source: str, sweep: str, copied: dict[str, tuple[int, int]
     reads whole to the sweep's :data:`COPIES`; where the storage refuses, the last copy stays."""
     for path in _state_files(source):
         try:
-            stat = os.stat(path)
-            version = (stat.st_mtime_ns, stat.st_size)
+            version = _version(path)
             if copied.get(path) == version or not whole(path):
                 continue
             os.makedirs(os.path.join(sweep, COPIES), exist_ok=True)
-            with open(path, "rb") as f_in, atomic_write(os.path.join(sweep, COPIES, os.path.basename(path)), "wb") as f_out:
-                shutil.copyfileobj(f_in, f_out)
+            _copy(path, os.path.join(sweep, COPIES, os.path.basename(path)))
             copied[path] = version
         except OSError:
             continue
@@ -100,8 +109,7 @@ def restore_cut_off(sweep: str) -> list[str]:
                 f"cannot resume {sweep}: Tune's {name} is cut off (the storage filled up while Tune wrote it?) "
                 "and no whole copy of it was kept; run the sweep again without --resume"
             )
-        with open(copies[name], "rb") as f_in, atomic_write(path, "wb") as f_out:
-            shutil.copyfileobj(f_in, f_out)
+        _copy(copies[name], path)
         restored.append(name)
     return restored
 
