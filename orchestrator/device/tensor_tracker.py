@@ -118,7 +118,10 @@ class StorageTracker(TorchDispatchMode):
         return storage_bytes(tensors, self.device_type, self.round_to)
 
     def size_of(self, tensor: torch.Tensor) -> int:
-        nbytes = tensor.untyped_storage().nbytes()
+        return self._rounded(tensor.untyped_storage().nbytes())
+
+    def _rounded(self, nbytes: int) -> int:
+        """What a storage of ``nbytes`` counts for: rounded up to the device's block."""
         return -(-nbytes // self.round_to) * self.round_to
 
     def admit(self, size: int) -> None:
@@ -147,7 +150,7 @@ class StorageTracker(TorchDispatchMode):
         if key in self._live:
             return
         requested = storage.nbytes()
-        size = requested if self.round_to == 1 else -(-requested // self.round_to) * self.round_to
+        size = self._rounded(requested)
         if size == 0:
             return
         self.admit(size)
