@@ -91,6 +91,20 @@ def user_folder(tmp_path):
     (tmp_path / "sweep.yaml").write_text(SWEEP)
 
 
+def run_in_user_folder(tmp_path, *overrides: str):
+    """``orchestrator run sweep.yaml`` with each ``--set`` override, installed, from the user's
+    folder (made here): the finished process, and all it printed."""
+    import subprocess
+
+    from tests.conftest import command_env, installed_command
+
+    user_folder(tmp_path)
+    done = subprocess.run([installed_command(), "run", "sweep.yaml", "--num-cpus", "1",
+                           *(word for override in overrides for word in ("--set", override))],
+                          cwd=tmp_path, env=command_env(), capture_output=True, text=True, timeout=600, check=False)
+    return done, done.stdout + done.stderr
+
+
 @pytest.mark.integration
 def test_a_loss_that_turns_nan_ends_its_trial_as_diverged_in_one_line(tmp_path):
     """The installed command, from the user's folder, with the default ``on_nan: stop``: exit 0
@@ -104,10 +118,7 @@ def test_a_loss_that_turns_nan_ends_its_trial_as_diverged_in_one_line(tmp_path):
 
     from tests.conftest import command_env, installed_command, trial_results
 
-    user_folder(tmp_path)
-    done = subprocess.run([installed_command(), "run", "sweep.yaml", "--num-cpus", "1"], cwd=tmp_path,
-                          env=command_env(), capture_output=True, text=True, timeout=600, check=False)
-    console = done.stdout + done.stderr
+    done, console = run_in_user_folder(tmp_path)
     assert done.returncode == 0, console[-3000:]
     assert "Traceback" not in console and "NaN or Inf found" not in console, console[-3000:]
     said = [line for line in done.stdout.splitlines() if " diverged: " in line]
@@ -144,17 +155,9 @@ def test_a_loss_that_turns_nan_ends_its_trial_as_diverged_in_one_line(tmp_path):
 @pytest.mark.integration
 def test_on_nan_fail_counts_a_diverged_trial_as_an_errored_one(tmp_path):
     """Exit 1, the trial not finished, its MLflow run and the sweep's FAILED; still not retried."""
-    import subprocess
-
     import mlflow
 
-    from tests.conftest import command_env, installed_command
-
-    user_folder(tmp_path)
-    done = subprocess.run([installed_command(), "run", "sweep.yaml", "--num-cpus", "1", "--set", "on_nan=fail",
-                           "--set", "search_space.nan_at_step=5"], cwd=tmp_path, env=command_env(),
-                          capture_output=True, text=True, timeout=600, check=False)
-    console = done.stdout + done.stderr
+    done, console = run_in_user_folder(tmp_path, "on_nan=fail", "search_space.nan_at_step=5")
     assert done.returncode == 1, console[-3000:]
     assert "Traceback" not in console and " restarted: " not in console, console[-3000:]
     [row] = [line for line in done.stdout.splitlines() if "DIVERGED: " in line]
@@ -168,17 +171,11 @@ def test_on_nan_fail_counts_a_diverged_trial_as_an_errored_one(tmp_path):
 def test_on_nan_continue_trains_through_a_nan_loss_to_the_end(tmp_path):
     """The watch is off: the trial trains on to its budget and ends TERMINATED, exit 0, nothing
     said about a divergence; the NaN losses are what Tune and MLflow get."""
-    import subprocess
-
     import mlflow
 
-    from tests.conftest import command_env, installed_command, trial_results
+    from tests.conftest import trial_results
 
-    user_folder(tmp_path)
-    done = subprocess.run([installed_command(), "run", "sweep.yaml", "--num-cpus", "1", "--set", "on_nan=continue",
-                           "--set", "search_space.nan_at_step=5"], cwd=tmp_path, env=command_env(),
-                          capture_output=True, text=True, timeout=600, check=False)
-    console = done.stdout + done.stderr
+    done, console = run_in_user_folder(tmp_path, "on_nan=continue", "search_space.nan_at_step=5")
     assert done.returncode == 0, console[-3000:]
     assert "Traceback" not in console and "diverged" not in console and "DIVERGED" not in console, console[-3000:]
     [row] = [line for line in done.stdout.splitlines() if "nan_at_step=5" in line and "TERMINATED" in line]
@@ -200,15 +197,9 @@ def test_an_infinite_gradient_norm_that_clipping_computes_ends_its_trial_as_dive
     """With ``max_grad_norm`` the loop computes the gradient norm anyway: an infinite one ends the
     trial at its step, in one line that names it, though the loss is finite."""
     import re
-    import subprocess
 
-    from tests.conftest import command_env, installed_command
-
-    user_folder(tmp_path)
-    done = subprocess.run([installed_command(), "run", "sweep.yaml", "--num-cpus", "1", "--set", "max_grad_norm=1",
-                           "--set", "search_space.nan_at_step=5", "--set", "workload.params.infinite_gradient=true"],
-                          cwd=tmp_path, env=command_env(), capture_output=True, text=True, timeout=600, check=False)
-    console = done.stdout + done.stderr
+    done, console = run_in_user_folder(tmp_path, "max_grad_norm=1", "search_space.nan_at_step=5",
+                                       "workload.params.infinite_gradient=true")
     assert done.returncode == 0, console[-3000:]
     assert "Traceback" not in console, console[-3000:]
     [said] = [line for line in done.stdout.splitlines() if " diverged: " in line]
