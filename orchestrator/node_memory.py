@@ -116,14 +116,15 @@ def sweep_host_plan(spec: SweepSpec, nodes: list[NodeMemory], device: str) -> tu
     return tightest_plan(spec, footprint, nodes, pins_host_memory(spec, device), len(trial_configs(spec)))
 
 
-def fit_host_memory(spec: SweepSpec, nodes: list[NodeMemory], device: str) -> SweepSpec:
+def fit_host_memory(spec: SweepSpec, nodes: list[NodeMemory], device: str) -> tuple[SweepSpec, list[str]]:
     """The spec the trials run with: ``data`` cut so that the nodes hold the trials they run at
-    once, one printed line per setting cut; a :class:`UserError` when even no loader workers fit."""
+    once, and the cuts, one printed line each (MLflow records them with the sweep); a
+    :class:`UserError` when even no loader workers fit."""
     found = sweep_host_plan(spec, nodes, device)
     if isinstance(found, str):
         print(f"host memory: {found}", flush=True)
     if not isinstance(found, tuple):
-        return spec
+        return spec, []
     node, plan = found
     if plan.refusal:
         raise UserError(f"host memory: {node.name}: {plan.refusal}; or, where more is available than measured, "
@@ -131,7 +132,8 @@ def fit_host_memory(spec: SweepSpec, nodes: list[NodeMemory], device: str) -> Sw
     held = (f"so that the {plan.trials_at_once} trial process(es) {node.name} runs at once fit in its "
             f"{human(plan.available_bytes)} available (each holds up to {human(plan.trial_bytes)}: {plan.parts_text}); "
             "`orchestrator plan` shows each trial's")
-    for change in plan.changes:
-        print(f"host memory: {change}, {held}", flush=True)
-    return replace(spec, data=plan.data) if plan.changes else spec
+    cuts = [f"{change}, {held}" for change in plan.changes]
+    for cut in cuts:
+        print(f"host memory: {cut}", flush=True)
+    return (replace(spec, data=plan.data) if cuts else spec), cuts
 

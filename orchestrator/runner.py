@@ -169,7 +169,7 @@ def run_sweep(
         with taken_back_if_refused(storage):
             _check_before_ray(spec, storage, tracking_uri, offline_tracking)
             if embedded:  # the trials' spec: data loading cut to what this machine holds (the user's is recorded)
-                trial_spec = _fit_host_memory(spec, node_memory, local=local_node(num_cpus, num_gpus))
+                trial_spec, host_cuts = _fit_host_memory(spec, node_memory, local=local_node(num_cpus, num_gpus))
             # The sweep's folder is this driver's before Ray starts: a second driver of it is
             # refused at once, and so is a resume whose config differs (orchestrator.sweep_guard).
             name, restore_from = _experiment_name(spec, storage, name, resume)
@@ -186,7 +186,7 @@ def run_sweep(
                 check_shared_storage(storage_path or spec.storage_path, storage, len(nodes))
                 wait = check_schedulable(trial_request(spec), spec.resources.wait_minutes, spec.resources.workers)
                 if not embedded:
-                    trial_spec = _fit_host_memory(spec, node_memory, cluster=nodes)
+                    trial_spec, host_cuts = _fit_host_memory(spec, node_memory, cluster=nodes)
             except UserError:
                 claim.release(refused=True)
                 raise
@@ -203,7 +203,7 @@ def run_sweep(
                 trainable,
                 param_space=_param_space(spec),
                 tune_config=_tune_config(spec),
-                run_config=_run_config(spec, name, storage, tracking_uri, wait, verbose),
+                run_config=_run_config(spec, name, storage, tracking_uri, wait, verbose, host_cuts=host_cuts),
             )
         with sigterm_stops_like_sigint(), recording() as record, tune_lines_told_here(verbose):
             results = tuner.fit()
@@ -218,10 +218,11 @@ def run_sweep(
 
 
 def _fit_host_memory(spec: SweepSpec, host_memory: int | None, *, local: dict[str, float] | None = None,
-                     cluster: list[dict[str, float]] | None = None) -> SweepSpec:
+                     cluster: list[dict[str, float]] | None = None) -> tuple[SweepSpec, list[str]]:
     """The spec the trials run with: its ``data`` settings cut so that the embedded Ray's machine
     (``local``), or each node of the ``cluster``, holds the trials it runs at once
-    (``orchestrator.node_memory``); ``host_memory``: ``--host-memory``, each node's available memory."""
+    (``orchestrator.node_memory``), and the cuts; ``host_memory``: ``--host-memory``, each node's
+    available memory."""
     from orchestrator.device.target import resolve_target
     from orchestrator.node_memory import cluster_nodes, fit_host_memory, local_nodes
 
@@ -420,13 +421,13 @@ def _tune_config(spec: SweepSpec):
 
 
 def _run_config(spec: SweepSpec, name: str, storage: str, tracking_uri: str, wait: WaitForNodes | None = None,
-                verbose: bool = False):
+                verbose: bool = False, *, host_cuts: list[str] = ()):
     from ray import tune
 
     return tune.RunConfig(
         name=name,
         storage_path=storage,
-        callbacks=_callbacks(spec, os.path.join(storage, name), tracking_uri),
+        callbacks=_callbacks(spec, os.path.join(storage, name), tracking_uri, host_cuts),
         verbose=TUNE_VERBOSE if verbose else TUNE_QUIET,  # quiet: orchestrator.console's LiveView tells
         stop=wait,
         # In-process OOMs are retried by the trainable; Tune restarts workers that died (of
@@ -437,8 +438,9 @@ def _run_config(spec: SweepSpec, name: str, storage: str, tracking_uri: str, wai
     )
 
 
-def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str) -> list:
-    """The driver's Tune callbacks: MLflow, the final errors Tune's results may lack (outcome.py),
+def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str, host_cuts: list[str] = ()) -> list:
+    """The driver's Tune callbacks: MLflow (with the data loading ``host_cuts`` made for the nodes'
+    memory), the final errors Tune's results may lack (outcome.py),
     the live view of the trials' events (console.py), the stop when the storage refuses a checkpoint
     (storage_fault.py), the last whole copy of Tune's state files (tune_state.py), and what is dropped
     of ended trials so that the driver stays flat as trials grow (driver_memory.py; last, after the
@@ -451,7 +453,8 @@ def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str) -> list
     from orchestrator.tracking.callback import UNSENT_FILE, MlflowTracking
 
     view = LiveView(list(spec.search_space), spec.metric, spec.stop.epochs, spec.stop.steps)
-    tracking = MlflowTracking(tracking_uri, spec, unsent_file=os.path.join(experiment_path, UNSENT_FILE))
+    tracking = MlflowTracking(tracking_uri, spec, unsent_file=os.path.join(experiment_path, UNSENT_FILE),
+                              host_cuts=list(host_cuts))
     return [tracking, FinalErrors(), view, StopOnStorageFault(), KeepWholeState(), EndedTrialsKeepLess(spec.metric)]
 
 

@@ -7,10 +7,13 @@ from __future__ import annotations
 import re
 import subprocess
 
+import mlflow
 import pytest
 
 from orchestrator.config import DataLoading, parse_spec
 from orchestrator.node_memory import NodeMemory, cluster_nodes, processes_at_once, tightest_plan
+from orchestrator.tracking.callback import HOST_MEMORY_TAG
+from orchestrator.tracking.runs import ROLE_TAG
 from tests.conftest import command_env, installed_command
 from trainables.footprint import DataFootprint
 
@@ -144,6 +147,11 @@ def test_run_cuts_the_loader_workers_to_what_the_node_holds_or_refuses_before_an
     assert all("so that the 2 trial process(es) this machine runs at once fit in its " in line for line in lines), lines
     seen = {p.read_text() for p in folder.glob("workers-*")}
     assert seen == {"1"}, seen
+    # MLflow's sweep run keeps the config as written (params) and says what was cut (a tag).
+    client = mlflow.MlflowClient(f"sqlite:///{folder}/mlflow.db")
+    [sweep] = client.search_runs([client.get_experiment_by_name("heavy").experiment_id], f"tags.`{ROLE_TAG}` = 'sweep'")
+    assert sweep.data.params["data.num_workers"] == "2"
+    assert sweep.data.tags[HOST_MEMORY_TAG].splitlines() == [line.removeprefix("host memory: ") for line in lines]
 
 
 @pytest.mark.integration

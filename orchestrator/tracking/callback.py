@@ -28,6 +28,8 @@ from orchestrator.trial_report import TrialReport
 logger = logging.getLogger(__name__)
 
 MAX_TAG_CHARS = 8000
+#: The sweep run's tag for the data loading settings ``run`` cut to fit the nodes' host memory.
+HOST_MEMORY_TAG = "orchestrator.host_memory"
 #: In the sweep's folder: the writes a sweep could not send, for ``run --resume`` to send.
 UNSENT_FILE = "mlflow_unsent.pkl"
 #: This driver process, as opposed to one whose pickled callback ``Tuner.restore`` brings back.
@@ -52,9 +54,12 @@ class MlflowTracking(tune.Callback):
     """Tune callback (driver side) that records the sweep in MLflow; see the module docstring."""
 
     def __init__(self, tracking_uri: str, spec: SweepSpec, *, flush_timeout_s: float = 120.0,
-                 unsent_file: str | None = None):
+                 unsent_file: str | None = None, host_cuts: list[str] | None = None):
+        """``host_cuts``: the data loading settings ``run`` cut for the nodes' memory, one line each
+        as the console said them (``orchestrator.node_memory``); the params keep the config as written."""
         self.tracking_uri = tracking_uri
         self.spec = spec
+        self.host_cuts = host_cuts or []
         self.flush_timeout_s = flush_timeout_s
         self.unsent_file = unsent_file  # in the sweep's folder: where writes left unsent wait for a resume
         self._sweep = SweepIdentity(uuid.uuid4().hex, f"sweep-{time.strftime('%Y%m%d-%H%M%S')}", spec.experiment)
@@ -88,6 +93,8 @@ class MlflowTracking(tune.Callback):
         self._outbox = Outbox(MlflowWriter(self.tracking_uri, self._sweep, new_sweep=new_sweep), kept or self._restored)
         self._restored = []
         tags = {"orchestrator.config": self.spec.source} if self.spec.source else {}
+        if self.host_cuts:
+            tags[HOST_MEMORY_TAG] = "\n".join(self.host_cuts)[:MAX_TAG_CHARS]
         self._put(StartRun(None, params=spec_params(self.spec), tags=tags))
         self._put(LogArtifact(None, "sweep.yaml", yaml.safe_dump(self.spec.raw, sort_keys=False)))
 
