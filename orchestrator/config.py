@@ -360,7 +360,7 @@ EvalCadence = Annotated[Every, BeforeValidator(_eval_cadence)]
 class CheckpointPolicy:
     __pydantic_config__ = SECTION
 
-    every: Cadence | None = None  # None: at every evaluation
+    every: Cadence | None = None  # None: at every evaluation (to storage at most every 10 s: trial/checkpoint.py)
     keep: PositiveInt = 2  # checkpoints Tune keeps per trial (the newest)
 
 

@@ -1,8 +1,11 @@
-"""A trial attempt's own copy of its newest checkpoint, in a scratch folder of its own.
+"""A trial attempt's own copy of its newest checkpoint, in a scratch folder of its own, and when
+the trial hands one to Tune.
 
-Tune copies every reported checkpoint to the sweep's storage before ``report`` returns, so the
-attempt keeps only its newest one here: the state an in-process OOM retry resumes from without
-reading storage back. Everything needed to continue exactly where it was is one file
+The attempt keeps only its newest checkpoint here: the state an in-process OOM retry resumes
+from without reading storage back, written at every checkpoint of the loop. Tune gets a
+checkpoint (a copy on the sweep's storage, which a restarted trial and ``run --resume`` start
+from) less often where the cadence is the default, at most every :data:`HAND_OVER_EVERY_S`
+(:func:`hand_over_due`). Everything needed to continue exactly where it was is one file
 (:data:`orchestrator.contract.STATE_FILE`): the trainer's state (model, optimizer, schedule,
 position), the plan in force, the OOM events and shrinks so far, the node and the moves.
 """
@@ -18,6 +21,23 @@ import torch
 
 from orchestrator.atomic_file import atomic_write
 from orchestrator.contract import STATE_FILE
+
+
+#: At the default cadence (a checkpoint at every evaluation), the shortest time between two
+#: checkpoints a trial hands to Tune. Each one Tune records costs the driver: with
+#: ``checkpoint.keep`` checkpoints per trial, Tune snapshots the whole sweep's state and uploads
+#: its folder (every trial's result files) whenever a trial has handed over ``keep`` since the last
+#: snapshot, so that no snapshot names a deleted checkpoint. A sweep of one-second trials
+#: evaluating every epoch paid one such snapshot per trial, a cost that grows with the trials
+#: already run. Ten seconds is Tune's own shortest period between snapshots: a driver killed
+#: between two loses about as much either way.
+HAND_OVER_EVERY_S = 10.0
+
+
+def hand_over_due(explicit_cadence: bool, final: bool, since_last_s: float) -> bool:
+    """Whether this checkpoint goes to Tune: every one of a cadence the user set
+    (``checkpoint.every``), the last of a trial, and otherwise one every :data:`HAND_OVER_EVERY_S`."""
+    return explicit_cadence or final or since_last_s >= HAND_OVER_EVERY_S
 
 
 class LocalCheckpoints:

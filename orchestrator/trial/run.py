@@ -13,6 +13,7 @@ its first steps have measured what the estimate predicted.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -37,7 +38,7 @@ from orchestrator.memory.cache import ProfileCache
 from orchestrator.memory.phases import phases_of
 from orchestrator.planner import Plan, make_plan, next_reduction
 from orchestrator.ray_internals import trial_storage_folder
-from orchestrator.trial.checkpoint import LocalCheckpoints
+from orchestrator.trial.checkpoint import LocalCheckpoints, hand_over_due
 from orchestrator.trial.errors import DataError, HostMemoryExhausted, OomRetriesExhausted
 from orchestrator.trial.evidence import clear_oom_evidence, write_oom_evidence
 from orchestrator.trial.host_memory import fewer_workers, host_memory_failure
@@ -89,6 +90,7 @@ class TrialRun:
         self.gpu_free_before_context = self._gpu_free_before_context()
         self.device = self._open_device()
         self.checkpoints = LocalCheckpoints(scratch)
+        self.handed_over_at = time.monotonic()  # when Tune last got a checkpoint (or the attempt began)
         self.events: list[OomEvent] = []
         self.host_events: list[HostMemoryEvent] = []  # DataLoader workers lost (orchestrator.trial.host_memory)
         self.evidence_folder = evidence_folder  # where an OOM being recovered from is written down
@@ -345,8 +347,9 @@ class TrialRun:
     def _report(self, trainer: Trainer, milestone: Milestone) -> None:
         """Report the milestone to Tune, with a checkpoint when one is due.
 
-        Tune copies a reported checkpoint to the sweep's storage before ``report`` returns, so
-        only the newest checkpoint stays here, for an in-process OOM retry to resume from.
+        Every checkpoint of the loop is saved here, for an in-process OOM retry to resume from;
+        Tune gets it when :func:`~orchestrator.trial.checkpoint.hand_over_due` says so, and
+        copies it to the sweep's storage before ``report`` returns.
         """
         from ray import tune
 
@@ -355,12 +358,15 @@ class TrialRun:
         if self.evidence_written:  # recovered: a later death is not this OOM's
             clear_oom_evidence(self.evidence_folder)
             self.evidence_written = False
-        if not milestone.checkpoint:
+        if milestone.checkpoint:
+            folder = self.checkpoints.save(self._state(trainer))
+        if not milestone.checkpoint or not hand_over_due(self.spec.checkpoint.every is not None, milestone.final,
+                                                         time.monotonic() - self.handed_over_at):
             tune.report(report.to_metrics())
             return
-        folder = self.checkpoints.save(self._state(trainer))
         report_with_retries(lambda: tune.report(report.to_metrics(), checkpoint=tune.Checkpoint.from_directory(folder)),
                             where=self.evidence_folder)  # the trial's folder on the storage
+        self.handed_over_at = time.monotonic()
 
     def _state(self, trainer: Trainer) -> dict:
         """Everything needed to continue exactly here."""
