@@ -8,8 +8,10 @@ is logged with every result as metrics, as a ``plan_history.json`` artifact once
 first plan and each change), and as ``plan.*`` params only when the trial has ended. Params are only ever added, never changed.
 
 What a trial costs MLflow, since sweeps are hundreds of short trials: a run created with its
-tags, one batch of params and tags at its start, one batch of metrics per result, its final plan
-and its end; a run this driver created is not looked up again, nor its params or status re-read.
+tags, then its writes sent a round at a time (a second after the first of them was queued), each
+run's writes of a round as one ``log_batch`` of params, tags and results followed by its end
+(:mod:`~orchestrator.tracking.batching`); a run this driver created is not looked up again, nor
+its params or status re-read.
 
 Why a queue: a tracking server can be away for a while (restart, network). Every write is an
 operation on an ordered queue that one background thread sends, so the Tune driver never waits
@@ -33,6 +35,7 @@ reads :mod:`~orchestrator.tracking.runs`, :mod:`~orchestrator.tracking.store` an
 * :mod:`~orchestrator.tracking.runs`: how a sweep's runs are found in MLflow (tags, the step metric, the store's file);
 * :mod:`~orchestrator.tracking.operations`: the writes, each one idempotent;
 * :mod:`~orchestrator.tracking.writer`: the MLflow client that applies them;
+* :mod:`~orchestrator.tracking.batching`: a round's writes to one run merged into one request;
 * :mod:`~orchestrator.tracking.outbox`: the queue and the thread that sends them, waiting out outages;
 * :mod:`~orchestrator.tracking.check`: the tracking store checked before a sweep starts;
 * :mod:`~orchestrator.tracking.store`: a store that cannot be used, said in one line (``run`` and ``report``);

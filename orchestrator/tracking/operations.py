@@ -12,7 +12,6 @@ if TYPE_CHECKING:
     from orchestrator.tracking.writer import MlflowWriter
 
 
-
 @dataclass
 class StartRun:
     """Find or create the run, (re)mark it RUNNING, and add its params and tags."""
@@ -61,16 +60,20 @@ class LogResult:
     timestamp_ms: int  # when Tune received the result, not when it reached MLflow
 
     def apply(self, mlflow: "MlflowWriter") -> None:
-        from mlflow.entities import Metric
-
         run_id = mlflow.run_id(self.target)
         logged = mlflow.steps(run_id)
         if self.step in logged:
             return
+        mlflow.log_batch(run_id, results=[self.entities()])  # one transaction: all of a result or none
+        logged.add(self.step)
+
+    def entities(self) -> list:
+        """The result as MLflow metrics, with the step metric that says the run has it."""
+        from mlflow.entities import Metric
+
         metrics = [Metric(k, v, self.timestamp_ms, self.step) for k, v in self.metrics.items()]
         metrics.append(Metric(STEP_METRIC, float(self.step), self.timestamp_ms, self.step))
-        mlflow.client.log_batch(run_id, metrics=metrics)  # one transaction: all of a result or none
-        logged.add(self.step)
+        return metrics
 
 
 @dataclass

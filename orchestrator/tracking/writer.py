@@ -10,7 +10,8 @@ from orchestrator.tracking.runs import PARENT_TAG, ROLE_TAG, STEP_METRIC, SWEEP_
 
 logger = logging.getLogger(__name__)
 
-MAX_BATCH = 100  # params or tags per log_batch call
+MAX_BATCH = 100  # params or tags per log_batch call (MLflow's limit)
+MAX_METRICS = 800  # metrics per log_batch call, with up to 2 x MAX_BATCH params and tags: MLflow's 1,000 entities
 #: Defaults for MLflow's HTTP client in this process: fail fast, the outbox does the retrying.
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
@@ -92,8 +93,9 @@ class MlflowWriter:
         return self._steps[run_id]
 
     def new_params(self, run_id: str, params: dict[str, str]) -> dict[str, str]:
-        """The params the run does not have yet. A different value for one it has is kept as it
-        was (MLflow params are immutable) and reported once."""
+        """The params the run does not have yet, counted as the run's from now on (the request
+        that sends them either lands or makes the outbox :meth:`forget`). A different value for
+        one it has is kept as it was (MLflow params are immutable) and reported once."""
         if not params:
             return {}
         if run_id not in self._params:
@@ -105,21 +107,27 @@ class MlflowWriter:
                 "MLflow run %s keeps its first value of param(s) %s (params cannot change); "
                 "the change is in its metrics and plan_history.json", run_id, ", ".join(changed),
             )
-        return {k: v for k, v in params.items() if k not in existing}
+        new = {k: v for k, v in params.items() if k not in existing}
+        existing.update(new)
+        return new
 
-    def log_batch(self, run_id: str, params: dict[str, str] | None = None, tags: dict[str, str] | None = None) -> None:
-        """Params and tags, in as few requests (transactions) as MLflow's batch limit allows:
-        one for a trial's start."""
+    def log_batch(self, run_id: str, params: dict[str, str] | None = None, tags: dict[str, str] | None = None,
+                  results: list[list] | None = None) -> None:
+        """Params, tags and results' metrics (one list of ``mlflow.entities.Metric`` per result),
+        in as few requests (transactions) as MLflow's batch limits allow: one for a trial's
+        start, one for all its writes an outbox round merged. A result is never split over two
+        requests: it is in MLflow whole or not at all."""
         from mlflow.entities import Param, RunTag
 
         params, tags = [Param(k, v) for k, v in (params or {}).items()], [RunTag(k, v) for k, v in (tags or {}).items()]
-        while params or tags:
+        results = list(results or [])
+        while params or tags or results:
             some_params, params = params[:MAX_BATCH], params[MAX_BATCH:]
             some_tags, tags = tags[:MAX_BATCH], tags[MAX_BATCH:]
-            self.client.log_batch(run_id, params=some_params, tags=some_tags)
-            known = self._params.get(run_id)
-            if known is not None:
-                known.update({p.key: p.value for p in some_params})
+            metrics = list(results.pop(0)) if results else []
+            while results and len(metrics) + len(results[0]) <= MAX_METRICS:
+                metrics += results.pop(0)
+            self.client.log_batch(run_id, params=some_params, tags=some_tags, metrics=metrics)
 
     def _find_run(self, target: Target) -> str | None:
         query = f"tags.`{SWEEP_ID_TAG}` = '{self.sweep.sweep_id}'"
