@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import threading
+import time
 
 from ray import tune
 
@@ -30,6 +31,10 @@ from orchestrator.ray_internals import state_folders
 
 COPIES = ".whole_state"  # folder in the sweep's folder
 _PATTERNS = ("experiment_state-*.json", "basic-variant-state-*.json", "callback-states-*.pkl", "tuner.pkl")
+#: How often Tune's event loop looks for a new save: Tune calls ``on_step_end`` many times a
+#: second, and a listing and a ``stat`` per state file each time were a tenth of the loop's time in
+#: a sweep of short trials; Tune saves at most every 10 s.
+LOOK_EVERY_S = 1.0
 
 
 def whole(path: str) -> bool:
@@ -117,8 +122,9 @@ def restore_cut_off(sweep: str) -> list[str]:
 class KeepWholeState(tune.Callback):
     """Copies Tune's state files, whole, after each of its saves and at the sweep's end.
 
-    Tune saves them (at most every 10 s, and at the end) just before it calls ``on_step_end``; a
-    step that saved nothing costs a ``stat`` of each staged file. The copies themselves (each
+    Tune saves them (at most every 10 s, and at the end) just before it calls ``on_step_end``;
+    once a second (:data:`LOOK_EVERY_S`) a step looks for a save with a ``stat`` of each staged
+    file. The copies themselves (each
     flushed to disk: tens of milliseconds on a busy disk) are made by one thread of the
     callback's own: made in Tune's event loop, they held up every trial waiting for the driver
     to take its report (about as long as Tune's own save took again). A save made while a copy
@@ -132,14 +138,19 @@ class KeepWholeState(tune.Callback):
         self._copier: threading.Thread | None = None
         self._due = threading.Event()  # something changed since the last copy
         self._ending = False
+        self._looked_at = float("-inf")  # time.monotonic() of the last look for a save
 
     def __getstate__(self) -> dict:
-        return {"_copied": {}, "_folders": None, "_copier": None, "_ending": False}
+        return {"_copied": {}, "_folders": None, "_copier": None, "_ending": False, "_looked_at": float("-inf")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, _due=threading.Event())
 
     def on_step_end(self, iteration, trials, **info) -> None:
+        now = time.monotonic()
+        if now - self._looked_at < LOOK_EVERY_S:
+            return
+        self._looked_at = now
         folders = self._sweep_folders(trials)
         if folders is None or self._due.is_set() or not changed(folders[0], self._copied):
             return
