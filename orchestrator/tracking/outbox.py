@@ -168,6 +168,7 @@ class Outbox:
     def _pause(self, seconds: float) -> None:
         with self._cv:
             self._cv.wait_for(lambda: self._closing, timeout=seconds)
+
     def _went_offline(self, exc: Exception) -> None:
         if self._offline_since is None:
             self._offline_since = time.monotonic()
