@@ -20,7 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from orchestrator.tracking.operations import AddParams, EndRun, LogResult, Operation, SetTags, StartRun
+from orchestrator.tracking.operations import (
+    AddParams, EndRun, LogResult, Operation, SetTags, StartRun, apply_to_run,
+)
 from orchestrator.tracking.runs import Target
 
 if TYPE_CHECKING:
@@ -40,26 +42,7 @@ class RunBatch:
     parts: list[Operation] = field(default_factory=list)
 
     def apply(self, mlflow: "MlflowWriter") -> None:
-        run_id = mlflow.run_id(self.target)
-        params: dict[str, str] = {}
-        tags: dict[str, str] = {}
-        results: dict[int, LogResult] = {}
-        for op in self.parts:
-            if isinstance(op, (StartRun, AddParams)):
-                params.update(mlflow.new_params(run_id, op.params))
-            if isinstance(op, (StartRun, SetTags)):
-                tags.update(op.tags)
-            if isinstance(op, LogResult):
-                results.setdefault(op.step, op)  # a step reported twice keeps its first report
-        logged = mlflow.steps(run_id) if results else set()
-        new = [op for step, op in results.items() if step not in logged]
-        mlflow.log_batch(run_id, params=params, tags=tags, results=[op.entities() for op in new])
-        logged.update(op.step for op in new)
-        end = self.parts[-1] if isinstance(self.parts[-1], EndRun) else None
-        if end is not None:
-            end.apply(mlflow)
-        elif any(isinstance(op, StartRun) for op in self.parts) and not mlflow.is_running(run_id):
-            mlflow.set_status(run_id, "RUNNING")  # a resumed sweep or trial
+        apply_to_run(mlflow, self.target, self.parts)
 
 
 def merged(ops: list[Operation]) -> list[Operation | RunBatch]:

@@ -21,10 +21,7 @@ class StartRun:
     tags: dict[str, str] = field(default_factory=dict)
 
     def apply(self, mlflow: "MlflowWriter") -> None:
-        run_id = mlflow.run_id(self.target)
-        mlflow.log_batch(run_id, params=mlflow.new_params(run_id, self.params), tags=self.tags)
-        if not mlflow.is_running(run_id):  # a resumed sweep or trial
-            mlflow.set_status(run_id, "RUNNING")
+        apply_to_run(mlflow, self.target, [self])
 
 
 @dataclass
@@ -33,8 +30,7 @@ class AddParams:
     params: dict[str, str]
 
     def apply(self, mlflow: "MlflowWriter") -> None:
-        run_id = mlflow.run_id(self.target)
-        mlflow.log_batch(run_id, params=mlflow.new_params(run_id, self.params))
+        apply_to_run(mlflow, self.target, [self])
 
 
 @dataclass
@@ -43,7 +39,7 @@ class SetTags:
     tags: dict[str, str]
 
     def apply(self, mlflow: "MlflowWriter") -> None:
-        mlflow.log_batch(mlflow.run_id(self.target), tags=self.tags)
+        apply_to_run(mlflow, self.target, [self])
 
 
 @dataclass
@@ -60,12 +56,7 @@ class LogResult:
     timestamp_ms: int  # when Tune received the result, not when it reached MLflow
 
     def apply(self, mlflow: "MlflowWriter") -> None:
-        run_id = mlflow.run_id(self.target)
-        logged = mlflow.steps(run_id)
-        if self.step in logged:
-            return
-        mlflow.log_batch(run_id, results=[self.entities()])  # one transaction: all of a result or none
-        logged.add(self.step)
+        apply_to_run(mlflow, self.target, [self])  # one transaction: all of a result or none
 
     def entities(self) -> list:
         """The result as MLflow metrics, with the step metric that says the run has it."""
@@ -105,6 +96,32 @@ class EndRun:
 
 
 Operation = StartRun | AddParams | SetTags | LogResult | LogArtifact | EndRun
+
+
+def apply_to_run(mlflow: "MlflowWriter", target: Target, writes: list[Operation]) -> None:
+    """Writes to one run (:class:`StartRun`, :class:`AddParams`, :class:`SetTags`,
+    :class:`LogResult`, and an :class:`EndRun` last), in their order, as one ``log_batch`` of what
+    the run lacks and then its status. A write alone and a round's writes merged
+    (:mod:`orchestrator.tracking.batching`) go through this one rule."""
+    run_id = mlflow.run_id(target)
+    params: dict[str, str] = {}
+    tags: dict[str, str] = {}
+    results: dict[int, LogResult] = {}
+    for op in writes:
+        if isinstance(op, (StartRun, AddParams)):
+            params.update(mlflow.new_params(run_id, op.params))
+        if isinstance(op, (StartRun, SetTags)):
+            tags.update(op.tags)
+        if isinstance(op, LogResult):
+            results.setdefault(op.step, op)  # a step reported twice keeps its first report
+    logged = mlflow.steps(run_id) if results else set()
+    new = [op for step, op in results.items() if step not in logged]
+    mlflow.log_batch(run_id, params=params, tags=tags, results=[op.entities() for op in new])
+    logged.update(op.step for op in new)
+    if isinstance(writes[-1], EndRun):
+        writes[-1].apply(mlflow)
+    elif any(isinstance(op, StartRun) for op in writes) and not mlflow.is_running(run_id):
+        mlflow.set_status(run_id, "RUNNING")  # a resumed sweep or trial
 
 
 def describe(op: Operation) -> str:
