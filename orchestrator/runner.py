@@ -442,20 +442,24 @@ def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str, host_cu
     """The driver's Tune callbacks: MLflow (with the data loading ``host_cuts`` made for the nodes'
     memory), the final errors Tune's results may lack (outcome.py),
     the live view of the trials' events (console.py), the stop when the storage refuses a checkpoint
-    (storage_fault.py), the last whole copy of Tune's state files (tune_state.py), and what is dropped
-    of ended trials so that the driver stays flat as trials grow (driver_memory.py; last, after the
-    others read them)."""
+    (storage_fault.py), the last whole copy of Tune's state files (tune_state.py), Tune's TensorBoard
+    files with the trials' curves (tensorboard.py; Tune adds its JSON and CSV loggers itself), and what
+    is dropped of ended trials so that the driver stays flat as trials grow (driver_memory.py; last,
+    after the others read them)."""
     from orchestrator.console import LiveView
     from orchestrator.driver_memory import EndedTrialsKeepLess
     from orchestrator.outcome import FinalErrors
     from orchestrator.storage_fault import StopOnStorageFault
+    from orchestrator.tensorboard import tensorboard_logger
     from orchestrator.tune_state import KeepWholeState
     from orchestrator.tracking.callback import UNSENT_FILE, MlflowTracking
 
     view = LiveView(list(spec.search_space), spec.metric, spec.stop.epochs, spec.stop.steps)
     tracking = MlflowTracking(tracking_uri, spec, unsent_file=os.path.join(experiment_path, UNSENT_FILE),
                               host_cuts=list(host_cuts))
-    return [tracking, FinalErrors(), view, StopOnStorageFault(), KeepWholeState(), EndedTrialsKeepLess(spec.metric)]
+    tensorboard = tensorboard_logger()
+    return [tracking, FinalErrors(), view, StopOnStorageFault(), KeepWholeState(), *([tensorboard] if tensorboard else []),
+            EndedTrialsKeepLess(spec.metric)]
 
 
 # -- the final table ---------------------------------------------------------------------------

@@ -185,6 +185,14 @@ class TrialReport:
         return {key: value for key, value in self.to_metrics().items()
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in _FLAGS}
 
+    def curves(self) -> dict[str, int | float]:
+        """The numbers of :meth:`numbers` that move from report to report: progress, losses and the
+        workload's measurements, speed, the micro-batch and accumulation in force, memory measured,
+        OOMs survived. What TensorBoard plots (``orchestrator.tensorboard``); the plan's
+        constants are a trial's params in MLflow."""
+        return {key: value for key, value in self.numbers().items()
+                if key in _CURVES or key in self.measurements or _RANK_KEY.fullmatch(key)}
+
     @classmethod
     def from_result(cls, result: Mapping[str, Any] | None) -> "TrialReport":
         """A Tune result (or the metrics of one MLflow step) read back; keys it lacks stay unset,
@@ -219,6 +227,12 @@ _SPECIAL = frozenset({"plan", "refusal", "oom_events", "host_memory_events", "mo
                       "measurements"})
 #: Keys of :meth:`TrialReport.to_metrics` that are 0/1 flags.
 _FLAGS = frozenset({"refused", "training_done", "done"})
+#: The fields whose numbers move from report to report (:meth:`TrialReport.curves`).
+_CURVES = frozenset({
+    "epoch", "step", "train_loss", "learning_rate", "steps_per_second", "samples_per_second", "micro_batch",
+    "accum_steps", "peak_allocated_bytes", "peak_reserved_bytes", "fragmentation", "device_used_bytes",
+    "prediction_error", "oom_retries",
+})
 #: Keys :meth:`TrialReport.to_metrics` derives from the fields.
 _DERIVED = frozenset({"moved", "refused", "ranks", "worst_rank"})
 
