@@ -18,9 +18,9 @@ def steps_of(sampler: StepSampler) -> list[list[int]]:
 
 
 def test_a_step_is_cut_into_full_micro_batches_and_a_remainder():
-    assert StepCut(32, 8).sizes == [8, 8, 8, 8]
-    assert StepCut(28, 8).sizes == [8, 8, 8, 4]
-    assert StepCut(5, 16).sizes == [5]
+    assert StepCut(32, 8).sizes == (8, 8, 8, 8)
+    assert StepCut(28, 8).sizes == (8, 8, 8, 4)
+    assert StepCut(5, 16).sizes == (5,)
 
 
 def test_replanning_changes_the_cut_not_the_samples_of_a_step():

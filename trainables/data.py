@@ -27,6 +27,7 @@ again there (a DataLoader worker killed, say) is not pinned on the data: it is r
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -112,11 +113,11 @@ class StepCut:
     effective_batch: int
     micro_batch: int
 
-    @property
-    def sizes(self) -> list[int]:
+    @functools.cached_property  # read at every optimizer step
+    def sizes(self) -> tuple[int, ...]:
         """Samples per micro-batch: full ones, then the remainder (8 x 3 + 4 for 28 by 8)."""
         full, rest = divmod(self.effective_batch, self.micro_batch)
-        return [self.micro_batch] * full + ([rest] if rest else [])
+        return (self.micro_batch,) * full + ((rest,) if rest else ())
 
 
 @dataclass(frozen=True)

@@ -248,7 +248,7 @@ class DistributedTrainer(Trainer):
         with self.device.step("train", self.state_tensors):
             self._group_step(batches, sizes)
 
-    def _group_step(self, batches, sizes: list[int]) -> None:
+    def _group_step(self, batches, sizes: tuple[int, ...]) -> None:
         failure = loss = grad_norm = None
         try:
             if self.bucket is None:

@@ -64,8 +64,8 @@ class CpuDevice(Device):
             self.tracker.track(t for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
         return batch
 
-    @contextlib.contextmanager
     def step(self, phase, state):
+        # Called at every optimizer step: a plain function returning a context, not a generator's.
         now = time.monotonic()
         sampled = self._window_samples.get(phase, 0)
         quota = self._window_quota.get(phase, min(1, CPU_SAMPLED_STEPS))  # its first step, until it says more
@@ -73,14 +73,8 @@ class CpuDevice(Device):
             self._window_samples[phase] = sampled + 1
             self._last_sample = now
             self._measure_state(phase, sampled, list(state()))
-            yield
-            return
-        self._measuring_step = False
-        try:
-            with disable_current_modes():
-                yield
-        finally:
-            self._measuring_step = True
+            return _MEASURED
+        return _Unmeasured(self)
 
     def _measure_state(self, phase: str, sampled: int, tensors: list[torch.Tensor]) -> None:
         """Count what earlier, unmeasured steps made and kept, and decide from it whether this
@@ -105,3 +99,26 @@ class CpuDevice(Device):
 
     def reading(self) -> MemoryReading:
         return MemoryReading(self.kind, self.tracker.peak, None)
+
+
+_MEASURED = contextlib.nullcontext()  # a measured step runs under the tracker, as everything else
+
+
+class _Unmeasured:
+    """A step the tracker does not see: the dispatch modes set aside, and ``admit`` counting nothing."""
+
+    __slots__ = ("device", "modes")
+
+    def __init__(self, device: CpuDevice):
+        self.device = device
+
+    def __enter__(self) -> None:
+        self.device._measuring_step = False
+        self.modes = disable_current_modes()
+        self.modes.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.modes.__exit__(*exc)
+        finally:
+            self.device._measuring_step = True

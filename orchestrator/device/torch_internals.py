@@ -50,6 +50,8 @@ from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _disable_current_modes,
     _len_torch_dispatch_stack,
+    _pop_torch_dispatch_stack,
+    _push_on_torch_dispatch_stack,
 )
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -89,12 +91,36 @@ def op_schema(op: OpOverload) -> torch.FunctionSchema:
 
 def disable_current_modes() -> contextlib.AbstractContextManager:
     """Every active dispatch mode set aside for the duration (``_disable_current_modes``): host
-    work no tracker or trace should see. Where none is active (the CPU device's unsampled steps
-    and batch fetches, a GPU trial) a plain no-op context instead: torch's costs about 10 us a
-    call (imports and pre-dispatch bookkeeping), paid for every batch a trial fetches."""
-    if _len_torch_dispatch_stack() == 0 and _len_torch_dispatch_stack_pre_dispatch() == 0:
-        return contextlib.nullcontext()
-    return _disable_current_modes()
+    work no tracker or trace should see, and the CPU device's unsampled steps.
+
+    Torch's context costs ~25 us a call (imports, the pre-dispatch stack's bookkeeping, a
+    generator), paid at every step and batch fetch of a CPU trial, whose tracker stays pushed
+    for the whole trial. Where no pre-dispatch mode is active (every trial) the modes are popped
+    and pushed back as torch's own ``_pop_mode``/``_push_mode`` do for them, with nothing else;
+    where none is active at all (the fetches inside an unsampled step, a GPU trial), nothing."""
+    if _len_torch_dispatch_stack_pre_dispatch():
+        return _disable_current_modes()
+    if _len_torch_dispatch_stack() == 0:
+        return _NO_MODES
+    return _ModesSetAside()
+
+
+_NO_MODES = contextlib.nullcontext()
+
+
+class _ModesSetAside:
+    """The dispatch stack's modes (user modes, then infra modes such as ``FakeTensorMode``)
+    popped on entry and pushed back in their order on exit."""
+
+    __slots__ = ("_modes",)
+
+    def __enter__(self) -> list[TorchDispatchMode]:
+        self._modes = [_pop_torch_dispatch_stack(None) for _ in range(_len_torch_dispatch_stack())]
+        return list(self._modes)
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            _push_on_torch_dispatch_stack(mode)
 
 
 def parameter_slots(module: nn.Module) -> dict[str, nn.Parameter | None]:
