@@ -103,6 +103,17 @@ def test_a_dispatch_mode_sees_ops_except_where_modes_are_disabled():
     assert later.ops == ["aten.ones.default", "aten.sub.Tensor"], "torch changed: _len_torch_dispatch_stack"
 
 
+def test_setting_modes_aside_keeps_a_fake_mode_and_a_user_mode_on_top_of_it_in_their_order():
+    with ti.FakeTensorMode(), Seen() as seen:
+        with ti.disable_current_modes() as modes:
+            real = torch.ones(2) * 2  # neither sees it: a real tensor
+        after = torch.ones(2) - 1
+    assert [type(m) for m in modes] == [Seen, ti.FakeTensorMode], "torch changed: _pop_torch_dispatch_stack's order"
+    assert not isinstance(real, ti.FakeTensor) and real.tolist() == [2.0, 2.0]
+    assert isinstance(after, ti.FakeTensor), "torch changed: _push_on_torch_dispatch_stack of an infra mode"
+    assert "aten.mul.Tensor" not in seen.ops and "aten.sub.Tensor" in seen.ops
+
+
 def test_fake_tensors_have_shapes_and_no_data():
     with ti.FakeTensorMode() as mode:
         fake = torch.empty(4, 1024, 1024)

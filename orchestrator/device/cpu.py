@@ -65,7 +65,7 @@ class CpuDevice(Device):
         return batch
 
     def step(self, phase, state):
-        # Called at every optimizer step: a plain function returning a context, not a generator's.
+        # Called at every optimizer step: returns a context (cheaper than a generator-based one).
         now = time.monotonic()
         sampled = self._window_samples.get(phase, 0)
         quota = self._window_quota.get(phase, min(1, CPU_SAMPLED_STEPS))  # its first step, until it says more
