@@ -113,9 +113,9 @@ class _Unmeasured:
         self.device = device
 
     def __enter__(self) -> None:
-        self.device._measuring_step = False
         self.modes = disable_current_modes()
         self.modes.__enter__()
+        self.device._measuring_step = False  # only once __exit__ is sure to set it back
 
     def __exit__(self, *exc) -> None:
         try:

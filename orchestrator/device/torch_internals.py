@@ -95,9 +95,10 @@ def disable_current_modes() -> contextlib.AbstractContextManager:
 
     Torch's context costs ~8 us a call with one mode pushed (imports, the pre-dispatch stack's
     bookkeeping, a generator; this one ~2 us), paid at every unsampled step of a CPU trial,
-    whose tracker stays pushed for the whole trial. Where no pre-dispatch mode is active (every trial) the modes are popped
-    and pushed back as torch's own ``_pop_mode``/``_push_mode`` do for them, with nothing else;
-    where none is active at all (the fetches inside an unsampled step, a GPU trial), nothing."""
+    whose tracker stays pushed for the whole trial. Where no pre-dispatch mode is active (every
+    trial) the modes are popped and pushed back as torch's own ``_pop_mode``/``_push_mode`` do
+    for them, with nothing else; where none is active at all (the fetches inside an unsampled
+    step, a GPU trial), nothing."""
     if _len_torch_dispatch_stack_pre_dispatch():
         return _disable_current_modes()
     if _len_torch_dispatch_stack() == 0:
