@@ -7,6 +7,7 @@ example with the installed command from its own folder, and the demo sweeps from
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from orchestrator.cli import build_parser, main
 from orchestrator.config import load_spec
 from orchestrator.errors import UserError
-from orchestrator.launch.ray_job import build_job_request, connect, results_notes
+from orchestrator.launch.ray_job import build_job_request, connect, follow, results_notes
 from orchestrator.run_request import RunRequest
 from ports import free_port
 from tests.conftest import command_env, trial_results
@@ -89,6 +90,42 @@ def test_flags_of_the_embedded_ray_are_refused(monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     assert main(["run", DEMO, "--address", "http://127.0.0.1:8265", "--num-cpus", "2"]) == 2
     assert "--num-cpus: only for a sweep run here" in capsys.readouterr().err
+
+
+# -- following the logs, without Ray -----------------------------------------------------------
+
+
+async def chunks(*texts: str):
+    for text in texts:
+        yield text
+
+
+async def interrupted_after(text: str):
+    yield text
+    os.kill(os.getpid(), signal.SIGINT)
+    await asyncio.sleep(60)
+    yield "never printed"
+
+
+async def cancelled_before_the_first_chunk():
+    """What a Ctrl-C leaves when it lands while ``asyncio.run`` installs its handler: a cancelled task."""
+    asyncio.current_task().cancel()
+    await asyncio.sleep(0)
+    yield "never printed"
+
+
+def test_following_prints_every_chunk_until_the_logs_end(capsys):
+    assert follow(chunks("epoch 1\n", "epoch 2\n")) is True
+    assert capsys.readouterr().out == "epoch 1\nepoch 2\n"
+
+
+def test_ctrl_c_while_following_stops_following(capsys):
+    assert follow(interrupted_after("epoch 1\n")) is False
+    assert capsys.readouterr().out == "epoch 1\n"
+
+
+def test_a_ctrl_c_as_following_starts_stops_following_too():
+    assert follow(cancelled_before_the_first_chunk()) is False
 
 
 # -- against a real cluster --------------------------------------------------------------------

@@ -26,6 +26,7 @@ import asyncio
 import os
 import shlex
 from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import ClassVar
 
@@ -160,8 +161,10 @@ class RayJobLauncher(Launcher):
             print(f"Submitted job {submission_id}: {job.entrypoint}")
             print(how_to_open(job_page(self.address, submission_id), needs_token))
             print(f"Following its logs; Ctrl-C stops following, not the job. Stop the job with: {stop}", flush=True)
-            asyncio.run(_follow(client, submission_id))
+            followed = follow(client.tail_job_logs(submission_id))
         except KeyboardInterrupt:
+            followed = False
+        if not followed:
             print(f"\nStopped following. Job {submission_id} keeps running on the cluster.")
             print(f"  follow it again: {logs}")
             print(f"  stop it:         {stop}")
@@ -172,6 +175,21 @@ class RayJobLauncher(Launcher):
         return 0 if info.status == JobStatus.SUCCEEDED else 1
 
 
-async def _follow(client, submission_id: str) -> None:
-    async for chunk in client.tail_job_logs(submission_id):
+def follow(chunks: AsyncIterator[str]) -> bool:
+    """Print log chunks until they end (True) or Ctrl-C stops following (False).
+
+    ``asyncio.run`` turns Ctrl-C into a cancelled task and then a ``KeyboardInterrupt``, but a
+    Ctrl-C that lands while it installs its handler escapes as ``CancelledError`` (Python 3.11
+    zeroes its interrupt count after installing the handler). Nothing else cancels this task, so
+    both mean the user stopped following.
+    """
+    try:
+        asyncio.run(_print_all(chunks))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        return False
+    return True
+
+
+async def _print_all(chunks: AsyncIterator[str]) -> None:
+    async for chunk in chunks:
         print(chunk, end="", flush=True)
