@@ -25,8 +25,8 @@ from __future__ import annotations
 import asyncio
 import os
 import shlex
-from dataclasses import dataclass
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
