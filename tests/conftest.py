@@ -15,6 +15,7 @@ import glob
 import json
 import os
 import re
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,15 @@ def no_loopback_flag_left_behind():
         os.environ.pop(RAY_CLUSTER_ENV, None)
     else:
         os.environ[RAY_CLUSTER_ENV] = before
+
+
+@pytest.fixture
+def default_sigint():
+    """SIGINT handled as in a fresh process (``KeyboardInterrupt``), whatever an earlier test left
+    (Tune's own handler stays after a sweep run in-process); the handler before is put back after."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
 
 
 @pytest.fixture(scope="module")

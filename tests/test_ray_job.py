@@ -119,7 +119,7 @@ def test_following_prints_every_chunk_until_the_logs_end(capsys):
     assert capsys.readouterr().out == "epoch 1\nepoch 2\n"
 
 
-def test_ctrl_c_while_following_stops_following(capsys):
+def test_ctrl_c_while_following_stops_following(default_sigint, capsys):
     assert follow(interrupted_after("epoch 1\n")) is False
     assert capsys.readouterr().out == "epoch 1\n"
 

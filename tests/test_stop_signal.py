@@ -13,15 +13,7 @@ import pytest
 from orchestrator.stop_signal import sigterm_stops_like_sigint
 
 
-@pytest.fixture
-def sigint_handler():
-    """Puts back this process's SIGINT handler after the test."""
-    before = signal.getsignal(signal.SIGINT)
-    yield
-    signal.signal(signal.SIGINT, before)
-
-
-def test_sigterm_runs_the_sigint_handler_of_the_moment(sigint_handler):
+def test_sigterm_runs_the_sigint_handler_of_the_moment(default_sigint):
     """As Tune's: it stops the sweep gracefully and puts back the handler it replaced, so a second
     SIGTERM, like a second Ctrl-C, interrupts at once."""
     seen = []
@@ -38,14 +30,13 @@ def test_sigterm_runs_the_sigint_handler_of_the_moment(sigint_handler):
             signal.raise_signal(signal.SIGTERM)
 
 
-def test_an_ignored_sigint_ignores_sigterm_too(sigint_handler):
+def test_an_ignored_sigint_ignores_sigterm_too(default_sigint):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with sigterm_stops_like_sigint():
         signal.raise_signal(signal.SIGTERM)
 
 
-def test_the_sigterm_handler_before_is_back_after(sigint_handler):
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # whatever an earlier test left there
+def test_the_sigterm_handler_before_is_back_after(default_sigint):
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(KeyboardInterrupt), sigterm_stops_like_sigint():
         assert signal.getsignal(signal.SIGTERM) is not before
