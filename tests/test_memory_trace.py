@@ -15,7 +15,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from bench.zoo import GRU, LSTM, NNEncoder, NNEncoderMasked, NNEncoderMaskedSeqFirst, NNEncoderSeqFirst, NNTransformer, UNet
+from bench.zoo import (
+    GRU,
+    LSTM,
+    NNEncoder,
+    NNEncoderMasked,
+    NNEncoderMaskedSeqFirst,
+    NNEncoderSeqFirst,
+    NNTransformer,
+    UNet,
+)
 from orchestrator.contract import COMPILED_MODEL_NOTE
 from orchestrator.device import CpuDevice
 from orchestrator.memory import Settings, estimate

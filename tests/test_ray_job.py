@@ -17,15 +17,23 @@ from pathlib import Path
 
 import pytest
 import requests
+from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.cli import build_parser, main
 from orchestrator.config import load_spec
 from orchestrator.errors import UserError
-from orchestrator.launch.ray_job import build_job_request, connect, follow, results_notes
+from orchestrator.launch.ray_job import (
+    JobCommands,
+    build_job_request,
+    connect,
+    follow,
+    interrupted_submission,
+    new_submission_id,
+    results_notes,
+)
 from orchestrator.run_request import RunRequest
-from ports import free_port
-from tests.conftest import command_env, trial_results
+from tests.conftest import command_env, installed_command, trial_results
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = "configs/demo_cpu.yaml"
@@ -98,6 +106,14 @@ def test_flags_of_the_embedded_ray_are_refused(monkeypatch, capsys):
 async def chunks(*texts: str):
     for text in texts:
         yield text
+
+
+def test_a_submission_id_has_rays_own_form():
+    ids = {new_submission_id() for _ in range(100)}
+    assert len(ids) == 100
+    for submission_id in ids:
+        assert submission_id.startswith("raysubmit_") and len(submission_id) == len("raysubmit_") + 16
+        assert submission_id[len("raysubmit_"):].isalnum() and not set("IlOo0") & set(submission_id[len("raysubmit_"):])
 
 
 async def interrupted_after(text: str):
@@ -283,3 +299,40 @@ def test_dashboard_answers_401_without_the_token(ray_head):
     assert requests.get(f"{ray_head.dashboard_url}/api/jobs/", headers=ray_head.headers, timeout=10).ok
     mode = requests.get(f"{ray_head.dashboard_url}/api/authentication_mode", timeout=10).json()
     assert mode == {"authentication_mode": "token"}
+
+
+@pytest.mark.integration
+def test_ctrl_c_while_uploading_says_nothing_was_submitted(ray_head, tmp_path):
+    """A Ctrl-C while the working directory is packed and uploaded (80 MB that does not compress:
+    seconds here) leaves no job, and the command says so instead of leaving the user to guess."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "sweep.yaml").write_text((ROOT / DEMO).read_text())
+    (project / "weights.bin").write_bytes(os.urandom(80 * 2**20))
+    run = subprocess.Popen([installed_command(), "run", "sweep.yaml", "--address", ray_head.dashboard_url, *SMALL_CUT],
+                           cwd=project, env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in run.stdout:
+        lines.append(line)
+        if line.startswith("Uploading "):
+            break
+    run.send_signal(signal.SIGINT)
+    out = "".join(lines) + run.communicate(timeout=60)[0]
+    assert run.returncode == 130, out
+    submission_id = lines[-1].split()[-1].rstrip(".")
+    assert f"Interrupted before the cluster took the job: nothing was submitted ({submission_id} is not" in out
+    assert "Traceback" not in out and "Submitted job" not in out
+    assert submission_id not in {job.submission_id for job in job_client(ray_head).list_jobs()}
+
+
+@pytest.mark.integration
+def test_a_job_the_cluster_took_before_the_ctrl_c_is_said_to_run_on(ray_head):
+    """The other side of a Ctrl-C during ``submit_job``: the cluster took the job and only its reply
+    was cut short. Asked by the id chosen before submitting, the job is found and its commands printed."""
+    client = job_client(ray_head)
+    commands = JobCommands(ray_head.dashboard_url, new_submission_id(), needs_token=True)
+    client.submit_job(entrypoint="python -c pass", submission_id=commands.submission_id)
+    said = interrupted_submission(client, commands)
+    assert said.startswith(f"Interrupted, but the cluster had taken the job. Job {commands.submission_id} keeps running")
+    assert f"RAY_AUTH_MODE=token ray job stop {commands.submission_id} --address {ray_head.dashboard_url}" in said
+    wait_terminal(client, commands.submission_id)

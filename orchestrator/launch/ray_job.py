@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import shlex
+import string
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,28 +153,85 @@ class RayJobLauncher(Launcher):
         for note in results_notes(request, spec):
             print(f"note: {note}")
         client = connect(self.address)
-        submission_id = client.submit_job(entrypoint=job.entrypoint, runtime_env=job.runtime_env, metadata=job.metadata)
-        needs_token = token_required(self.address)
-        ray = shlex.quote(tool("ray"))
-        ray_cli = f"RAY_AUTH_MODE=token {ray}" if needs_token else ray  # Ray's CLI sends the token only when told to
-        stop = f"{ray_cli} job stop {submission_id} --address {self.address}"
-        logs = f"{ray_cli} job logs --follow {submission_id} --address {self.address}"
+        commands = JobCommands(self.address, new_submission_id(), token_required(self.address))
+        print(f"Uploading {job.runtime_env['working_dir']} and submitting job {commands.submission_id}...", flush=True)
         try:
-            print(f"Submitted job {submission_id}: {job.entrypoint}")
-            print(how_to_open(job_page(self.address, submission_id), needs_token))
-            print(f"Following its logs; Ctrl-C stops following, not the job. Stop the job with: {stop}", flush=True)
-            followed = follow(client.tail_job_logs(submission_id))
+            client.submit_job(entrypoint=job.entrypoint, runtime_env=job.runtime_env, metadata=job.metadata,
+                              submission_id=commands.submission_id)
+        except KeyboardInterrupt:
+            print(interrupted_submission(client, commands))
+            return 130
+        try:
+            print(f"Submitted job {commands.submission_id}: {job.entrypoint}")
+            print(how_to_open(job_page(self.address, commands.submission_id), commands.needs_token))
+            print(f"Following its logs; Ctrl-C stops following, not the job. Stop the job with: {commands.stop}",
+                  flush=True)
+            followed = follow(client.tail_job_logs(commands.submission_id))
         except KeyboardInterrupt:
             followed = False
         if not followed:
-            print(f"\nStopped following. Job {submission_id} keeps running on the cluster.")
-            print(f"  follow it again: {logs}")
-            print(f"  stop it:         {stop}")
+            print(f"\nStopped following. {commands.still_running()}")
             return 130
-        info = client.get_job_info(submission_id)
+        info = client.get_job_info(commands.submission_id)
         message = (info.message or "").splitlines()[:1]  # a failure's message repeats the log tail
-        print(f"Job {submission_id} {info.status.value}: {' '.join(message)}".rstrip(": "))
+        print(f"Job {commands.submission_id} {info.status.value}: {' '.join(message)}".rstrip(": "))
         return 0 if info.status == JobStatus.SUCCEEDED else 1
+
+
+def new_submission_id() -> str:
+    """An id of Ray's own form (``raysubmit_`` and 16 letters and digits), chosen here rather than
+    by the cluster, so that a submission cut short by Ctrl-C can still be looked up by it."""
+    return "raysubmit_" + "".join(secrets.choice(SUBMISSION_ID_CHARACTERS) for _ in range(16))
+
+
+#: Letters and digits, less those easily confused (Ray leaves out the same five).
+SUBMISSION_ID_CHARACTERS = "".join(sorted(set(string.ascii_letters + string.digits) - set("IlOo0")))
+
+
+@dataclass(frozen=True)
+class JobCommands:
+    """Ray's CLI lines for one submitted job, with the token mode its dashboard needs."""
+
+    address: str
+    submission_id: str
+    needs_token: bool
+
+    def _ray(self, verb: str) -> str:
+        ray = shlex.quote(tool("ray"))
+        ray_cli = f"RAY_AUTH_MODE=token {ray}" if self.needs_token else ray  # Ray's CLI sends the token only when told to
+        return f"{ray_cli} job {verb} {self.submission_id} --address {self.address}"
+
+    @property
+    def stop(self) -> str:
+        return self._ray("stop")
+
+    @property
+    def follow(self) -> str:
+        return self._ray("logs --follow")
+
+    @property
+    def status(self) -> str:
+        return self._ray("status")
+
+    def still_running(self) -> str:
+        return (f"Job {self.submission_id} keeps running on the cluster.\n"
+                f"  follow it again: {self.follow}\n"
+                f"  stop it:         {self.stop}")
+
+
+def interrupted_submission(client, commands: JobCommands) -> str:
+    """What a Ctrl-C during ``submit_job`` left behind, asked of the cluster: nothing (it came
+    while the working directory was packed or uploaded, or before the cluster took the job), or
+    a job that now runs without anyone following it (the reply was what the Ctrl-C cut short)."""
+    try:
+        taken = any(job.submission_id == commands.submission_id for job in client.list_jobs())
+    except (KeyboardInterrupt, RuntimeError, OSError) as exc:  # RuntimeError: Ray's client, for a failed request
+        asked = "a second Ctrl-C" if isinstance(exc, KeyboardInterrupt) else f"the cluster did not answer: {exc}"
+        return (f"Interrupted while submitting; whether job {commands.submission_id} reached the cluster is not known "
+                f"({asked}). Ask with: {commands.status}")
+    if not taken:
+        return f"Interrupted before the cluster took the job: nothing was submitted ({commands.submission_id} is not in its job list)."
+    return f"Interrupted, but the cluster had taken the job. {commands.still_running()}"
 
 
 def follow(chunks: AsyncIterator[str]) -> bool:
