@@ -334,5 +334,6 @@ def test_a_job_the_cluster_took_before_the_ctrl_c_is_said_to_run_on(ray_head):
     client.submit_job(entrypoint="python -c pass", submission_id=commands.submission_id)
     said = interrupted_submission(client, commands)
     assert said.startswith(f"Interrupted, but the cluster had taken the job. Job {commands.submission_id} keeps running")
-    assert f"RAY_AUTH_MODE=token ray job stop {commands.submission_id} --address {ray_head.dashboard_url}" in said
+    assert f"job stop {commands.submission_id} --address {ray_head.dashboard_url}" in said
+    assert said.count("RAY_AUTH_MODE=token ") == 2  # follow and stop, each with the token Ray's CLI needs told
     wait_terminal(client, commands.submission_id)

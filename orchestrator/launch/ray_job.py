@@ -230,7 +230,8 @@ def interrupted_submission(client, commands: JobCommands) -> str:
         return (f"Interrupted while submitting; whether job {commands.submission_id} reached the cluster is not known "
                 f"({asked}). Ask with: {commands.status}")
     if not taken:
-        return f"Interrupted before the cluster took the job: nothing was submitted ({commands.submission_id} is not in its job list)."
+        return (f"Interrupted before the cluster took the job: nothing was submitted "
+                f"({commands.submission_id} is not in its job list).")
     return f"Interrupted, but the cluster had taken the job. {commands.still_running()}"
 
 
