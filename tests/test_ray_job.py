@@ -170,6 +170,17 @@ def wait_terminal(client, submission_id: str, timeout: float = 120):
     return status
 
 
+def interrupted_at(run: subprocess.Popen, prefix: str) -> tuple[str, str]:
+    """Ctrl-C to ``run`` as soon as it prints a line starting with ``prefix``: that line, and all it printed."""
+    lines = []
+    for line in run.stdout:
+        lines.append(line)
+        if line.startswith(prefix):
+            break
+    run.send_signal(signal.SIGINT)
+    return lines[-1], "".join(lines) + run.communicate(timeout=60)[0]
+
+
 def submission_id_in(output: str) -> str:
     return next(line.split()[2].rstrip(":") for line in output.splitlines() if line.startswith("Submitted job "))
 
@@ -274,13 +285,7 @@ def test_oom_retries_are_counted_on_the_prometheus_endpoint(ray_head, tmp_path):
 def test_ctrl_c_stops_following_not_the_job(ray_head, tmp_path):
     run = cli("run", DEMO, "--address", ray_head.dashboard_url, *SMALL_CUT,
               "--storage-path", str(tmp_path / "results"), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db")
-    lines = []
-    for line in run.stdout:  # until it is following the logs
-        lines.append(line)
-        if line.startswith("Following its logs"):
-            break
-    run.send_signal(signal.SIGINT)
-    out = "".join(lines) + run.communicate(timeout=60)[0]
+    _, out = interrupted_at(run, "Following its logs")
     assert run.returncode == 130, out
     submission_id = submission_id_in(out)
     assert f"Job {submission_id} keeps running" in out
@@ -311,15 +316,9 @@ def test_ctrl_c_while_uploading_says_nothing_was_submitted(ray_head, tmp_path):
     (project / "weights.bin").write_bytes(os.urandom(80 * 2**20))
     run = subprocess.Popen([installed_command(), "run", "sweep.yaml", "--address", ray_head.dashboard_url, *SMALL_CUT],
                            cwd=project, env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in run.stdout:
-        lines.append(line)
-        if line.startswith("Uploading "):
-            break
-    run.send_signal(signal.SIGINT)
-    out = "".join(lines) + run.communicate(timeout=60)[0]
+    uploading, out = interrupted_at(run, "Uploading ")
     assert run.returncode == 130, out
-    submission_id = lines[-1].split()[-1].rstrip(".")
+    submission_id = uploading.split()[-1].rstrip(".")
     assert f"Interrupted before the cluster took the job: nothing was submitted ({submission_id} is not" in out
     assert "Traceback" not in out and "Submitted job" not in out
     assert submission_id not in {job.submission_id for job in job_client(ray_head).list_jobs()}
