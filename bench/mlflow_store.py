@@ -29,6 +29,7 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 from orchestrator.tracking.batching import merged  # noqa: E402
+from orchestrator.tracking.callback import _changing, _once  # noqa: E402
 from orchestrator.tracking.flatten import param_text, plan_params, result_metrics  # noqa: E402
 from orchestrator.tracking.operations import AddParams, EndRun, LogResult, SetTags, StartRun  # noqa: E402
 from orchestrator.tracking.runs import SweepIdentity, TrialRef  # noqa: E402
@@ -58,14 +59,14 @@ def trial_writes(n: int) -> list[list]:
     ref = TrialRef(f"bench_{n:05d}", f"train_trial_bench_{n:05d}", "mlp")
     config = {"config.workload": "mlp", "config.lr": param_text(0.001 * (n % 97 + 1)), "config.width": "64",
               "resources.cpu": "1", "resources.gpu": "0"}
-    results = []
-    for epoch in range(1, EPOCHS + 1):
-        report = TrialReport.from_result({**REPORT, "epoch": epoch, "step": epoch * STEPS_PER_EPOCH})
-        results.append(LogResult(ref, epoch * STEPS_PER_EPOCH, result_metrics(report), int(time.time() * 1000)))
-    once = {"estimator": "trace", "estimated_by": "driver", "memory_source": "cpu_tensor_tracker", "budget_bytes": "None"}
+    reports = [TrialReport.from_result({**REPORT, "epoch": epoch, "step": epoch * STEPS_PER_EPOCH})
+               for epoch in range(1, EPOCHS + 1)]
+    results = [LogResult(ref, report.step, result_metrics(report), int(time.time() * 1000)) for report in reports]
+    # The callback's own rules for a first result's once-only params and its tags.
+    once = {k: param_text(v) for k, v in _once(reports[0]).items() if v is not None}
+    tags = {k: str(v) for k, v in _changing(reports[0]).items() if v is not None}
     start = [StartRun(ref, params=config, tags={"tune.trial_path": f"/tmp/bench/{ref.name}"}), AddParams(ref, once),
-             SetTags(ref, {"precision": "fp32", "predicted_phase": "train", "memory_source": "cpu_tensor_tracker",
-                           "node_name": "127.0.0.1"}), results[0]]
+             SetTags(ref, tags), results[0]]
     return [start, results[1:], [AddParams(ref, plan_params(PLAN)), EndRun(ref, "FINISHED")]]
 
 
