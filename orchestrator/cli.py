@@ -135,27 +135,32 @@ def keep_local_ray_on_loopback(args: argparse.Namespace) -> None:
         os.environ.setdefault(RAY_CLUSTER_ENV, "0")
 
 
-class _UntilTheReaderLeaves(io.RawIOBase):
-    """A pipe's file descriptor that, once its reader has closed it, points to /dev/null instead."""
+class _UntilTheReaderLeaves(io.TextIOWrapper):
+    """A standard stream on a pipe that, once the pipe's reader has left, writes to /dev/null.
 
-    def __init__(self, fd: int) -> None:
-        super().__init__()
-        self._fd = fd
+    The pipe itself is written by C (a ``FileIO`` under the buffer), not by a method of ours: a
+    Ctrl-C lands between Python's steps, and one landing after a Python write had written but
+    before it returned would leave that text in the buffer, to be written a second time at exit.
+    """
 
-    def writable(self) -> bool:
-        return True
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def write(self, data) -> int:
+    def write(self, text: str) -> int:
         try:
-            return os.write(self._fd, data)
+            return super().write(text)
         except BrokenPipeError:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, self._fd)
-            os.close(devnull)
-            return len(data)
+            self._write_to_devnull()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except BrokenPipeError:
+            self._write_to_devnull()
+            super().flush()  # what the reader left unread goes to /dev/null, not again at exit
+
+    def _write_to_devnull(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self.fileno())
+        os.close(devnull)
 
 
 def quiet_when_the_reader_leaves() -> None:
@@ -174,8 +179,8 @@ def quiet_when_the_reader_leaves() -> None:
         if not stat.S_ISFIFO(os.fstat(fd).st_mode):
             continue
         stream.flush()
-        setattr(sys, name, io.TextIOWrapper(
-            io.BufferedWriter(_UntilTheReaderLeaves(fd)), encoding=stream.encoding, errors=stream.errors,
+        setattr(sys, name, _UntilTheReaderLeaves(
+            io.BufferedWriter(io.FileIO(fd, "w", closefd=False)), encoding=stream.encoding, errors=stream.errors,
             line_buffering=stream.line_buffering, write_through=stream.write_through,
         ))
 

@@ -15,6 +15,7 @@ import re
 import shlex
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -124,6 +125,38 @@ def test_a_reader_that_leaves_early_ends_plan_quietly(pipe, tmp_path):
     assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr[-3000:]
     if pipe.startswith("| head"):
         assert proc.stdout.startswith("target cpu, budget unbounded") and proc.stdout.count("\n") == 1
+
+
+PRINTS_UNTIL_CTRL_C = """
+import sys
+from orchestrator.cli import quiet_when_the_reader_leaves
+quiet_when_the_reader_leaves()
+try:
+    for number in range(10**9):
+        print(f"line {number}", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+"""
+
+
+def test_a_ctrl_c_as_a_line_goes_out_leaves_it_written_once(tmp_path):
+    """A Ctrl-C that lands while a line is written to a pipe (under load, the test's SIGINT to
+    ``run --address`` at its 'Uploading' line did) must not leave that line buffered, to be
+    written a second time at exit. Writing the pipe from a Python method did so in 3 runs of 4."""
+    for _ in range(30):
+        proc = subprocess.Popen([sys.executable, "-c", PRINTS_UNTIL_CTRL_C], cwd=tmp_path, env=command_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        said = []
+        for line in proc.stdout:
+            said.append(line)
+            if line == "line 3\n":
+                break
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+        out = "".join(said) + proc.stdout.read()
+        lines = [line for line in out.splitlines() if line.startswith("line ")]
+        assert len(lines) == len(set(lines)), out[-2000:]
+        assert "interrupted" in out and "Traceback" not in out, out[-2000:]
 
 
 def _checkpointed_epochs(folder: Path) -> dict[str, int]:
