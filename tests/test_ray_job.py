@@ -8,11 +8,13 @@ example with the installed command from its own folder, and the demo sweeps from
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -144,6 +146,25 @@ def test_a_ctrl_c_as_following_starts_stops_following_too():
     assert follow(cancelled_before_the_first_chunk()) is False
 
 
+class CtrlCBeforeTheLoop(asyncio.DefaultEventLoopPolicy):
+    def new_event_loop(self):
+        raise KeyboardInterrupt
+
+
+def test_a_ctrl_c_before_the_loop_starts_stops_following_without_a_warning():
+    """Seen with a real cluster: the Ctrl-C landed inside ``asyncio.run`` before it started the
+    printing, and Python warned 'coroutine ... was never awaited' under the command's own lines."""
+    asyncio.set_event_loop_policy(CtrlCBeforeTheLoop())
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert follow(chunks("never printed")) is False
+            gc.collect()
+    finally:
+        asyncio.set_event_loop_policy(None)
+    assert not [warning for warning in caught if "never awaited" in str(warning.message)]
+
+
 # -- against a real cluster --------------------------------------------------------------------
 
 
@@ -178,7 +199,14 @@ def interrupted_at(run: subprocess.Popen, prefix: str) -> tuple[str, str]:
         if line.startswith(prefix):
             break
     run.send_signal(signal.SIGINT)
-    return lines[-1], "".join(lines) + run.communicate(timeout=60)[0]
+    try:
+        run.wait(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    # Not communicate(timeout=...): it reads the pipe under the text stream, and would drop what
+    # the stream had already read ahead of the line.
+    return lines[-1], "".join(lines) + run.stdout.read()
 
 
 def submission_id_in(output: str) -> str:
@@ -319,8 +347,9 @@ def test_ctrl_c_while_uploading_says_nothing_was_submitted(ray_head, tmp_path):
     uploading, out = interrupted_at(run, "Uploading ")
     assert run.returncode == 130, out
     submission_id = uploading.split()[-1].rstrip(".")
-    assert f"Interrupted before the cluster took the job: nothing was submitted ({submission_id} is not" in out
+    assert f"Interrupted before the cluster took the job: nothing was submitted ({submission_id} is not" in out, out
     assert "Traceback" not in out and "Submitted job" not in out
+    assert out.count("Uploading ") == 1, out  # a Ctrl-C as the line was written once left it to be written again
     assert submission_id not in {job.submission_id for job in job_client(ray_head).list_jobs()}
 
 

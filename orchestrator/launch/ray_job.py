@@ -154,12 +154,13 @@ class RayJobLauncher(Launcher):
             print(f"note: {note}")
         client = connect(self.address)
         commands = JobCommands(self.address, new_submission_id(), token_required(self.address))
-        print(f"Uploading {job.runtime_env['working_dir']} and submitting job {commands.submission_id}...", flush=True)
         try:
+            print(f"Uploading {job.runtime_env['working_dir']} and submitting job {commands.submission_id}...",
+                  flush=True)
             client.submit_job(entrypoint=job.entrypoint, runtime_env=job.runtime_env, metadata=job.metadata,
                               submission_id=commands.submission_id)
         except KeyboardInterrupt:
-            print(interrupted_submission(client, commands))
+            print(interrupted_submission(client, commands), flush=True)
             return 130
         try:
             print(f"Submitted job {commands.submission_id}: {job.entrypoint}")
@@ -241,11 +242,14 @@ def follow(chunks: AsyncIterator[str]) -> bool:
     ``asyncio.run`` turns Ctrl-C into a cancelled task and then a ``KeyboardInterrupt``, but a
     Ctrl-C that lands while it installs its handler escapes as ``CancelledError`` (Python 3.11
     zeroes its interrupt count after installing the handler). Nothing else cancels this task, so
-    both mean the user stopped following.
+    both mean the user stopped following. One that lands before the loop starts the printing
+    leaves it never awaited, which Python would warn about on the user's screen: it is closed.
     """
+    printing = _print_all(chunks)
     try:
-        asyncio.run(_print_all(chunks))
+        asyncio.run(printing)
     except (KeyboardInterrupt, asyncio.CancelledError):
+        printing.close()
         return False
     return True
 
