@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 from orchestrator.tracking.batching import merged  # noqa: E402
-from orchestrator.tracking.callback import _changing, _once  # noqa: E402
+from orchestrator.tracking.callback import changing_tags, once_params  # noqa: E402
 from orchestrator.tracking.flatten import param_text, plan_params, result_metrics  # noqa: E402
 from orchestrator.tracking.operations import AddParams, EndRun, LogResult, SetTags, StartRun  # noqa: E402
 from orchestrator.tracking.runs import SweepIdentity, TrialRef  # noqa: E402
@@ -62,11 +62,8 @@ def trial_writes(n: int) -> list[list]:
     reports = [TrialReport.from_result({**REPORT, "epoch": epoch, "step": epoch * STEPS_PER_EPOCH})
                for epoch in range(1, EPOCHS + 1)]
     results = [LogResult(ref, report.step, result_metrics(report), int(time.time() * 1000)) for report in reports]
-    # The callback's own rules for a first result's once-only params and its tags.
-    once = {k: param_text(v) for k, v in _once(reports[0]).items() if v is not None}
-    tags = {k: str(v) for k, v in _changing(reports[0]).items() if v is not None}
-    start = [StartRun(ref, params=config, tags={"tune.trial_path": f"/tmp/bench/{ref.name}"}), AddParams(ref, once),
-             SetTags(ref, tags), results[0]]
+    start = [StartRun(ref, params=config, tags={"tune.trial_path": f"/tmp/bench/{ref.name}"}),
+             AddParams(ref, once_params(reports[0])), SetTags(ref, changing_tags(reports[0])), results[0]]
     return [start, results[1:], [AddParams(ref, plan_params(PLAN)), EndRun(ref, "FINISHED")]]
 
 

@@ -115,9 +115,9 @@ class MlflowTracking(tune.Callback):
         log = self._log(trial)
         report = TrialReport.from_result(result)
         if not log.described:
-            self._put(AddParams(log.ref, {k: param_text(v) for k, v in _once(report).items() if v is not None}))
+            self._put(AddParams(log.ref, once_params(report)))
             log.described = True
-        tags = {k: str(v) for k, v in _changing(report).items() if v is not None}
+        tags = changing_tags(report)
         plan = report.plan
         if plan and (not log.plans or log.plans[-1]["plan"] != plan):
             log.plans.append({"step": report.step, "epoch": report.epoch, "plan": plan})
@@ -235,16 +235,18 @@ class MlflowTracking(tune.Callback):
         log.ended = True
 
 
-def _once(report: TrialReport) -> dict[str, object]:
-    """Per-trial facts that do not change while it runs: params, logged once."""
-    return {"estimator": report.estimator, "estimated_by": report.estimated_by, "memory_source": report.memory_source,
-            "budget_bytes": report.budget_bytes, "gpu_name": report.gpu_name, "gpu_total_bytes": report.gpu_total_bytes}
+def once_params(report: TrialReport) -> dict[str, str]:
+    """Per-trial facts that do not change while it runs: params, logged once (those it has)."""
+    facts = {"estimator": report.estimator, "estimated_by": report.estimated_by, "memory_source": report.memory_source,
+             "budget_bytes": report.budget_bytes, "gpu_name": report.gpu_name, "gpu_total_bytes": report.gpu_total_bytes}
+    return {k: param_text(v) for k, v in facts.items() if v is not None}
 
 
-def _changing(report: TrialReport) -> dict[str, object]:
-    """Strings that can change with the plan or the node: tags, which MLflow lets us overwrite."""
-    return {"precision": report.precision, "predicted_phase": report.predicted_phase,
-            "memory_source": report.memory_source, "node_name": report.node_name}
+def changing_tags(report: TrialReport) -> dict[str, str]:
+    """Facts that can change with the plan or the node: tags, which MLflow lets us overwrite."""
+    facts = {"precision": report.precision, "predicted_phase": report.predicted_phase,
+             "memory_source": report.memory_source, "node_name": report.node_name}
+    return {k: str(v) for k, v in facts.items() if v is not None}
 
 
 def _error_summary(trial) -> str:
