@@ -16,6 +16,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,6 +149,24 @@ def installed_command() -> str:
     script = Path(sys.executable).parent / "orchestrator"
     assert script.exists(), f"{script} is missing: install the project (pip install -e .) to test its command"
     return str(script)
+
+
+def interrupted_at(run: subprocess.Popen, prefix: str) -> tuple[str, str]:
+    """Ctrl-C to ``run`` as soon as it prints a line starting with ``prefix``: that line, and all it printed."""
+    lines = []
+    for line in run.stdout:
+        lines.append(line)
+        if line.startswith(prefix):
+            break
+    run.send_signal(signal.SIGINT)
+    try:
+        run.wait(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    # Not communicate(timeout=...): it reads the pipe under the text stream, and would drop what
+    # the stream had already read ahead of the line.
+    return lines[-1], "".join(lines) + run.stdout.read()
 
 
 def command_env(venv_on_path: bool = True) -> dict[str, str]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, command_env, installed_command, trial_results
+from tests.conftest import ROOT, command_env, installed_command, interrupted_at, trial_results
 
 # The README's WideNet at a pace a test can interrupt (about half a second an epoch on one core),
 # in a module of the user's package beside it.
@@ -146,14 +146,7 @@ def test_a_ctrl_c_as_a_line_goes_out_leaves_it_written_once(tmp_path):
     for _ in range(30):
         proc = subprocess.Popen([sys.executable, "-c", PRINTS_UNTIL_CTRL_C], cwd=tmp_path, env=command_env(),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        said = []
-        for line in proc.stdout:
-            said.append(line)
-            if line == "line 3\n":
-                break
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
-        out = "".join(said) + proc.stdout.read()
+        _, out = interrupted_at(proc, "line 3")
         lines = [line for line in out.splitlines() if line.startswith("line ")]
         assert len(lines) == len(set(lines)), out[-2000:]
         assert "interrupted" in out and "Traceback" not in out, out[-2000:]

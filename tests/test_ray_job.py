@@ -35,7 +35,7 @@ from orchestrator.launch.ray_job import (
     results_notes,
 )
 from orchestrator.run_request import RunRequest
-from tests.conftest import command_env, installed_command, trial_results
+from tests.conftest import command_env, installed_command, interrupted_at, trial_results
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = "configs/demo_cpu.yaml"
@@ -189,24 +189,6 @@ def wait_terminal(client, submission_id: str, timeout: float = 120):
         assert time.monotonic() < deadline, f"job {submission_id} still {status} after {timeout} s"
         time.sleep(1)
     return status
-
-
-def interrupted_at(run: subprocess.Popen, prefix: str) -> tuple[str, str]:
-    """Ctrl-C to ``run`` as soon as it prints a line starting with ``prefix``: that line, and all it printed."""
-    lines = []
-    for line in run.stdout:
-        lines.append(line)
-        if line.startswith(prefix):
-            break
-    run.send_signal(signal.SIGINT)
-    try:
-        run.wait(timeout=60)
-    finally:
-        if run.poll() is None:
-            run.kill()
-    # Not communicate(timeout=...): it reads the pipe under the text stream, and would drop what
-    # the stream had already read ahead of the line.
-    return lines[-1], "".join(lines) + run.stdout.read()
 
 
 def submission_id_in(output: str) -> str:
