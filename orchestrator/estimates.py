@@ -2,10 +2,15 @@
 
 Trials whose workload, memory-relevant hyper-parameters, estimator, precision policy, allocator
 configuration and target are the same have the same memory: a sweep of one model over 8
-learning rates and 2 widths needs two estimates, not sixteen. The driver makes them (in
-parallel processes where it has the CPUs) before the Tuner starts and hands them to the trials,
-so a trial never spends its start-up on an estimate it could have been given; ``orchestrator
-plan`` shares the same code.
+learning rates and 2 widths needs two estimates, not sixteen. The driver makes them before the
+Tuner starts (while Ray starts) and hands them to the trials, so a trial never spends its start-up
+on an estimate it could have been given; ``orchestrator plan`` shares the same code.
+
+Several signatures are estimated in parallel processes where there are cores to spare: a spawned
+process spends some 5 s of a core importing torch and making its first trace before its first
+estimate, while the driver has torch imported already. So one core stays the driver's (it is
+starting Ray meanwhile), and on two cores the driver's own thread makes every estimate: the demo
+sweep's four took 4-5 s there against 9-13 s in two processes, with or without Ray starting beside.
 
 A trial re-estimates on its worker only where the driver could not stand in for it: its device
 is not the one the driver planned for (a CPU-only worker in a GPU sweep), the estimator
@@ -72,7 +77,8 @@ def estimate_trials(
     effective_batch: int, *, processes: int | None = None,
     on_done: Callable[[str, list[int], float], None] | None = None,
 ) -> Estimates:
-    """Estimate each distinct memory signature of ``configs`` once, in parallel processes.
+    """Estimate each distinct memory signature of ``configs`` once, in up to ``processes``
+    parallel processes (by default one fewer than the usable cores; one means this thread).
 
     Each signature is planned as its trials will be (``budget`` is the driver's best knowledge:
     None where only the worker can tell), so the profiles the plan needs are the ones made.
@@ -86,7 +92,7 @@ def estimate_trials(
     for index, config in enumerate(configs):
         groups.setdefault(memory_signature(config, policy, target), []).append(index)
     jobs = [(configs[indices[0]], policy, target, budget, effective_batch) for indices in groups.values()]
-    workers = min(len(jobs), processes or os.cpu_count() or 1)
+    workers = min(len(jobs), processes or usable_cores() - 1)
     if workers <= 1:
         results = map(_estimate_one, jobs)
         pool = None
@@ -107,6 +113,15 @@ def estimate_trials(
         if pool is not None:
             pool.shutdown(cancel_futures=True)
     return estimates
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: a SLURM step or ``taskset`` gives it fewer than the
+    machine has, and processes beyond those would only take turns."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux: the machine's
+        return os.cpu_count() or 1
 
 
 def _estimate_one(job) -> tuple[dict[Settings, MemoryProfile], str | None, float]:

@@ -15,7 +15,7 @@ budget, the gradient exchange's bucket and its peak against its limit.
 
 Trials with the same memory signature (``orchestrator.estimates``: they differ only in ``lr``,
 ``seed`` or what the workload declares memory-neutral) are estimated once, distinct ones in
-parallel processes.
+parallel processes where there are cores to spare (``estimate_trials``).
 A refused trial is a plan outcome, not an error of the command: the exit status is 0 with the
 refusals shown (and counted in the summary). A trial that could not be estimated at all (its
 model's library is not installed here, say) is shown with its error and the others still

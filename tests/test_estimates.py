@@ -2,11 +2,13 @@
 profiles the driver hands the trials."""
 
 import dataclasses
+import multiprocessing
+import os
 
 import pytest
 
 from orchestrator.config import parse_spec
-from orchestrator.estimates import estimate_trials, memory_signature
+from orchestrator.estimates import estimate_trials, memory_signature, usable_cores
 from orchestrator.memory import Settings
 from orchestrator.memory.cache import ProfileCache
 from orchestrator.planner import plan_with_profile
@@ -74,6 +76,36 @@ def test_sixteen_trials_of_two_widths_are_estimated_twice(processes):
     assert sorted(len(trials) for trials in seen) == [8, 8]
     profiles = estimates.known(configs[0], "cuda")
     assert Settings("fp32", False) in profiles and estimates.known(configs[0], "cpu") == {}
+
+
+def test_on_two_cores_the_estimates_are_made_in_this_process_and_beyond_them_in_processes_beside_it(tmp_path, monkeypatch):
+    """One core stays the driver's; with one left, spawning a process (its import and first trace
+    cost a core seconds) would be slower than estimating here. Spawned processes import a user's
+    workload from where the driver does."""
+    (tmp_path / "user_widths.py").write_text(
+        "import dataclasses\nfrom trainables.mlp import MLPWorkload\n"
+        "@dataclasses.dataclass\nclass Wide(MLPWorkload):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sweep = spec(workload={"name": "user_widths:Wide", "params": {"depth": 1}}, search_space={"width": {"grid": [16, 32, 48]}})
+    from orchestrator.space import trial_configs
+
+    def children_while_estimating(cores: set[int], processes: int | None = None) -> list[int]:
+        """The processes this one had as each estimate came in, with ``cores`` its usable ones."""
+        everywhere = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, cores)
+        try:
+            seen = []
+            estimates = estimate_trials(trial_configs(sweep), sweep.memory, "cpu", None, 64, processes=processes,
+                                        on_done=lambda *_: seen.append(len(multiprocessing.active_children())))
+        finally:
+            os.sched_setaffinity(0, everywhere)
+        assert len(estimates.by_signature) == 3 and not estimates.errors
+        return seen
+
+    two = set(sorted(os.sched_getaffinity(0))[:2])
+    assert usable_cores() >= len(two)
+    assert children_while_estimating(two) == [0, 0, 0]
+    assert all(children_while_estimating(two, processes=2))  # asked for: two spawned, even so
 
 
 def test_a_trial_plans_from_the_profiles_it_was_handed():

@@ -115,7 +115,7 @@ def test_a_trial_that_cannot_be_estimated_is_shown_and_the_rest_planned(sweep, c
         "    def build_model(self):\n"
         "        import torchvision_not_installed_here\n"
     )
-    monkeypatch.syspath_prepend(str(tmp_path))  # the estimating processes inherit it, as from the CLI
+    monkeypatch.syspath_prepend(str(tmp_path))  # estimate processes (where there are any) inherit it, as from the CLI
     config = sweep()
     overrides = ["search_space.workload={grid: [staged_mlp, needs_library:NeedsLibrary]}"]
     assert plan_command(args(config, device_memory="2GiB", overrides=overrides)) == 1
