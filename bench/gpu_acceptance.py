@@ -21,6 +21,8 @@ puts it on each measurement's ``PYTHONPATH``. The measurements:
   and the same sweep with no estimate and an eighth of the GPU per trial, so trials start at the
   full batch and meet real CUDA OOMs under that per-process memory fraction, and shrink;
 * plan verification on real kernels (issue 24 item 1), where the config has ``memory.verify``;
+* the driver's estimates leave it with no CUDA context (a one-signature sweep's trace is a
+  spawned process's);
 * a reused worker's memory: ``torch.cuda.memory_allocated`` back to its baseline after each of
   several trials run in one process (issue 25);
 * a 2-rank NCCL trial where the machine has two GPUs (skipped, saying so, on one).
@@ -96,6 +98,8 @@ def measurements(out: Path, gpus: int) -> list[Measurement]:
                     [PY, "-m", "orchestrator", "run", SWEEP, *sweep_args, "--set", "stop.epochs=1",
                      "--set", "memory.verify=true", "--set", "experiment=gpu_sweep_verify"], 120,
                     blocked=None if verify else "needs plan verification (issue 24 item 1): no memory.verify in the config"),
+        Measurement("driver_off_the_gpu", "the driver's estimates (one signature) leave it with no CUDA context",
+                    [PY, __file__, "--step", "driver_off_the_gpu"], 90),
         Measurement("reused_worker_memory", "memory_allocated back to baseline between reused trials (issue 25)",
                     [PY, __file__, "--step", "reused_worker_memory"], 60),
         Measurement("nccl_two_ranks", "a 2-rank NCCL trial, one rank per GPU",
@@ -169,6 +173,23 @@ def reused_worker_memory() -> int:
     return 0 if not any(left) else 1
 
 
+def driver_off_the_gpu() -> int:
+    """The driver's estimates of a one-signature GPU sweep, as ``run`` makes them: a trace on the
+    GPU makes its process a CUDA context, so it must be a spawned process's, never the driver's
+    (whose context would hold GPU memory the trials plan with for the whole sweep)."""
+    import torch
+
+    from orchestrator.config import load_spec
+    from orchestrator.runner import estimate_before_start
+
+    spec = load_spec(str(ROOT / SWEEP), ["search_space.workload={grid: [bench.zoo:Conv1d]}"])
+    estimates = estimate_before_start(spec)
+    held = torch.cuda.is_initialized()
+    print(f"{len(estimates.by_signature)} estimate(s) for {estimates.target}; the driver "
+          f"{'HOLDS a CUDA context' if held else 'holds no CUDA context'}", flush=True)
+    return 0 if estimates.by_signature and estimates.target == "cuda" and not held else 1
+
+
 def dry_run(plan: list[Measurement]) -> int:
     """List each measurement and its command; import everything they import; check the sweep's
     overrides against the config schema. Exit 0 when all of that holds."""
@@ -178,7 +199,7 @@ def dry_run(plan: list[Measurement]) -> int:
 
     problems = []
     for module in ("bench.estimator_accuracy", "bench.batch_pick", "bench.ddp_oom", "bench.zoo", "orchestrator.cli",
-                   "orchestrator.device.cuda", "orchestrator.device.oom"):
+                   "orchestrator.device.cuda", "orchestrator.device.oom", "orchestrator.runner"):
         try:
             importlib.import_module(module)
         except Exception as exc:  # noqa: BLE001 - reported, the dry run fails
@@ -205,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help="comma-separated measurement names")
     parser.add_argument("--step", help=argparse.SUPPRESS)  # a measurement this script makes itself
     args = parser.parse_args(argv)
-    if args.step == "reused_worker_memory":
-        return reused_worker_memory()
+    if args.step:
+        return {"reused_worker_memory": reused_worker_memory, "driver_off_the_gpu": driver_off_the_gpu}[args.step]()
     import torch
 
     gpus = torch.cuda.device_count()

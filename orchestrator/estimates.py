@@ -11,6 +11,8 @@ process spends some 5 s of a core importing torch and making its first trace bef
 estimate, while the driver has torch imported already. So one core stays the driver's (it is
 starting Ray meanwhile), and on two cores the driver's own thread makes every estimate: the demo
 sweep's four took 4-5 s there against 9-13 s in two processes, with or without Ray starting beside.
+A trace that runs on a GPU is always a spawned process's: it makes its process a CUDA context,
+which in the driver would hold GPU memory for the whole sweep.
 
 A trial re-estimates on its worker only where the driver could not stand in for it: its device
 is not the one the driver planned for (a CPU-only worker in a GPU sweep), the estimator
@@ -31,6 +33,7 @@ from orchestrator.config import MemoryPolicy
 from orchestrator.estimator_registry import NO_ESTIMATE, registered
 from orchestrator.memory import MemoryProfile, Settings
 from orchestrator.memory.cache import ProfileCache
+from orchestrator.memory.fake import trace_device
 from orchestrator.parent_watch import die_with_parent
 
 
@@ -78,7 +81,8 @@ def estimate_trials(
     on_done: Callable[[str, list[int], float], None] | None = None,
 ) -> Estimates:
     """Estimate each distinct memory signature of ``configs`` once, in up to ``processes``
-    parallel processes (by default one fewer than the usable cores; one means this thread).
+    parallel processes (by default one fewer than the usable cores; one means this thread, except
+    where the trace runs on a GPU: then one spawned process).
 
     Each signature is planned as its trials will be (``budget`` is the driver's best knowledge:
     None where only the worker can tell), so the profiles the plan needs are the ones made.
@@ -93,12 +97,14 @@ def estimate_trials(
         groups.setdefault(memory_signature(config, policy, target), []).append(index)
     jobs = [(configs[indices[0]], policy, target, budget, effective_batch) for indices in groups.values()]
     workers = min(len(jobs), processes or usable_cores() - 1)
-    if workers <= 1:
+    if workers <= 1 and trace_device(target) == "cpu":
         results = map(_estimate_one, jobs)
         pool = None
     else:
-        # spawn, not fork: the driver may run Ray's threads; the children get our sys.path
-        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+        # spawn, not fork: the driver may run Ray's threads; the children get our sys.path.
+        # A trace on a GPU makes its process a CUDA context: never the driver's, which would
+        # hold GPU memory the trials plan with for the whole sweep.
+        pool = ProcessPoolExecutor(max(workers, 1), mp_context=multiprocessing.get_context("spawn"),
                                    initializer=die_with_parent, initargs=(os.getpid(),))
         results = pool.map(_estimate_one, jobs)
     try:

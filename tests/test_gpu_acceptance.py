@@ -11,7 +11,7 @@ from tests.conftest import ROOT
 MEASUREMENTS = (
     "accuracy_gpu_zoo_expandable", "accuracy_gpu_zoo_default", "accuracy_library_expandable", "accuracy_library_default",
     "largest_batch_expandable", "largest_batch_default", "sweep_packed", "sweep_oom", "plan_verification",
-    "reused_worker_memory", "nccl_two_ranks",
+    "driver_off_the_gpu", "reused_worker_memory", "nccl_two_ranks",
 )
 
 

@@ -96,6 +96,13 @@ class FakeSetup:
         return tracker.bytes_of(optimizer_tensors(self.optimizer))
 
 
+def trace_device(target: str) -> str:
+    """The device type a trace for ``target`` runs on here: ``cuda`` where the target is CUDA and
+    a GPU is here, which makes the tracing process a CUDA context (a fake CUDA tensor starts with
+    a real one), else ``cpu``."""
+    return "cuda" if target == "cuda" and torch.cuda.is_available() else "cpu"
+
+
 def fake_setup(workload: Workload, target: str, trace_on: str | None = None) -> FakeSetup:
     """Build ``workload``'s model and optimizer on fake tensors of the device the trace runs on.
 
@@ -103,9 +110,7 @@ def fake_setup(workload: Workload, target: str, trace_on: str | None = None) -> 
     fake *cpu*, with CUDA's allocations emulated (``cuda_emulation``) when the target is CUDA.
     ``trace_on="cpu"`` forces the CPU way (what a head node without a GPU does), to measure it.
     """
-    if trace_on is None:
-        trace_on = "cuda" if target == "cuda" and torch.cuda.is_available() else "cpu"
-    device = torch.device(trace_on)
+    device = torch.device(trace_on or trace_device(target))
     emulate = target == "cuda" and device.type == "cpu"
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     values = KnownValues()
