@@ -13,12 +13,12 @@ Tune's pending trials create, so there the sweep starts and :class:`WaitForNodes
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 from ray import tune
 
 from orchestrator.config import SweepSpec
+from orchestrator.cores import usable_cores
 from orchestrator.errors import UserError
 from orchestrator.outcome import current_record
 
@@ -72,13 +72,14 @@ def group_unschedulable_reason(request: dict[str, float], workers: int, nodes: l
 
 
 def local_node(num_cpus: float | None, num_gpus: float | None) -> dict[str, float]:
-    """What the embedded local Ray ``run`` starts will have: the flags, else this machine's CPUs
-    and the GPUs PyTorch sees (as Ray detects them)."""
+    """What the embedded local Ray ``run`` starts will have: the flags, else the CPUs this process
+    may use (``orchestrator.cores``: ``run`` gives Ray that count) and the GPUs PyTorch sees (as
+    Ray detects them)."""
     if num_gpus is None:
         from orchestrator.device import gpu_count
 
         num_gpus = gpu_count()
-    return {"CPU": float(num_cpus if num_cpus is not None else os.cpu_count() or 1), "GPU": float(num_gpus)}
+    return {"CPU": float(num_cpus if num_cpus is not None else usable_cores()), "GPU": float(num_gpus)}
 
 
 def check_local_node(request: dict[str, float], workers: int, node: dict[str, float]) -> None:

@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="start even if MLflow cannot be reached: its records wait in the sweep's folder, "
              "and `run --resume` sends them (the run exits 1 while any are unsent)",
     )
-    run.add_argument("--num-cpus", type=int, help="CPUs of the embedded local Ray (default: all)")
+    run.add_argument("--num-cpus", type=int, help="CPUs of the embedded local Ray (default: the ones this process may use, "
+                     "its affinity and CPU quota)")
     run.add_argument("--num-gpus", type=float, help="GPUs of the embedded local Ray (default: detected)")
     run.add_argument(
         "--host-memory", metavar="SIZE",

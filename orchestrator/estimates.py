@@ -6,7 +6,8 @@ learning rates and 2 widths needs two estimates, not sixteen. The driver makes t
 Tuner starts (while Ray starts) and hands them to the trials, so a trial never spends its start-up
 on an estimate it could have been given; ``orchestrator plan`` shares the same code.
 
-Several signatures are estimated in parallel processes where there are cores to spare: a spawned
+Several signatures are estimated in parallel processes where there are cores to spare (the ones
+this process may use: ``orchestrator.cores``, its affinity and CPU quota): a spawned
 process spends some 5 s of a core importing torch and making its first trace before its first
 estimate, while the driver has torch imported already. So one core stays the driver's (it is
 starting Ray meanwhile), and on two cores the driver's own thread makes every estimate: the demo
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from orchestrator.config import MemoryPolicy
+from orchestrator.cores import usable_cores
 from orchestrator.estimator_registry import NO_ESTIMATE, registered
 from orchestrator.memory import MemoryProfile, Settings
 from orchestrator.memory.cache import ProfileCache
@@ -119,15 +121,6 @@ def estimate_trials(
         if pool is not None:
             pool.shutdown(cancel_futures=True)
     return estimates
-
-
-def usable_cores() -> int:
-    """The cores this process may run on: a SLURM step or ``taskset`` gives it fewer than the
-    machine has, and processes beyond those would only take turns."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux: the machine's
-        return os.cpu_count() or 1
 
 
 def _estimate_one(job) -> tuple[dict[Settings, MemoryProfile], str | None, float]:

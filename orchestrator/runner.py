@@ -28,6 +28,7 @@ from orchestrator.console import (
     TUNE_QUIET, TUNE_VERBOSE, cluster_text, config_text, plan_text, quiet_libraries, ray_logging_config, tune_lines_told_here,
 )
 from orchestrator.contract import MEMORY_LABELS, describe_moves
+from orchestrator.cores import usable_cores
 from orchestrator.errors import UserError
 from orchestrator.failures import exception_line
 from orchestrator.invocation import shell_command
@@ -162,6 +163,8 @@ def run_sweep(
     node_memory = size_flag("--host-memory", host_memory)
     embedded = ray_address is None and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized()
     if embedded:
+        # Ray alone would count the machine's CPUs, not the ones a taskset, SLURM step or container gives us.
+        num_cpus = usable_cores() if num_cpus is None else num_cpus
         check_local_node(trial_request(spec), spec.resources.workers, local_node(num_cpus, num_gpus))
     started_ray = False
     claim = None

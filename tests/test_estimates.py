@@ -8,7 +8,8 @@ import os
 import pytest
 
 from orchestrator.config import parse_spec
-from orchestrator.estimates import estimate_trials, memory_signature, usable_cores
+from orchestrator.cores import usable_cores
+from orchestrator.estimates import estimate_trials, memory_signature
 from orchestrator.memory import Settings
 from orchestrator.memory.cache import ProfileCache
 from orchestrator.planner import plan_with_profile

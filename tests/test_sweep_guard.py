@@ -20,7 +20,7 @@ import pytest
 
 from orchestrator.config import parse_spec
 from orchestrator.errors import UserError
-from orchestrator.estimates import usable_cores
+from orchestrator.cores import usable_cores
 from orchestrator.sweep_guard import CONFIG_FILE, LOCK_FILE, changed_keys, claim_sweep, config_values
 from tests.conftest import alive
 
