@@ -626,6 +626,63 @@ def test_submit_runs_the_readmes_own_model_on_slurm(slurm, own_model_project, tm
     print(f"SLURM sweep: 2 trials in {elapsed:.0f} s from submit to end")
 
 
+def slow_sbatch(folder: Path, submits_first: bool) -> Path:
+    """A folder holding ``sbatch``: the real one, made slow (a busy controller's seconds) before it
+    submits or after, so that a Ctrl-C lands in that window; it touches ``folder/waiting`` then."""
+    real = subprocess.run(["sh", "-c", "command -v sbatch"], capture_output=True, text=True, check=True).stdout.strip()
+    waiting = folder / "waiting"
+    script = (f'out=$("{real}" "$@") || exit $?\ntouch "{waiting}"\nsleep 60\necho "$out"\n' if submits_first
+              else f'touch "{waiting}"\nsleep 60\nexec "{real}" "$@"\n')
+    (folder / "bin").mkdir()
+    wrapper = folder / "bin" / "sbatch"
+    wrapper.write_text("#!/bin/sh\n" + script)
+    wrapper.chmod(0o755)
+    return folder / "bin"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("submitted", [False, True], ids=["before-slurm-took-it", "after"])
+def test_ctrl_c_during_sbatch_says_whether_slurm_took_the_job(slurm, tmp_path, submitted):
+    """A Ctrl-C at the terminal reaches ``sbatch`` as well as the command: the job may or may not
+    be queued. SLURM is asked: a queued job gets the usual lines (its id, logs, how to stop it),
+    none means nothing was submitted and its job folder is removed."""
+    config = small_sweep(tmp_path, epochs=1, train_samples=[2048])
+    env = slurm.env(command_env())
+    env["PATH"] = f"{slow_sbatch(tmp_path, submitted)}{os.pathsep}{env['PATH']}"
+    run = subprocess.Popen(
+        [installed_command(), "submit", str(config), "--cpus-per-node", "2", "--time", "00:15:00",
+         "--storage-path", str(tmp_path / "store"), "--log-dir", str(tmp_path / "logs")],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    job_id = None
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "waiting").exists() and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (tmp_path / "waiting").exists(), run.communicate()
+        os.killpg(run.pid, signal.SIGINT)  # as the terminal does: the whole foreground group
+        out, err = run.communicate(timeout=120)
+        found = re.search(r"Submitted SLURM job (\d+)", out)
+        job_id = found and found.group(1)
+        assert run.returncode == 130, out + err
+        assert "Traceback" not in err, err
+        ours = subprocess.run(["squeue", "--noheader", "--format=%i %o"], env=slurm.env(), capture_output=True,
+                              text=True, check=True).stdout
+        if submitted:
+            assert out.startswith("Interrupted, but SLURM had taken the job:\nSubmitted SLURM job "), out + err
+            assert f"scancel {job_id}" in out
+            assert job_id in ours.split()
+            assert (tmp_path / "store" / "slurm").exists()
+        else:
+            assert out.startswith("Interrupted before SLURM took the job: nothing was submitted"), out + err
+            assert "job.sbatch" not in ours
+            assert list((tmp_path / "store" / "slurm").iterdir()) == []  # its job folder went too
+    finally:
+        if run.poll() is None:
+            run.kill()
+        if job_id:
+            subprocess.run(["scancel", job_id], env=slurm.env(), check=False)
+
+
 def signal_time_limit_and_wait_for_the_requeued_end(slurm, job_id: str, log: Path) -> dict:
     """USR1 to the batch step (what ``--signal`` sends before the time limit), then the requeued
     attempt run to its end; the job's final state."""

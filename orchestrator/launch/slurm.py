@@ -334,7 +334,11 @@ class SlurmLauncher(Launcher):
         check_storage(job.storage_path)
         script_path = _write_job_dir(job, spec, script)
         os.makedirs(os.path.dirname(job.log_file), exist_ok=True)  # SLURM doesn't create it
-        result = subprocess.run([sbatch, "--parsable", str(script_path)], capture_output=True, text=True)
+        try:
+            result = subprocess.run([sbatch, "--parsable", str(script_path)], capture_output=True, text=True, check=False)
+        except KeyboardInterrupt:  # the terminal's Ctrl-C reached sbatch too: did the controller take the job?
+            _interrupted_submission(job, spec, script_path, notes)
+            return 130
         if result.returncode != 0:
             message = (result.stderr or result.stdout).strip().replace("\n", " ")
             raise UserError(f"sbatch refused the job: {message} (script: {script_path})")
@@ -391,6 +395,33 @@ def _notes(args, spec: SweepSpec, job: SlurmJob) -> list[str]:
     if job.gpus_per_node and spec.resources.gpu == 0:
         notes.append(f"the job asks for {job.gpus_per_node} GPU(s) per node but trials use none (resources.gpu: 0)")
     return notes
+
+
+def _interrupted_submission(job: SlurmJob, spec: SweepSpec, script_path: Path, notes: list[str]) -> None:
+    """What a Ctrl-C during ``sbatch`` left behind, asked of SLURM: a queued job that nobody was
+    told of (the reply was what the Ctrl-C cut short: it gets the usual lines), or nothing, in
+    which case the job folder goes too (it was written for this submission only)."""
+    squeue = ["squeue", "--user", getpass.getuser(), "--noheader", "--format=%i %o"]  # %o: the job's script
+    ask = f"{shlex.join(squeue)} | grep {shlex.quote(str(script_path))}"
+    try:
+        listed = subprocess.run(squeue, capture_output=True, text=True, timeout=60, check=False)
+    except (KeyboardInterrupt, OSError, subprocess.TimeoutExpired) as exc:
+        why = "a second Ctrl-C" if isinstance(exc, KeyboardInterrupt) else f"squeue did not answer: {exc}"
+        print(f"Interrupted while submitting; whether SLURM took the job is not known ({why}). Ask with: {ask}")
+        return
+    if listed.returncode != 0:
+        message = (listed.stderr or listed.stdout).strip().replace("\n", " ")
+        print(f"Interrupted while submitting; whether SLURM took the job is not known (squeue: {message}). "
+              f"Ask with: {ask}")
+        return
+    taken = [line.split()[0] for line in listed.stdout.splitlines() if line.split(maxsplit=1)[1:] == [str(script_path)]]
+    if taken:
+        print("Interrupted, but SLURM had taken the job:")
+        _print_submitted(job, spec, taken[0], notes)
+        return
+    shutil.rmtree(job.job_dir, ignore_errors=True)
+    print(f"Interrupted before SLURM took the job: nothing was submitted (no job of yours runs {script_path}); "
+          f"its folder {job.job_dir} was removed.")
 
 
 def _print_submitted(job: SlurmJob, spec: SweepSpec, job_id: str, notes: list[str]) -> None:
