@@ -40,6 +40,7 @@ from orchestrator.contract import (
     PlanCheck,
 )
 from orchestrator.failures import exception_line, gave_up_message, last_failure
+from orchestrator.ray_internals import TOKEN_NOTICE_LOGGER
 from orchestrator.trial.errors import DataError
 from orchestrator.trial_report import TrialReport
 from orchestrator.units import human
@@ -521,7 +522,9 @@ def quiet_libraries(verbose: bool) -> None:
     - Tune logs each failed attempt's whole traceback: :class:`LiveView` says the failure in a
       line that names the trial's ``error.txt``, where the traceback is (:func:`tune_lines_told_here`);
     - MLflow logs creating its tables, Ray its start (:func:`ray_logging_config` does the workers);
-    - Ray colours its worker prefixes even into a file: not where standard output is no terminal.
+    - Ray colours its worker prefixes even into a file: not where standard output is no terminal;
+    - Ray tells every new local cluster that token authentication is on, which it always is there
+      (``ray_internals.TOKEN_NOTICE_LOGGER``; the dashboard's docs say how the token is used).
     """
     if not _on_terminal():
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
@@ -531,6 +534,7 @@ def quiet_libraries(verbose: bool) -> None:
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # read when mlflow is imported
     logging.getLogger("mlflow").setLevel(logging.WARNING)  # where it already was
+    logging.getLogger(TOKEN_NOTICE_LOGGER).setLevel(logging.ERROR)
 
 
 def ray_logging_config(verbose: bool):

@@ -21,6 +21,9 @@ what changed; ``pyproject.toml`` pins Ray to the minor series that test passed o
 * :func:`forget_running_statistics`: ``Trial.run_metadata.metric_analysis`` and ``metric_n_steps``,
   Tune's running max/min/averages of every number a trial reported, which the driver holds for
   every trial of the sweep (``orchestrator.driver_memory``).
+* :data:`TOKEN_NOTICE_LOGGER`: the logger of ``ray._private.authentication``'s set-up, which
+  tells every new local cluster that token authentication is on (as it always is for one) and how
+  to opt out; ``run`` holds it to errors unless ``--verbose`` (``orchestrator.console``).
 * :func:`ray_processes_in_group`: ``ray._private.services.ConsolePopen``, the class every process
   of a local Ray (GCS, raylet, dashboard, log monitor) is started with, so that they start in a
   process group other than the driver's (``orchestrator.ray_group``).
@@ -37,6 +40,9 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+
+
+TOKEN_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 
 class RayChanged(RuntimeError):

@@ -267,8 +267,10 @@ def test_run_help_offers_ray_s_own_output_as_verbose():
 
 def _piped_run(config: str, cwd) -> subprocess.CompletedProcess:
     """``orchestrator run CONFIG > file``, as a user starts it: stdout and stderr into a pipe."""
+    env = command_env()
+    env.pop("RAY_AUTH_MODE", None)  # set in this process by an earlier test's Ray; a user's shell has none
     return subprocess.run([installed_command(), "run", str(ROOT / "configs" / config), "--num-cpus", "2"],
-                          cwd=cwd, env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=600)
 
 
@@ -285,7 +287,7 @@ def test_the_demo_sweep_piped_to_a_file_is_a_short_plain_log(tmp_path):
     assert len(re.findall(r"^\w+_\d{5} finished: 3/3 epochs, eval_loss \d", out, re.M)) == 8
     assert "8/8 trials finished" in out
     for noise in ("╭", "Trial status", "Checkpoint successfully created", "snapshotting", "Started a local Ray",
-                  "TensorBoard", "mlflow.store"):
+                  "TensorBoard", "mlflow.store", "Token authentication"):
         assert noise not in out, noise
 
 

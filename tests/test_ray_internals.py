@@ -15,6 +15,7 @@ Ray upgrade that changes any of these fails here, naming what changed, instead o
 
 from __future__ import annotations
 
+import logging
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,6 +30,7 @@ from ray.tune.schedulers import FIFOScheduler
 
 from orchestrator.contract import NOT_RETRIED_KEY, OOM_SHRINKS_KEY, OomEvent
 from orchestrator.ray_internals import (
+    TOKEN_NOTICE_LOGGER,
     RayChanged,
     auth_token_loader,
     forget_running_statistics,
@@ -182,6 +184,19 @@ def test_the_token_loader_the_dashboard_uses():
     loader = auth_token_loader()
     for method in ("reset_cache", "get_token_for_http_header", "has_token"):
         assert callable(getattr(loader, method, None)), f"Ray changed: AuthenticationTokenLoader.{method} is gone"
+
+
+def test_the_token_notice_of_a_new_local_cluster_comes_from_the_logger_run_quiets(caplog):
+    """What a new local ``ray.init`` calls to say token authentication is on: its record must come
+    from :data:`TOKEN_NOTICE_LOGGER`, or ``run`` would print it on every sweep again."""
+    import importlib
+
+    module = importlib.import_module(TOKEN_NOTICE_LOGGER)
+    notice = getattr(module, "_warn_token_auth_enabled", None)
+    assert callable(notice), f"Ray changed: {TOKEN_NOTICE_LOGGER}._warn_token_auth_enabled is gone"
+    with caplog.at_level(logging.WARNING, logger=TOKEN_NOTICE_LOGGER):
+        notice()
+    assert [r.name for r in caplog.records if "Token authentication is enabled" in r.getMessage()] == [TOKEN_NOTICE_LOGGER]
 
 
 def test_a_trial_without_its_failure_count_is_an_error():
