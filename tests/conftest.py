@@ -176,6 +176,7 @@ def command_env(venv_on_path: bool = True) -> dict[str, str]:
     only ``.venv/bin/orchestrator``)."""
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("PYTHONPATH", None)
+    env.pop("RAY_AUTH_MODE", None)  # a Ray started in this process set it here; a user's shell has none
     if not venv_on_path:
         venv_bin = str(Path(sys.executable).parent)
         env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != venv_bin)

@@ -267,10 +267,8 @@ def test_run_help_offers_ray_s_own_output_as_verbose():
 
 def _piped_run(config: str, cwd) -> subprocess.CompletedProcess:
     """``orchestrator run CONFIG > file``, as a user starts it: stdout and stderr into a pipe."""
-    env = command_env()
-    env.pop("RAY_AUTH_MODE", None)  # set in this process by an earlier test's Ray; a user's shell has none
     return subprocess.run([installed_command(), "run", str(ROOT / "configs" / config), "--num-cpus", "2"],
-                          cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          cwd=cwd, env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=600)
 
 
