@@ -524,7 +524,11 @@ def quiet_libraries(verbose: bool) -> None:
     - MLflow logs creating its tables, Ray its start (:func:`ray_logging_config` does the workers);
     - Ray colours its worker prefixes even into a file: not where standard output is no terminal;
     - Ray tells every new local cluster that token authentication is on, which it always is there
-      (``ray_internals.TOKEN_NOTICE_LOGGER``; the dashboard's docs say how the token is used).
+      (``ray_internals.TOKEN_NOTICE_LOGGER``; the dashboard's docs say how the token is used);
+    - Tune's notice that Ctrl-C (or SIGTERM) reached it carries Ray's ids and a timestamp: it is
+      said in one line of ours (:class:`StopNotice`);
+    - building the results of a sweep stopped early, Tune warns of every trial that never
+      started, whose files it cannot find: the table shows those trials, not started.
     """
     if not _on_terminal():
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
@@ -535,6 +539,24 @@ def quiet_libraries(verbose: bool) -> None:
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # read when mlflow is imported
     logging.getLogger("mlflow").setLevel(logging.WARNING)  # where it already was
     logging.getLogger(TOKEN_NOTICE_LOGGER).setLevel(logging.ERROR)
+    logging.getLogger("ray.tune.analysis.experiment_analysis").setLevel(logging.ERROR)
+    tune_logger = logging.getLogger("ray.tune.tune")
+    if not any(isinstance(f, StopNotice) for f in tune_logger.filters):
+        tune_logger.addFilter(StopNotice())
+
+
+class StopNotice(logging.Filter):
+    """Tune's notice that a stop signal reached it, said as one plain line. Written straight to
+    the file descriptor: it is said from within the signal handler, which may have interrupted a
+    print on the same stream."""
+
+    LINE = "Stopping the sweep: its trials stop, its state is saved one last time (Ctrl-C again skips that)\n"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith("Stop signal received"):
+            return True
+        os.write(sys.stderr.fileno(), self.LINE.encode())
+        return False
 
 
 def ray_logging_config(verbose: bool):

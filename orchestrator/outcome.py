@@ -81,6 +81,7 @@ class SweepRecord:
     """What the driver's callbacks saw during one ``fit()``."""
 
     errors: dict[str, str] = field(default_factory=dict)  # trial path -> its final failure's exception line
+    configs: dict[str, dict] = field(default_factory=dict)  # trial path -> its config, where it never reported
     tracking: TrackingDelivery | None = None
     stop_reason: str | None = None  # why the driver stopped the sweep before its trials finished
 
@@ -102,14 +103,22 @@ def current_record() -> SweepRecord | None:
     return _current
 
 
-class FinalErrors(tune.Callback):
-    """Records each trial's final failure from the error file Tune writes on the driver.
+class WhatResultsLack(tune.Callback):
+    """Records what Tune's results may lack for the final table.
 
-    That file is written on the driver before the failure is synced to storage, so it is there
-    even when the storage path is not writable any more.
+    - Each trial's final failure, from the error file Tune writes on the driver: that file is
+      written before the failure is synced to storage, so it is there even when the storage path
+      is not writable any more.
+    - The config of each trial that never reported (a sweep stopped before it started): a result
+      carries its config in its metrics, and such a trial has none.
     """
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
         record = current_record()
         if record is not None:
             record.errors[str(trial.path)] = exception_line(last_failure(trial.error_file))
+
+    def on_experiment_end(self, trials, **info) -> None:
+        record = current_record()
+        if record is not None:
+            record.configs.update({str(t.path): dict(t.config) for t in trials if "config" not in t.last_result})

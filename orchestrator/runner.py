@@ -443,7 +443,7 @@ def _run_config(spec: SweepSpec, name: str, storage: str, tracking_uri: str, wai
 
 def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str, host_cuts: list[str] = ()) -> list:
     """The driver's Tune callbacks: MLflow (with the data loading ``host_cuts`` made for the nodes'
-    memory), the final errors Tune's results may lack (outcome.py),
+    memory), the final errors and configs Tune's results may lack (outcome.py),
     the live view of the trials' events (console.py), the stop when the storage refuses a checkpoint
     (storage_fault.py), the last whole copy of Tune's state files (tune_state.py), Tune's TensorBoard
     files with the trials' curves (tensorboard.py; Tune adds its JSON and CSV loggers itself), and what
@@ -451,7 +451,7 @@ def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str, host_cu
     after the others read them)."""
     from orchestrator.console import LiveView
     from orchestrator.driver_memory import EndedTrialsKeepLess
-    from orchestrator.outcome import FinalErrors
+    from orchestrator.outcome import WhatResultsLack
     from orchestrator.storage_fault import StopOnStorageFault
     from orchestrator.tensorboard import tensorboard_logger
     from orchestrator.tune_state import KeepWholeState
@@ -461,7 +461,7 @@ def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str, host_cu
     tracking = MlflowTracking(tracking_uri, spec, unsent_file=os.path.join(experiment_path, UNSENT_FILE),
                               host_cuts=list(host_cuts))
     tensorboard = tensorboard_logger()
-    return [tracking, FinalErrors(), view, StopOnStorageFault(), KeepWholeState(), *([tensorboard] if tensorboard else []),
+    return [tracking, WhatResultsLack(), view, StopOnStorageFault(), KeepWholeState(), *([tensorboard] if tensorboard else []),
             EndedTrialsKeepLess(spec.metric)]
 
 
@@ -470,8 +470,8 @@ def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str, host_cu
 
 def _row(result, spec: SweepSpec, record: SweepRecord | None = None) -> TrialRow:
     report = TrialReport.from_result(result.metrics)
-    config = result.config or {}
     record = record or SweepRecord()
+    config = result.config or record.configs.get(str(result.path), {})
     # Tune reads errors back from storage: a trial whose error could not be written there has
     # none in its result, but the driver's callback saw it fail.
     error = exception_line(str(result.error)) if result.error is not None else record.errors.get(str(result.path))

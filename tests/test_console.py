@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import pickle
 import re
+import signal
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -287,6 +289,38 @@ def test_the_demo_sweep_piped_to_a_file_is_a_short_plain_log(tmp_path):
     for noise in ("╭", "Trial status", "Checkpoint successfully created", "snapshotting", "Started a local Ray",
                   "TensorBoard", "mlflow.store", "Token authentication"):
         assert noise not in out, noise
+
+
+@pytest.mark.integration
+def test_ctrl_c_is_one_line_of_ours_then_the_table_of_every_trial_with_its_config(tmp_path):
+    """Ctrl-C at the first plan (SIGINT to the command's group, as a terminal sends it): Tune's
+    notice of it (with Ray's ids and a timestamp) and its warning, building the results, of every
+    trial that never started are not shown; one line says what stopping does, and the table lists
+    every trial with its config, started or not."""
+    run = subprocess.Popen([installed_command(), "run", str(ROOT / "configs" / "demo_cpu.yaml")], cwd=tmp_path,
+                           env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    try:
+        seen = []
+        for line in run.stdout:
+            seen.append(line)
+            if " plan: " in line:
+                break
+        os.killpg(run.pid, signal.SIGINT)
+        out = "".join(seen) + run.communicate(timeout=300)[0]
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode == 1, out[-3000:]
+    assert out.count("Stopping the sweep: its trials stop, its state is saved one last time (Ctrl-C again skips that)") == 1
+    for noise in ("Stop signal received", "Failed to fetch metrics", "FileNotFoundError", "job_id=", "timestamp_ns="):
+        assert noise not in out, noise
+    rows = re.findall(r"^(\w+_\d{5})  +(\S.*?)  +\d/3 ep .* (INTERRUPTED|TERMINATED)$", out, re.M)
+    assert len(rows) == 8, out[-3000:]
+    assert sorted(config for _, config, _ in rows) == sorted(
+        f"workload={w}, lr={lr}, width={width}" for w in ("mlp", "cnn") for lr in ("0.003", "0.03") for width in (16, 32))
+    assert "INTERRUPTED" in {status for *_, status in rows}
+    assert re.search(r"^Interrupted trials continue from their last checkpoints with: .* --resume$", out, re.M)
 
 
 @pytest.mark.integration
