@@ -32,7 +32,7 @@ def usable_cores(proc: str = "/proc") -> int:
     except AttributeError:  # not Linux: no affinity, no cgroups
         return os.cpu_count() or 1
     quota = cpu_quota(proc)
-    return max(1, min(cores, math.floor(quota))) if quota < cores else cores
+    return max(1, math.floor(quota)) if quota < cores else cores
 
 
 def cpu_quota(proc: str = "/proc") -> float:

@@ -28,7 +28,6 @@ from orchestrator.console import (
     TUNE_QUIET, TUNE_VERBOSE, cluster_text, config_text, plan_text, quiet_libraries, ray_logging_config, tune_lines_told_here,
 )
 from orchestrator.contract import MEMORY_LABELS, describe_moves
-from orchestrator.cores import usable_cores
 from orchestrator.errors import UserError
 from orchestrator.failures import exception_line
 from orchestrator.invocation import shell_command
@@ -163,16 +162,17 @@ def run_sweep(
     node_memory = size_flag("--host-memory", host_memory)
     embedded = ray_address is None and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized()
     if embedded:
-        # Ray alone would count the machine's CPUs, not the ones a taskset, SLURM step or container gives us.
-        num_cpus = usable_cores() if num_cpus is None else num_cpus
-        check_local_node(trial_request(spec), spec.resources.workers, local_node(num_cpus, num_gpus))
+        local = local_node(num_cpus, num_gpus)
+        # Given to Ray: alone it would count the machine's CPUs, not the ones a taskset, SLURM step or container gives us.
+        num_cpus = int(local["CPU"])
+        check_local_node(trial_request(spec), spec.resources.workers, local)
     started_ray = False
     claim = None
     try:
         with taken_back_if_refused(storage):
             _check_before_ray(spec, storage, tracking_uri, offline_tracking)
             if embedded:  # the trials' spec: data loading cut to what this machine holds (the user's is recorded)
-                trial_spec, host_cuts = _fit_host_memory(spec, node_memory, local=local_node(num_cpus, num_gpus))
+                trial_spec, host_cuts = _fit_host_memory(spec, node_memory, local=local)
             # The sweep's folder is this driver's before Ray starts: a second driver of it is
             # refused at once, and so is a resume whose config differs (orchestrator.sweep_guard).
             name, restore_from = _experiment_name(spec, storage, name, resume)

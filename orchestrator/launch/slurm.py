@@ -405,14 +405,11 @@ def _interrupted_submission(job: SlurmJob, spec: SweepSpec, script_path: Path, n
     ask = f"{shlex.join(squeue)} | grep {shlex.quote(str(script_path))}"
     try:
         listed = subprocess.run(squeue, capture_output=True, text=True, timeout=60, check=False)
+        unknown = None if listed.returncode == 0 else "squeue: " + (listed.stderr or listed.stdout).strip().replace("\n", " ")
     except (KeyboardInterrupt, OSError, subprocess.TimeoutExpired) as exc:
-        why = "a second Ctrl-C" if isinstance(exc, KeyboardInterrupt) else f"squeue did not answer: {exc}"
-        print(f"Interrupted while submitting; whether SLURM took the job is not known ({why}). Ask with: {ask}")
-        return
-    if listed.returncode != 0:
-        message = (listed.stderr or listed.stdout).strip().replace("\n", " ")
-        print(f"Interrupted while submitting; whether SLURM took the job is not known (squeue: {message}). "
-              f"Ask with: {ask}")
+        unknown = "a second Ctrl-C" if isinstance(exc, KeyboardInterrupt) else f"squeue did not answer: {exc}"
+    if unknown is not None:
+        print(f"Interrupted while submitting; whether SLURM took the job is not known ({unknown}). Ask with: {ask}")
         return
     taken = [line.split()[0] for line in listed.stdout.splitlines() if line.split(maxsplit=1)[1:] == [str(script_path)]]
     if taken:
