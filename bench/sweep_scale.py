@@ -16,7 +16,10 @@ Each size runs two variants, each in a fresh process that starts its own local R
 A trial is the demo MLP on 10,240 samples, batch 32, 3 epochs: about a second of training on
 one core; the sweep draws ``lr`` log-uniformly, ``--trials`` samples. Per variant the table gives
 the wall time, its ratio to the compute floor (trials x one trial's training seconds, measured
-here on one thread / cores) and to ``tune-reuse``, the CPU time of the driver process (its
+here on one thread / cores) and to ``tune-reuse``; where that time went: a trial's mean
+``time_total_s`` (Tune's clock in the worker, from the trial's start to its last report) and the
+time outside the trials (the wall time less the trials' summed seconds / cores: the start, the
+end and the turn-arounds between trials); the CPU time of the driver process (its
 threads compete with the trials for the cores), the driver's peak RSS and how much its RSS
 grew from the first to the last quarter of the trials (sampled each time a trial ends, from
 ``/proc``), and for the orchestrator MLflow's database size, how long the driver still waited
@@ -27,6 +30,7 @@ It also checks that MLflow holds every trial's every epoch exactly once (and sto
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
@@ -112,6 +116,12 @@ class Measured:
     mlflow_wait_s: float | None = None  # from the last trial's end to the driver's summary line
     report_s: float | None = None
     epochs_logged: int | None = None  # (trial, epoch) pairs in MLflow, each checked to be there once
+    trial_seconds: list[float] = field(default_factory=list)  # each trial's time_total_s, as Tune recorded it
+
+    def in_trials(self, cores: int) -> float:
+        """The wall time the trials' own running takes when the cores run them side by side: what
+        is left of ``wall_s`` is the start, the end and the turn-arounds between trials."""
+        return sum(self.trial_seconds) / cores
 
     def rss_growth(self) -> float | None:
         """Mean RSS over the last quarter of the trials' ends over that of the first quarter, minus 1."""
@@ -177,7 +187,8 @@ def measure(variant: str, trials: int, scheduler: str, folder: str, tracking_uri
     watcher.join()
     if process.returncode != 0:
         raise SystemExit(f"{variant} failed ({process.returncode}):\n{''.join(tail)}")
-    measured = Measured(variant, trials, scheduler, wall, len(rss), peak, cpu, rss)
+    measured = Measured(variant, trials, scheduler, wall, len(rss), peak, cpu, rss,
+                        trial_seconds=trial_seconds(os.path.join(folder, "results")))
     if variant == "orchestrator":
         uri = tracking_uri or f"sqlite:///{folder}/mlflow.db"
         database = os.path.join(folder, "mlflow.db")
@@ -186,6 +197,21 @@ def measure(variant: str, trials: int, scheduler: str, folder: str, tracking_uri
         measured.epochs_logged = check_every_epoch_once(uri, f"sweep_scale_{trials}_{scheduler}", trials, scheduler)
         measured.report_s = time_report(uri, f"sweep_scale_{trials}_{scheduler}", folder)
     return measured
+
+
+def trial_seconds(storage: str) -> list[float]:
+    """Each trial's ``time_total_s`` in its last result: Tune's clock in the worker, from the
+    trial's start (its set-up included) to its last report."""
+    found = []
+    for path in glob.glob(os.path.join(storage, "*", "*", "result.json")):
+        last = None
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    last = line
+        if last is not None:
+            found.append(json.loads(last)["time_total_s"])
+    return found
 
 
 def check_every_epoch_once(tracking_uri: str, experiment: str, trials: int, scheduler: str) -> int:
@@ -235,7 +261,10 @@ def rows(results: list[Measured], trial_s: float, cores: int) -> list[list[str]]
         growth = m.rss_growth()
         out.append([
             f"{m.trials} {m.scheduler}", m.variant, f"{m.wall_s:.0f}s", f"{floor:.0f}s", f"{m.wall_s / floor:.2f}x",
-            f"{m.wall_s / base.wall_s:.2f}x" if base else "-", f"{m.driver_cpu_s:.0f}s", f"{m.peak_rss / 2**20:.0f} MiB",
+            f"{m.wall_s / base.wall_s:.2f}x" if base else "-",
+            f"{statistics.mean(m.trial_seconds):.3f}s" if m.trial_seconds else "-",
+            f"{m.wall_s - m.in_trials(cores):.1f}s" if m.trial_seconds else "-",
+            f"{m.driver_cpu_s:.0f}s", f"{m.peak_rss / 2**20:.0f} MiB",
             f"{growth:+.1%}" if growth is not None else "-",
             f"{m.mlflow_db_bytes / 2**20:.1f} MiB" if m.mlflow_db_bytes else "-",
             f"{m.mlflow_wait_s:.1f}s" if m.mlflow_wait_s is not None else "-",
@@ -245,7 +274,7 @@ def rows(results: list[Measured], trial_s: float, cores: int) -> list[list[str]]
     return out
 
 
-HEADERS = ["trials", "variant", "wall", "floor", "vs floor", "vs tune-reuse", "driver CPU", "driver peak RSS", "RSS growth q1->q4",
+HEADERS = ["trials", "variant", "wall", "floor", "vs floor", "vs tune-reuse", "a trial", "outside trials", "driver CPU", "driver peak RSS", "RSS growth q1->q4",
            "mlflow.db", "MLflow wait", "report", "epochs in MLflow"]
 
 
