@@ -25,8 +25,41 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+#: The installed distributions whose versions decide what a sweep does: the first line of a bug report.
+VERSIONED = (("orchestrator", "memory-aware-orchestrator"), ("ray", "ray"), ("torch", "torch"), ("mlflow", "mlflow"))
+
+
+def installed_versions() -> str:
+    """``orchestrator 0.1.0 (ray 2.60.0, torch 2.13.0+cpu, mlflow 3.17.2, Python 3.11.7)``, read from
+    the installed packages' metadata (importing Ray and torch would take seconds)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(distribution: str) -> str:
+        try:
+            return version(distribution)
+        except PackageNotFoundError:
+            return "not installed"
+
+    (_, ours), *others = VERSIONED
+    parts = [f"{name} {installed(distribution)}" for name, distribution in others]
+    return f"orchestrator {installed(ours)} ({', '.join(parts)}, Python {sys.version.split()[0]})"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: the versions are read only when asked for, not each time the parser is built."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(installed_versions())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="orchestrator", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="orchestrator", description=__doc__.splitlines()[0].replace("``", ""))
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the versions of the orchestrator, Ray, PyTorch, MLflow and Python, and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = commands.add_parser("run", help="run a sweep (embedded local Ray, a Ray cluster, or as a Ray Job)")

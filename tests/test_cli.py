@@ -114,6 +114,20 @@ def test_a_shape_mismatch_in_the_users_model_is_one_line_and_writes_nothing(own_
         assert sorted(p.name for p in own_model_project.folder.iterdir()) == ["my_models", own_model_project.config]
 
 
+def test_version_names_what_a_bug_report_needs(tmp_path):
+    """``orchestrator --version``: exit 0 and one line with the versions pip installed of the
+    orchestrator and of what decides what a sweep does (Ray, PyTorch, MLflow), and Python's."""
+    from importlib.metadata import version
+
+    proc = run([installed_command(), "--version"], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == (
+        f"orchestrator {version('memory-aware-orchestrator')} (ray {version('ray')}, torch {version('torch')}, "
+        f"mlflow {version('mlflow')}, Python {sys.version.split()[0]})\n"
+    )
+    assert proc.stderr == ""
+
+
 @pytest.mark.parametrize("pipe", ["| head -1", "2>&1 | true"])
 def test_a_reader_that_leaves_early_ends_plan_quietly(pipe, tmp_path):
     """``plan ... | head -1`` (the reader leaves after the first line) and ``| true`` (it leaves
