@@ -14,16 +14,14 @@ left out, so a sweep over learning rates reads each workload's data and builds i
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from orchestrator.config import SweepSpec
 from orchestrator.errors import UserError
+from orchestrator.writable import check_folder, outermost_missing, take_a_file
 
 #: Hyper-parameters that change neither a workload's data nor its model.
 CHECK_NEUTRAL = ("lr", "seed")
@@ -31,13 +29,7 @@ CHECK_NEUTRAL = ("lr", "seed")
 
 def check_storage(path: str) -> None:
     """The storage folder exists (or can be made) and takes a file."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        _take_a_file(path)
-    except OSError as exc:
-        raise UserError(
-            f"storage_path: cannot write to {path} ({exc.strerror or exc}); pass --storage-path with a folder you can write"
-        ) from None
+    check_folder(path, "storage_path", "pass --storage-path with a folder you can write")
 
 
 def check_new_database(database: Path) -> None:
@@ -47,45 +39,12 @@ def check_new_database(database: Path) -> None:
     makes the missing folders, so the nearest existing one must take a file."""
     folder = outermost_missing(database).parent
     try:
-        _take_a_file(folder)
+        take_a_file(folder)
     except OSError as exc:
         raise UserError(
             f"tracking_uri: cannot create the MLflow database {database} ({folder}: {exc.strerror or exc}); "
             "point tracking_uri (or --tracking-uri) at a folder you can write"
         ) from None
-
-
-def _take_a_file(folder: str | os.PathLike) -> None:
-    with tempfile.NamedTemporaryFile(dir=folder, prefix=".orchestrator-write-check-"):
-        pass
-
-
-def outermost_missing(path: Path) -> Path:
-    """The first of ``path``'s folders (or ``path`` itself) that does not exist: what making it makes."""
-    while not path.parent.exists():
-        path = path.parent
-    return path
-
-
-@contextlib.contextmanager
-def taken_back_if_refused(folder: str) -> Iterator[None]:
-    """A sweep refused before its first trial leaves no folder behind: the storage check makes
-    the folder (does it take a file?), and a refusal after it (a model that cannot be estimated,
-    a relative storage path on a cluster, no sweep to resume) would leave it, empty, in the
-    user's working directory. Only what did not exist before goes, and only while nothing was
-    written under it. (The MLflow database is not made before the first trial either:
-    ``check_new_database``.)"""
-    made = Path(os.path.abspath(folder))
-    if made.exists():
-        yield
-        return
-    made = outermost_missing(made)
-    try:
-        yield
-    except UserError:
-        if made.is_dir() and not any(p.is_file() for p in made.rglob("*")):
-            shutil.rmtree(made, ignore_errors=True)
-        raise
 
 
 def check_shared_storage(given: str, resolved: str, nodes: int) -> None:

@@ -16,11 +16,13 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+from orchestrator.atomic_file import atomic_write
 from orchestrator.contract import MEMORY_LABELS
 from orchestrator.errors import UserError
 from orchestrator.table import format_table
@@ -29,6 +31,7 @@ from orchestrator.tracking.runs import ROLE_TAG, STEP_METRIC, SWEEP_ID_TAG, sqli
 from orchestrator.tracking.store import reading
 from orchestrator.trial_report import TrialReport
 from orchestrator.units import binary_unit, human
+from orchestrator.writable import check_folder, taken_back_if_refused
 
 #: The report reads many histories: retry a little, but never for minutes against a dead server.
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
@@ -122,22 +125,35 @@ STORE_ADVICE = "pass the sweep's --tracking-uri, or restore its store"
 
 def report_command(args) -> int:
     tracking_uri = args.tracking_uri or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
-    with reading(tracking_uri, STORE_ADVICE):
-        sweep = load_sweep(tracking_uri, args.experiment)
-    print(f"Sweep {sweep.name} (experiment {sweep.experiment!r}, MLflow run {sweep.run_id}, {tracking_uri})\n")
-    print(trial_table(sweep))
-    print()
-    print(summary(sweep))
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    png, parquet = out / "report.png", out / "results.parquet"
-    plot_peaks(sweep, png)
-    write_parquet(sweep, parquet)
+    # --out is tried before MLflow is read (thousands of trials take seconds), and a folder made
+    # for a report that is then refused (no such experiment) goes again.
+    with taken_back_if_refused(out):
+        check_folder(out, "--out", "pass --out with a folder you can write")
+        with reading(tracking_uri, STORE_ADVICE):
+            sweep = load_sweep(tracking_uri, args.experiment)
+        print(f"Sweep {sweep.name} (experiment {sweep.experiment!r}, MLflow run {sweep.run_id}, {tracking_uri})\n")
+        print(trial_table(sweep))
+        print()
+        print(summary(sweep))
+        png, parquet = out / "report.png", out / "results.parquet"
+        write_whole(png, lambda f: plot_peaks(sweep, f))
+        write_whole(parquet, lambda f: write_parquet(sweep, f))
     with reading(tracking_uri, STORE_ADVICE):
         _client(tracking_uri).log_artifact(sweep.run_id, str(png), "report")
         _client(tracking_uri).log_artifact(sweep.run_id, str(parquet), "report")
     print(f"\nWrote {png} and {parquet} (also logged to the sweep's run under report/)")
     return 0
+
+
+def write_whole(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """``path`` as ``write`` makes it, or as it was: a disk that fills up mid-write leaves no
+    cut-off plot or Parquet file beside a whole one from an earlier report."""
+    try:
+        with atomic_write(path, "wb") as f:
+            write(f)
+    except OSError as exc:
+        raise UserError(f"--out: cannot write {path} ({exc.strerror or exc}); pass --out with a folder you can write") from None
 
 
 # -- reading MLflow -------------------------------------------------------------------------------
@@ -312,7 +328,7 @@ def result_rows(sweep: SweepRecord) -> list[dict[str, Any]]:
     return rows
 
 
-def write_parquet(sweep: SweepRecord, path: Path) -> None:
+def write_parquet(sweep: SweepRecord, path: Path | IO[bytes]) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -448,7 +464,7 @@ def peak_chart(sweep: SweepRecord) -> PeakChart:
 MAX_BARS = 200
 
 
-def plot_peaks(sweep: SweepRecord, path: Path) -> None:
+def plot_peaks(sweep: SweepRecord, path: Path | IO[bytes]) -> None:
     """Draws :func:`peak_chart`: a pair of bars per trial, or for more than :data:`MAX_BARS`
     trials a point per trial (its measured peak over its predicted one)."""
     import matplotlib
@@ -461,7 +477,7 @@ def plot_peaks(sweep: SweepRecord, path: Path) -> None:
         _plot_bars(chart, path)
 
 
-def _plot_bars(chart: PeakChart, path: Path) -> None:
+def _plot_bars(chart: PeakChart, path: Path | IO[bytes]) -> None:
     """A horizontal pair of bars per trial, so that each trial's label reads level however many
     trials there are (the figure grows in height with them)."""
     import matplotlib.pyplot as plt
@@ -500,11 +516,11 @@ def _plot_bars(chart: PeakChart, path: Path) -> None:
     ax.set_ylim(count - 0.5, -0.5)  # the first trial on top, as in the table
     ax.grid(axis="x", alpha=0.3)
     fig.legend(legend.values(), legend.keys(), loc="outside lower center", ncols=min(4, len(legend) or 1), fontsize=8)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
 
 
-def _plot_points(chart: PeakChart, path: Path) -> None:
+def _plot_points(chart: PeakChart, path: Path | IO[bytes]) -> None:
     """A point per trial at (predicted, measured), on a figure of fixed size: the diagonal is a
     perfect estimate, points above it trials that needed more than planned. A trial without a
     prediction sits on the left edge, one without a measurement (refused) on the bottom edge."""
@@ -546,5 +562,5 @@ def _plot_points(chart: PeakChart, path: Path) -> None:
     ax.yaxis.set_major_formatter(formatter)
     ax.grid(alpha=0.3)
     fig.legend(legend.values(), legend.keys(), loc="outside lower center", ncols=min(3, len(legend)), fontsize=8)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)

@@ -40,7 +40,7 @@ from orchestrator.outcome import (
     recording,
     trial_status,
 )
-from orchestrator.preflight import check_shared_storage, check_storage, check_workloads, taken_back_if_refused
+from orchestrator.preflight import check_shared_storage, check_storage, check_workloads
 from orchestrator.ray_group import ray_in_its_own_group
 from orchestrator.ray_token import secure_token_files
 from orchestrator.run_request import RunRequest
@@ -49,6 +49,7 @@ from orchestrator.sweep_guard import claim_sweep
 from orchestrator.table import format_table
 from orchestrator.trial_report import TrialReport
 from orchestrator.units import human, size_flag
+from orchestrator.writable import taken_back_if_refused
 
 DEFAULT_TRACKING_DB = "mlflow.db"
 

@@ -9,7 +9,7 @@ from ports import free_port
 from orchestrator.cli import main
 from orchestrator.config import load_spec
 from orchestrator.errors import UserError
-from orchestrator.preflight import check_storage, check_workloads, taken_back_if_refused
+from orchestrator.preflight import check_storage, check_workloads
 
 SWEEP = """
 experiment: preflight
@@ -128,28 +128,6 @@ def test_run_stops_before_ray_starts(sweep_file, tmp_path, capsys, monkeypatch, 
     assert err.startswith(message) and err.count("\n") == 1, err
     assert not ray.is_initialized()
     assert not (tmp_path / "orchestrator_results").exists() or not any((tmp_path / "orchestrator_results").iterdir())
-
-
-def test_a_refusal_takes_back_the_folders_its_checks_made(tmp_path):
-    storage = tmp_path / "results" / "nested"
-    with pytest.raises(UserError), taken_back_if_refused(str(storage)):
-        check_storage(str(storage))
-        raise UserError("refused after the checks")
-    assert list(tmp_path.iterdir()) == []
-
-    # A folder something was written to stays; one that was there before stays; no refusal, no change.
-    with pytest.raises(UserError), taken_back_if_refused(str(storage)):
-        storage.mkdir(parents=True)
-        (storage / "checkpoint").write_text("progress")
-        raise UserError("refused later")
-    assert (storage / "checkpoint").exists()
-    (storage / "checkpoint").unlink()
-    with pytest.raises(UserError), taken_back_if_refused(str(storage)):
-        raise UserError("refused, the folder the user had")
-    assert storage.is_dir()
-    with taken_back_if_refused(str(tmp_path / "kept")):
-        check_storage(str(tmp_path / "kept"))
-    assert (tmp_path / "kept").is_dir()
 
 
 # A user's package, beside the sweep file in a folder outside the repository: one workload whose

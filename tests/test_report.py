@@ -20,6 +20,7 @@ from fake_sweep import ROOT, run_fake_sweep, runs_of
 from mlflow_server import MlflowServer
 
 from orchestrator.cli import main
+from orchestrator.errors import UserError
 from orchestrator.report import SweepRecord, TrialRecord, config_labels, peak_chart, plot_peaks, short_value
 from orchestrator.units import KiB, MiB
 from tests.conftest import command_env, installed_command
@@ -233,6 +234,47 @@ def test_a_missing_store_or_a_folder_is_one_line(tmp_path):
     (tmp_path / "mlflow.db").mkdir()
     done = report_in(tmp_path)  # MLflow would retry opening a folder for minutes
     assert done.returncode == 2 and done.stderr.startswith(f"error: {tmp_path / 'mlflow.db'} is not an MLflow database file")
+
+
+def test_an_out_folder_that_takes_no_file_is_one_line_before_mlflow_is_read(sweep_store, tmp_path):
+    """``--out`` is tried first: a file in its way is one line, exit 2, no traceback, and no
+    table printed for a report that is not written; a folder made for an experiment that is not
+    there goes again; one that can be made gets both files, whole."""
+    (tmp_path / "taken").write_text("a file where the folder should be")
+    done = report_in(sweep_store.parent, "--out", str(tmp_path / "taken"))
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (f"error: --out: cannot write to {tmp_path / 'taken'} (a file, not a folder); "
+                           "pass --out with a folder you can write\n")
+    done = report_in(sweep_store.parent, "nosuch", "--out", str(tmp_path / "made" / "here"))
+    assert done.returncode == 2 and done.stderr.startswith("error: no MLflow experiment 'nosuch'")
+    assert not (tmp_path / "made").exists()
+    done = report_in(sweep_store.parent, "--out", str(tmp_path / "new" / "report"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "new" / "report").iterdir()) == ["report.png", "results.parquet"]
+    assert png_size(tmp_path / "new" / "report" / "report.png")[0] > 0
+    assert pq.read_table(tmp_path / "new" / "report" / "results.parquet").num_rows == 3 * 59
+
+
+def test_a_write_cut_off_keeps_the_earlier_file_whole(tmp_path):
+    """A disk that fills up mid-write (``ENOSPC`` after some bytes went out) leaves the file of the
+    earlier report as it was and no partial file beside it, and says so in one line."""
+    import errno
+
+    from orchestrator.report import write_whole
+
+    earlier = tmp_path / "results.parquet"
+    earlier.write_bytes(b"the earlier report")
+
+    def fills_the_disk(f):
+        f.write(b"half of a new report")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(UserError) as raised:
+        write_whole(earlier, fills_the_disk)
+    assert str(raised.value) == (f"--out: cannot write {earlier} (No space left on device); "
+                                 "pass --out with a folder you can write")
+    assert earlier.read_bytes() == b"the earlier report"
+    assert [p.name for p in tmp_path.iterdir()] == ["results.parquet"]
 
 
 def test_report_loads_neither_torch_nor_ray():
