@@ -121,12 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     submit = commands.add_parser("submit", help="submit the sweep to SLURM: a Ray cluster inside the allocation")
     _add_config_arguments(submit)
-    submit.add_argument("--nodes", type=int, default=1)
-    submit.add_argument("--gpus-per-node", type=int, default=0)
-    submit.add_argument("--cpus-per-node", type=int)
-    submit.add_argument("--partition")
+    submit.add_argument("--nodes", type=int, default=1, help="nodes of the allocation, one Ray node each (default 1)")
+    submit.add_argument("--gpus-per-node", type=int, default=0,
+                        help="GPUs per node, asked for as --gres=gpu:N (default 0; needed when trials use GPUs)")
+    submit.add_argument("--cpus-per-node", type=int,
+                        help="CPUs per node for the trials (needed for a CPU-only job; default for a GPU job: "
+                             "one trial's resources.cpu per GPU)")
+    submit.add_argument("--partition", help="SLURM partition (default: the cluster's)")
     submit.add_argument("--time", default="01:00:00", help="SLURM time limit, HH:MM:SS or D-HH:MM:SS")
-    submit.add_argument("--account")
+    submit.add_argument("--account", help="SLURM account to charge (default: yours)")
     submit.add_argument("--mem", help="memory per node, SLURM syntax (e.g. 64G)")
     submit.add_argument("--tracking-uri", help="MLflow server URI reachable from the nodes (default: start one on the head)")
     submit.add_argument("--storage-path", help="shared storage for Tune results (default: the config's)")
