@@ -116,6 +116,18 @@ def test_a_model_whose_step_fails_is_refused_before_a_job_is_sent(sweep_file, ca
     assert said == {"run --address": f"error: {err.value}\n", "submit": f"error: {err.value}\n"}
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--num-cpus", "0"], "error: --num-cpus: expected 1 or more, got 0\n"),
+    (["--num-gpus", "-1"], "error: --num-gpus: expected 0 or more, got -1\n"),
+])
+def test_the_embedded_rays_cpus_and_gpus_are_checked_before_anything_starts(sweep_file, tmp_path, capsys, flags, message):
+    import ray
+
+    assert main(["run", sweep_file, *flags]) == 2
+    assert capsys.readouterr() == ("", message)
+    assert not ray.is_initialized() and not (tmp_path / "orchestrator_results").exists()
+
+
 def test_a_sweep_that_passes_reaches_the_backend(sweep_file, capsys):
     assert main(commands(sweep_file)["run --address"]) == 2
     assert "no Ray dashboard answers there" in capsys.readouterr().err

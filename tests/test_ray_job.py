@@ -86,9 +86,15 @@ def test_relative_results_locations_are_pointed_out(monkeypatch):
     assert results_notes(args, spec) == []
 
 
-def test_address_must_be_the_dashboard_url():
-    with pytest.raises(UserError, match="use --ray-address"):
-        connect("127.0.0.1:6379")
+def test_address_must_be_the_dashboard_url(tmp_path):
+    """A GCS address given as --address is one line, exit 2, before the sweep is checked or its
+    memory estimated (which take seconds): the installed command from a folder of the user's."""
+    (tmp_path / "sweep.yaml").write_text((ROOT / DEMO).read_text())
+    done = subprocess.run([installed_command(), "run", "sweep.yaml", "--address", "127.0.0.1:6379"], cwd=tmp_path,
+                          env=command_env(), capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == ("error: --address 127.0.0.1:6379: expected the dashboard's URL, e.g. http://127.0.0.1:8265 "
+                           "(to run the driver here against a cluster's HOST:PORT, use --ray-address)\n")
 
 
 def test_no_dashboard_at_the_address_is_a_user_error():

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from orchestrator.config import SweepSpec
+from orchestrator.errors import UserError
 from orchestrator.launch.base import Launcher
 from orchestrator.run_request import RunRequest
 from orchestrator.runner import resume_command, run_sweep, summary_lines, summary_table
@@ -27,6 +28,10 @@ class LocalLauncher(Launcher):
 
     @classmethod
     def from_args(cls, args) -> LocalLauncher:
+        for flag, value, least in (("--num-cpus", getattr(args, "num_cpus", None), 1),
+                                   ("--num-gpus", getattr(args, "num_gpus", None), 0)):
+            if value is not None and value < least:
+                raise UserError(f"{flag}: expected {least} or more, got {value:g}")
         return cls(dashboard=getattr(args, "dashboard", False), dashboard_host=getattr(args, "dashboard_host", "127.0.0.1"))
 
     def submit(self, request: RunRequest, spec: SweepSpec) -> int:

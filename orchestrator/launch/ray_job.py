@@ -103,11 +103,6 @@ def connect(address: str):
 
     from orchestrator.dashboard import TOKEN_SOURCES, auth_headers
 
-    if not address.startswith(("http://", "https://")):
-        raise UserError(
-            f"--address {address}: expected the dashboard's URL, e.g. http://127.0.0.1:8265 "
-            "(to run the driver here against a cluster's HOST:PORT, use --ray-address)"
-        )
     headers = auth_headers()
     try:
         return JobSubmissionClient(address, headers=headers)
@@ -138,6 +133,11 @@ class RayJobLauncher(Launcher):
         for attribute, flag in EMBEDDED_ONLY_FLAGS:
             if getattr(args, attribute, None):
                 raise UserError(f"{flag}: only for a sweep run here; with --address the job runs on the cluster's Ray")
+        if not args.address.startswith(("http://", "https://")):  # before the sweep is checked and estimated
+            raise UserError(
+                f"--address {args.address}: expected the dashboard's URL, e.g. http://127.0.0.1:8265 "
+                "(to run the driver here against a cluster's HOST:PORT, use --ray-address)"
+            )
         return cls(address=args.address)
 
     def check(self, request: RunRequest, spec: SweepSpec) -> None:
