@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import functools
 import os
 import re
@@ -609,17 +610,32 @@ def _nested(kind: Any, value: Any, *under: str | int) -> Any:
         raise _invalid(message, *under, *where) from None
 
 
+#: pydantic's error types for a key the section does not have.
+UNKNOWN_KEY_ERRORS = ("unexpected_keyword_argument", "unknown_key")
+
+
 def _describe(exc: ValidationError, kind: Any) -> tuple[tuple, str]:
-    """pydantic's first error -> (key path below ``kind``, what was expected, in the project's words)."""
-    error = exc.errors(include_url=False)[0]
+    """pydantic's first error -> (key path below ``kind``, what was expected, in the project's words).
+
+    A misspelt key is first, whatever pydantic's order: it is also why a required key is missing
+    (``effective_batch_sise``), and naming that one first would send the user to add what is there."""
+    errors = exc.errors(include_url=False)
+    error = next((e for e in errors if e["type"] in UNKNOWN_KEY_ERRORS), errors[0])
     where = (*error["loc"], *error.get("ctx", {}).get("under", ()))
-    if error["type"] in ("unexpected_keyword_argument", "unknown_key"):
-        return where, f"unknown key (expected one of: {', '.join(_keys(_section_at(kind, where[:-1])))})"
+    if error["type"] in UNKNOWN_KEY_ERRORS:
+        return where, f"unknown key {_one_of(str(where[-1]), _keys(_section_at(kind, where[:-1])))}"
     if error["type"] in ("missing", "missing_argument"):
         return where, "required key is missing"
     if error["type"] in ("dataclass_type", "dict_type"):
         return where, f"expected a mapping, got {error['input']!r}"
     return where, error["msg"]
+
+
+def _one_of(key: str, keys: list[str]) -> str:
+    """``(did you mean num_samples? expected one of: ...)``: the nearest of ``keys`` to a misspelt ``key``, if one is near."""
+    close = difflib.get_close_matches(key, keys, n=1)
+    meant = f"did you mean {close[0]}? " if close else ""
+    return f"({meant}expected one of: {', '.join(keys)})"
 
 
 def _section_at(kind: type, where: tuple) -> type:
@@ -792,10 +808,8 @@ def _check_workload_parameters(spec: SweepSpec) -> None:
     for section, values in (("workload.params", spec.params), ("search_space", spec.search_space)):
         for key, value in values.items():
             if key not in accepted:
-                raise ConfigError(
-                    f"{section}.{key}: not a parameter of workload {' or '.join(classes)} "
-                    f"(expected one of: {', '.join(sorted(accepted - {'workload'}))})"
-                )
+                raise ConfigError(f"{section}.{key}: not a parameter of workload {' or '.join(classes)} "
+                                  f"{_one_of(key, sorted(accepted - {'workload'}))}")
             if key != "workload":
                 _check_parameter_values(classes, f"{section}.{key}", key, value)
     for name, cls in classes.items():

@@ -92,7 +92,7 @@ def test_grid_and_samples_expand_to_trial_configs(tmp_path):
 
 BAD = [
     ("unknown top-level key", ["epocs=3"], "epocs: unknown key"),
-    ("unknown nested key", ["memory.budgett=1GiB"], "memory.budgett: unknown key"),
+    ("unknown nested key", ["memory.budgett=1GiB"], "memory.budgett: unknown key (did you mean budget? expected one of: "),
     ("wrong type", ["effective_batch_size=lots"], "effective_batch_size: expected a positive integer, got 'lots'"),
     ("zero size", ["effective_batch_size=0"], "effective_batch_size: expected a positive integer, got 0"),
     ("negative epochs", ["stop.epochs=-1"], "stop.epochs: expected a positive integer, got -1"),
@@ -104,7 +104,8 @@ BAD = [
     ("empty choice", ["search_space.width={choice: []}"], "search_space.width.choice: expected a non-empty list"),
     ("bad bounds", ["search_space.lr={uniform: [1, 0]}"], "search_space.lr.uniform: expected low < high"),
     ("unknown primitive", ["search_space.lr={normal: [0, 1]}"], "search_space.lr: expected a constant or one of"),
-    ("typo in a hyper-parameter", ["search_space.widht=3"], "search_space.widht: not a parameter of workload mlp"),
+    ("typo in a hyper-parameter", ["search_space.widht=3"],
+     "search_space.widht: not a parameter of workload mlp (did you mean width? expected one of: "),
     ("bad estimator", ["memory.estimator=guess"], "memory.estimator: expected one of static, trace, measured, none"),
     ("negative gpu", ["resources.gpu=-1"], "resources.gpu: expected a GPU count"),
     ("emulated without capacity", ["memory.device=emulated"], "memory.capacity: memory.device 'emulated' needs a capacity"),
@@ -128,7 +129,7 @@ BAD = [
     ("a capacity list with a bad size", ["memory={device: emulated, capacity: [8MiB, lots]}"],
      "memory.capacity[1]: expected a size such as 24GiB or 512MB, got 'lots'"),
     ("unknown key in the workload section", ["workload.param={depth: 2}"],
-     "workload.param: unknown key (expected one of: name, params)"),
+     "workload.param: unknown key (did you mean params? expected one of: name, params)"),
     ("unknown budget", ["stop.hours=3"], "stop.hours: unknown key (expected one of: epochs, steps)"),
     ("fractional steps", ["stop.steps=2.5"], "stop.steps: expected a positive integer, got 2.5"),
     ("eval cadence unit", ["eval_every={hours: 1}"], "eval_every: expected one of {steps: N}, {minutes: N}, {epochs: N}"),
@@ -183,6 +184,18 @@ def test_bad_input_names_the_key_and_what_was_expected(tmp_path, case, overrides
         load_spec(write(tmp_path, VALID), overrides)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_a_misspelt_key_is_named_before_the_key_it_leaves_missing(tmp_path):
+    """``effective_batch_sise`` both is an unknown key and leaves ``effective_batch_size`` missing:
+    the misspelling is the mistake to name (pydantic lists the missing key first)."""
+    with pytest.raises(ConfigError) as err:
+        load_spec(write(tmp_path, VALID.replace("effective_batch_size:", "effective_batch_sise:")))
+    assert str(err.value).startswith(
+        "effective_batch_sise: unknown key (did you mean effective_batch_size? expected one of: checkpoint, data, ")
+    with pytest.raises(ConfigError) as err:  # nothing near: no guess
+        load_spec(write(tmp_path, VALID), ["stop.hours=3"])
+    assert str(err.value) == "stop.hours: unknown key (expected one of: epochs, steps)"
 
 
 def test_the_longest_names_are_taken_as_they_are(tmp_path):
