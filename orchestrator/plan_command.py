@@ -15,7 +15,9 @@ budget, the gradient exchange's bucket and its peak against its limit.
 
 Trials with the same memory signature (``orchestrator.estimates``: they differ only in ``lr``,
 ``seed`` or what the workload declares memory-neutral) are estimated once, distinct ones in
-parallel processes where there are cores to spare (``estimate_trials``).
+parallel processes where there are cores to spare (``estimate_trials``), and share their rows
+and their plan line (a random search of hundreds of learning rates is a few groups, each naming
+its trials); ``--json`` has every trial.
 A refused trial is a plan outcome, not an error of the command: the exit status is 0 with the
 refusals shown (and counted in the summary). A trial that could not be estimated at all (its
 model's library is not installed here, say) is shown with its error and the others still
@@ -60,8 +62,7 @@ def plan_command(args) -> int:
 
     def progress(signature: str, trials: list[int], seconds: float) -> None:
         done[0] += 1
-        which = ", ".join(map(str, trials[:8])) + (", ..." if len(trials) > 8 else "")
-        print(f"[{done[0]}] {describe_signature(signature, spec.search_space)} (trials {which}): "
+        print(f"[{done[0]}] {describe_signature(signature, spec.search_space)} (trials {trial_list(trials)}): "
               f"{policy.estimator} {seconds:.1f}s",
               file=sys.stderr, flush=True)
 
@@ -73,7 +74,7 @@ def plan_command(args) -> int:
     for index, config in enumerate(configs):
         signature = memory_signature(config, policy, target)
         if signature in estimates.errors:  # e.g. a model whose library is not installed here: show it, go on
-            results.append({"trial": index, "config": config, "error": estimates.errors[signature]})
+            results.append({"trial": index, "signature": signature, "config": config, "error": estimates.errors[signature]})
             continue
         workload = build_workload(config)
         if signature not in caches:  # the measured estimator probes here, once per signature too
@@ -89,9 +90,9 @@ def plan_command(args) -> int:
         except UserError:
             raise
         except Exception as exc:  # noqa: BLE001 - shown with the trial (op and line), the others still planned
-            results.append({"trial": index, "config": config, "error": summary(exc)})
+            results.append({"trial": index, "signature": signature, "config": config, "error": summary(exc)})
             continue
-        results.append({"trial": index, "config": config, "plan": plan, "profile": profile,
+        results.append({"trial": index, "signature": signature, "config": config, "plan": plan, "profile": profile,
                         "host": None if plan.refusal else host.plan(workload, signature, plan.micro_batch)})
 
     swept = host.for_run(planned)
@@ -178,10 +179,15 @@ def _as_text(policy, target: str, budget: int | None, results: list[dict]) -> st
     headers = ["trial", "workload", "phase", "params", "grads", "optim", "act/sample", "fixed", "ctx", "alloc@b",
                "peak@b", *(["reserved by"] if target == "cuda" else []), "worst"]
     rows, plans, notes = [], [], []
-    for r in results:
-        searched = " ".join(f"{k}={v}" for k, v in r["config"].items() if k != "workload")
+    for group in _alike(results):
+        r, trials = group[0], [g["trial"] for g in group]
+        searched = " ".join(f"{k}={v}" for k, v in r["config"].items()
+                            if k != "workload" and all(g["config"].get(k) == v for g in group))
+        config = f"{r['config']['workload']}{' ' + searched if searched else ''}"
+        what = (f"trial {r['trial']} ({config})" if len(group) == 1 else
+                f"trials {trial_list(trials)} ({f'{len(group)} in all; ' if len(group) > 8 else ''}{config})")
         if "error" in r:
-            plans.append(f"trial {r['trial']} ({r['config']['workload']} {searched}): could not be estimated: {r['error']}")
+            plans.append(f"{what}: could not be estimated: {r['error']}")
             continue
         plan, profile = r["plan"], r["profile"]
         limit = None if plan.refusal else _limit(plan)
@@ -196,7 +202,7 @@ def _as_text(policy, target: str, budget: int | None, results: list[dict]) -> st
             reserved_by = "allocator model" if phase.sequence is not None else f"x {1 + phase.fragmentation:.3g}"
             worst = "yes" if phase.name == plan.predicted_phase else ""  # the phase the plan was made for
             rows.append([
-                r["trial"], r["config"]["workload"], phase.name, _size(phase.params), _size(phase.grads),
+                trial_list(trials, shown=3) + (f" ({len(trials)})" if len(trials) > 3 else ""), r["config"]["workload"], phase.name, _size(phase.params), _size(phase.grads),
                 _size(phase.optimizer), _size(phase.activations_per_sample), _size(phase.buffers + phase.fixed_other),
                 _size(phase.context + phase.workspace), _size(allocated), f"{_size(peak)}@{b}",
                 *([reserved_by] if target == "cuda" else []), worst,
@@ -207,7 +213,7 @@ def _as_text(policy, target: str, budget: int | None, results: list[dict]) -> st
         if limit is not None and plan.predicted_peak_bytes is not None:
             fill = (f"; peak {_size(plan.predicted_peak_bytes)} of {_size(limit)} "
                     f"({_size(plan.budget_bytes)} x safety margin {plan.safety_margin:g})")
-        plans.append(f"trial {r['trial']} ({r['config']['workload']} {searched}): {plan.describe()}"
+        plans.append(f"{what}: {plan.describe()}"
                      + (f" [{profile.settings.describe()} profile]" if plan.refusal else "")
                      + fill + (f"; {plan.note}" if plan.note else ""))
         plans.extend(_rank_lines(plan))
@@ -232,6 +238,25 @@ def _as_text(policy, target: str, budget: int | None, results: list[dict]) -> st
         *(f"note: {n}" for n in notes),
     ]
     return "\n".join(lines)
+
+
+def trial_list(trials: list[int], shown: int = 8) -> str:
+    """``0, 1, 8, ...``: the first ``shown`` trial numbers."""
+    return ", ".join(map(str, trials[:shown])) + (", ..." if len(trials) > shown else "")
+
+
+def _alike(results: list[dict]) -> list[list[dict]]:
+    """The trials whose rows and plan lines would be the same, in trial order: one memory
+    signature, one plan (or error) and one host-memory line. A random search of hundreds of
+    learning rates is then a few groups, not hundreds of identical rows."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        if "error" in r:
+            key = (r["signature"], r["error"])
+        else:
+            key = (r["signature"], r["plan"].describe(), r["plan"].note, r["host"].describe() if r.get("host") else None)
+        groups.setdefault(key, []).append(r)
+    return list(groups.values())
 
 
 def _as_json(spec, policy, target: str, budget: int | None, results: list[dict]) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 from argparse import Namespace
 
 import pytest
@@ -50,18 +51,20 @@ def args(config, **kwargs):
 def test_table_shows_every_phase_of_every_trial_and_the_plan(sweep, capsys):
     assert plan_command(args(sweep(), device_memory="2GiB")) == 0
     out, err = capsys.readouterr()
-    rows = [line.split() for line in out.splitlines() if line[:1].isdigit() and "trials," not in line]
+    # trials that differ only in lr have the same memory and plan: they share their rows and plan line
+    rows = [re.split(r"\s{2,}", line.strip()) for line in out.splitlines() if line[:1].isdigit() and "trials," not in line]
     assert {(r[0], r[1], r[2]) for r in rows} == {
-        *((t, "staged_mlp", p) for t in "01" for p in ("train", "eval", "train@epoch3", "eval@epoch3")),
-        *((t, "cnn", p) for t in "23" for p in ("train", "eval")),
+        *(("0, 1", "staged_mlp", p) for p in ("train", "eval", "train@epoch3", "eval@epoch3")),
+        *(("2, 3", "cnn", p) for p in ("train", "eval")),
     }
-    [header] = [line.split() for line in out.splitlines() if line.startswith("trial  workload")]
+    [header] = [re.split(r"\s{2,}", line.strip()) for line in out.splitlines() if line.startswith("trial  workload")]
     assert header[-1] == "worst" and len(header) == len(max(rows, key=len))  # every column has a header
     worst = {r[0]: r[2] for r in rows if r[-1] == "yes"}
-    assert worst["0"] == "train@epoch3" and worst["2"] == "eval"  # the aux block; the 4x eval batch
+    assert worst["0, 1"] == "train@epoch3" and worst["2, 3"] == "eval"  # the aux block; the 4x eval batch
     # a CUDA target: every phase's reserved memory is the allocator model's, and the table says so
     assert "reserved by" in out and all(" allocator model " in f" {' '.join(r)} " for r in rows)
-    assert "trial 0 (staged_mlp" in out and "32 x 1 (eval 128, fp32); peak 0." in out
+    assert "trials 0, 1 (staged_mlp" in out and "32 x 1 (eval 128, fp32); peak 0." in out
+    assert "lr=" not in out  # the one key the group's trials differ in
     assert "of 1.96G (2.00G x safety margin 0.98)" in out  # the plan's peak against its limit
     assert "target cuda, budget 2.00G" in out and "ctx" in out  # a card of that size, with its context
     assert "4 trials, 0 refused" in out
@@ -105,6 +108,23 @@ def test_user_mistakes_exit_2_with_one_line(sweep, capsys):
     assert capsys.readouterr().err.strip().startswith("error: --device-memory")
 
 
+def test_a_random_search_of_hundreds_of_trials_is_a_row_group_per_memory_configuration(sweep, capsys):
+    """Hundreds of learning rates over two models: two groups of rows and two plan lines, each naming
+    its first trials and how many it has, not a row and a line per trial; ``--json`` keeps every trial."""
+    overrides = ["num_samples=75"]  # x the grid's 2 workloads x 2 learning rates
+    assert plan_command(args(sweep(), device_memory="2GiB", overrides=overrides)) == 0
+    out = capsys.readouterr().out
+    rows = [re.split(r"\s{2,}", line.strip()) for line in out.splitlines() if line[:1].isdigit() and "trials," not in line]
+    assert {r[0] for r in rows} == {"0, 1, 4, ... (150)", "2, 3, 6, ... (150)"}
+    assert len(rows) == 6  # staged_mlp's four phases, the CNN's two
+    plans = [line for line in out.splitlines() if line.startswith("trials ")]
+    assert [p.split(" (")[0] for p in plans] == ["trials 0, 1, 4, 5, 8, 9, 12, 13, ...", "trials 2, 3, 6, 7, 10, 11, 14, 15, ..."]
+    assert all("(150 in all; " in p for p in plans)
+    assert "300 trials, 0 refused" in out
+    assert plan_command(args(sweep(), device_memory="2GiB", overrides=overrides, json=True)) == 0
+    assert [t["trial"] for t in json.loads(capsys.readouterr().out)["trials"]] == list(range(300))
+
+
 def test_a_trial_that_cannot_be_estimated_is_shown_and_the_rest_planned(sweep, capsys, tmp_path, monkeypatch):
     """A model whose library is not installed where the plan is made: its trials show the error."""
     (tmp_path / "needs_library.py").write_text(
@@ -121,7 +141,8 @@ def test_a_trial_that_cannot_be_estimated_is_shown_and_the_rest_planned(sweep, c
     assert plan_command(args(config, device_memory="2GiB", overrides=overrides)) == 1
     out = capsys.readouterr().out
     assert "could not be estimated: ModuleNotFoundError: No module named 'torchvision_not_installed_here'" in out
-    assert "trial 0 (staged_mlp" in out and "4 trials, 0 refused, 2 could not be estimated" in out
+    assert "trials 0, 1 (staged_mlp" in out and "4 trials, 0 refused, 2 could not be estimated" in out
+    assert "trials 2, 3 (needs_library:NeedsLibrary" in out  # the error once, for both of its trials
 
 
 def test_a_model_that_crashes_is_shown_with_the_line_of_its_code(tmp_path, capsys, monkeypatch):
