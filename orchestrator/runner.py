@@ -9,6 +9,7 @@ another user's cluster.
 from __future__ import annotations
 
 import glob
+import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -90,7 +91,7 @@ class SweepOutcome:
 
 
 def summary_lines(outcome: SweepOutcome, spec: SweepSpec, request: RunRequest) -> list[str]:
-    """Below the table: what finished, what did not and why, what MLflow lacks and how to fix it."""
+    """Below the table: what finished, what did not and why, what MLflow lacks and how to fix it, the best trial."""
     rows = outcome.rows
     name = os.path.basename(outcome.experiment_path)
     done = sum(finished(r.status, outcome.on_nan) for r in rows)
@@ -110,6 +111,9 @@ def summary_lines(outcome: SweepOutcome, spec: SweepSpec, request: RunRequest) -
         lines.append(f"MLflow at {delivery.tracking_uri} did not take {delivery.unsent} write(s) by the end; {where}.")
         if delivery.kept_at:
             lines.append(f"  Send them once MLflow is back with: {resume_command(request, name)}")
+    best = best_row(rows, spec)
+    if best is not None:
+        lines.append(f"Best: {best.name}, {spec.metric} {best.final_metric:.4f} ({best.config})")
     lines.append(f"MLflow: {outcome.tracking_uri} (experiment {spec.experiment!r}); see `{report_command(outcome, spec, request)}`")
     return lines
 
@@ -500,9 +504,49 @@ def _row(result, spec: SweepSpec, record: SweepRecord | None = None) -> TrialRow
     )
 
 
+#: The most trials the final table lists (Tune's progress table shows 20 rows too); ``report`` lists them all.
+TABLE_ROWS = 20
+#: Of those, the finished trials with the best metric, when the sweep has more trials than the table rows.
+BEST_ROWS = 10
+
+
 def summary_table(rows: list[TrialRow], spec: SweepSpec) -> str:
     """trial, config, progress against the budget, the metric, micro-batch x accumulation, peak memory, status;
-    on a cluster of several nodes also the node of each trial, and the moves of those that moved."""
+    on a cluster of several nodes also the node of each trial, and the moves of those that moved.
+
+    A sweep of more than :data:`TABLE_ROWS` trials (hundreds under ASHA) lists the trials to look
+    at, not a screenful per hundred: those that did not simply finish (an error, a refusal, an
+    interruption, an OOM survived, a move) and the best by the sweep's metric, at least
+    :data:`BEST_ROWS` of them, with a line that says what was left out."""
+    if len(rows) <= TABLE_ROWS:
+        return _table(rows, spec)
+    to_look_at = [r for r in rows if r.status != TERMINATED or r.oom_retries or r.moves]
+    ranked = sorted((r for r in rows if r not in to_look_at and _comparable(r.final_metric)),
+                    key=lambda r: r.final_metric, reverse=spec.mode == "max")
+    looked = to_look_at[:TABLE_ROWS - min(BEST_ROWS, len(ranked))]
+    best = ranked[:TABLE_ROWS - len(looked)]
+    chosen = {id(r) for r in looked + best}
+    shown = [r for r in rows if id(r) in chosen]
+    parts = [f"the {len(best)} best by {spec.metric}"] if best else []
+    if to_look_at:
+        parts.append(f"{'all ' if len(looked) == len(to_look_at) else f'{len(looked)} of '}{len(to_look_at)} "
+                     "that did not simply finish")
+    return (f"{_table(shown, spec)}\n({len(shown)} of {len(rows)} trials: {' and '.join(parts)}; "
+            "`orchestrator report` lists every trial)")
+
+
+def best_row(rows: list[TrialRow], spec: SweepSpec) -> TrialRow | None:
+    """The finished trial with the best final metric (None when no trial has one)."""
+    candidates = [r for r in rows if r.status == TERMINATED and _comparable(r.final_metric)]
+    pick = max if spec.mode == "max" else min
+    return pick(candidates, key=lambda r: r.final_metric) if candidates else None
+
+
+def _comparable(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def _table(rows: list[TrialRow], spec: SweepSpec) -> str:
     nodes = {r.node for r in rows if r.node}
     body = [
         (

@@ -64,6 +64,49 @@ def test_on_several_nodes_the_table_shows_each_trials_node_and_its_moves():
     assert "node" not in summary_table(rows[:1], SPEC).splitlines()[0]
 
 
+def finished_row(index: int, loss: float, **changes) -> "TrialRow":
+    from orchestrator.runner import TrialRow
+
+    return TrialRow(**{"name": f"t_{index:05d}", "config": f"lr={index}", "status": "TERMINATED", "epochs": 3,
+                       "steps": 3, "final_metric": loss, "plan": "32 x 1", "peak_bytes": None, "memory_source": "",
+                       "oom_retries": 0, **changes})
+
+
+def test_a_large_sweeps_table_lists_the_trials_to_look_at_and_says_what_it_left_out():
+    """800 trials: not 800 rows but every trial that did not simply finish and the best, at least
+    10 of them, in the 20 rows Tune's table shows too, in the sweep's order, and a line saying so."""
+    from orchestrator.runner import BEST_ROWS, TABLE_ROWS
+
+    rows = [finished_row(i, loss=1.0 + (i % 97) / 100) for i in range(800)]
+    rows[5] = finished_row(5, loss=0.01, oom_retries=1)  # the best, but it survived an OOM: listed as one to look at
+    rows[700] = finished_row(700, loss=0.02)
+    rows[300] = finished_row(300, loss=float("nan"), status="ERROR", note="ValueError: bad width")
+    table = summary_table(rows, SPEC)
+    listed = [line.split()[0] for line in table.splitlines()[2:-1]]
+    assert len(listed) == TABLE_ROWS and listed == sorted(listed)
+    assert {"t_00005", "t_00300", "t_00700"} <= set(listed)  # the OOM survivor, the error, the best
+    assert table.splitlines()[-1] == ("(20 of 800 trials: the 18 best by eval_loss and all 2 that did not simply "
+                                      "finish; `orchestrator report` lists every trial)")
+    # Hundreds of errors: some of them, and still the best, in at most TABLE_ROWS rows.
+    failing = [finished_row(i, loss=float(i), status="ERROR" if i % 2 else "TERMINATED") for i in range(800)]
+    table = summary_table(failing, SPEC)
+    assert len(table.splitlines()) == 2 + TABLE_ROWS + 1 and "t_00000 " in table  # the best finished
+    assert table.splitlines()[-1].startswith(f"(20 of 800 trials: the {BEST_ROWS} best by eval_loss and 10 of 400 that did not")
+    # mode: max ranks the other way; a table of up to TABLE_ROWS trials lists every one, with no note.
+    spec = parse_spec({**SPEC.raw, "mode": "max"})
+    assert "t_00799 " in summary_table([finished_row(i, loss=float(i)) for i in range(800)], spec)
+    assert len(summary_table(rows[:TABLE_ROWS], SPEC).splitlines()) == 2 + TABLE_ROWS
+
+
+def test_the_best_trial_is_named_below_the_table(typed):
+    rows = [finished_row(0, loss=0.5), finished_row(1, loss=0.25), finished_row(2, loss=float("nan")),
+            finished_row(3, loss=0.1, status="ERROR")]
+    lines = summary_lines(SweepOutcome(rows, "/r/exp_1", "sqlite:///m.db"), SPEC, run_args())
+    assert lines[-2] == "Best: t_00001, eval_loss 0.2500 (lr=1)"
+    assert not any(line.startswith("Best:") for line in summary_lines(
+        SweepOutcome(rows[2:], "/r/exp_1", "sqlite:///m.db"), SPEC, run_args()))  # no finished trial has a value
+
+
 def test_each_run_gets_its_own_folder_unless_named(tmp_path):
     name, restore = _experiment_name(SPEC, str(tmp_path), None, resume=False)
     assert name.startswith("exp_") and restore is None
