@@ -8,7 +8,7 @@ import pytest
 
 from orchestrator.config import parse_spec
 from orchestrator.run_request import RunRequest
-from orchestrator.runner import SweepOutcome, _experiment_name, _row, summary_lines, summary_table
+from orchestrator.runner import SweepOutcome, TrialRow, _experiment_name, _row, summary_lines, summary_table
 
 SPEC = parse_spec({
     "experiment": "exp", "workload": "mlp", "search_space": {"lr": {"choice": [0.1, 0.01]}},
@@ -64,9 +64,7 @@ def test_on_several_nodes_the_table_shows_each_trials_node_and_its_moves():
     assert "node" not in summary_table(rows[:1], SPEC).splitlines()[0]
 
 
-def finished_row(index: int, loss: float, **changes) -> "TrialRow":
-    from orchestrator.runner import TrialRow
-
+def finished_row(index: int, loss: float, **changes) -> TrialRow:
     return TrialRow(**{"name": f"t_{index:05d}", "config": f"lr={index}", "status": "TERMINATED", "epochs": 3,
                        "steps": 3, "final_metric": loss, "plan": "32 x 1", "peak_bytes": None, "memory_source": "",
                        "oom_retries": 0, **changes})
