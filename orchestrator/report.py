@@ -121,6 +121,8 @@ class SweepRecord:
 
 #: What a store that cannot be read (a corrupted ``mlflow.db``, a server that does not answer) asks of the user.
 STORE_ADVICE = "pass the sweep's --tracking-uri, or restore its store"
+#: What an --out that cannot take the report's files asks of the user.
+OUT_ADVICE = "pass --out with a folder you can write"
 
 
 def report_command(args) -> int:
@@ -129,7 +131,7 @@ def report_command(args) -> int:
     # --out is tried before MLflow is read (thousands of trials take seconds), and a folder made
     # for a report that is then refused (no such experiment) goes again.
     with taken_back_if_refused(out):
-        check_folder(out, "--out", "pass --out with a folder you can write")
+        check_folder(out, "--out", OUT_ADVICE)
         with reading(tracking_uri, STORE_ADVICE):
             sweep = load_sweep(tracking_uri, args.experiment)
         print(f"Sweep {sweep.name} (experiment {sweep.experiment!r}, MLflow run {sweep.run_id}, {tracking_uri})\n")
@@ -153,7 +155,7 @@ def write_whole(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         with atomic_write(path, "wb") as f:
             write(f)
     except OSError as exc:
-        raise UserError(f"--out: cannot write {path} ({exc.strerror or exc}); pass --out with a folder you can write") from None
+        raise UserError(f"--out: cannot write {path} ({exc.strerror or exc}); {OUT_ADVICE}") from None
 
 
 # -- reading MLflow -------------------------------------------------------------------------------
