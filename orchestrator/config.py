@@ -201,6 +201,33 @@ def folder_name(value: Any, path: str) -> str:
     return _validated(FolderName, value, path)
 
 
+_URI = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _local_folder(path: str) -> str:
+    """A storage path is a folder of a file system this machine (and every node) mounts.
+
+    Tune takes a URI (``s3://bucket/sweeps``) and writes through pyarrow, but the orchestrator
+    keeps its own sweep state beside Tune's (the claim on the sweep, whole copies of Tune's state
+    files, MLflow writes left unsent, a trial's OOM evidence) and reads it back on ``--resume``
+    with plain file I/O: a URI would become a local folder named ``s3:``. So it is refused, with
+    what works instead."""
+    if _URI.match(path):
+        raise _invalid(
+            f"expected a folder, not a URI, got {path!r}: the sweep keeps its state beside Tune's with file I/O; "
+            "use a folder every node mounts (a shared disk, NFS, or the bucket mounted with s3fs, gcsfuse or blobfuse2)"
+        )
+    return path
+
+
+StoragePath = Annotated[Text, AfterValidator(_local_folder)]
+
+
+def storage_folder(value: Any, path: str) -> str:
+    """``value`` as a storage path, or a :class:`ConfigError` naming ``path`` (``--storage-path``)."""
+    return _validated(StoragePath, value, path)
+
+
 #: Metadata of a field that no YAML key sets: it is derived from other keys or from the file.
 DERIVED = {"derived": True}
 
@@ -487,7 +514,7 @@ class SweepSpec:
     scheduler: Scheduler = SchedulerSpec()
     resources: Resources = Resources()
     memory: MemoryPolicy = MemoryPolicy()
-    storage_path: Text = "./orchestrator_results"
+    storage_path: StoragePath = "./orchestrator_results"
     tracking_uri: Text | None = None
     seed: Integer = 0
     max_failures: NonNegativeInt = 0

@@ -148,6 +148,8 @@ BAD = [
     ("negative max_grad_norm", ["max_grad_norm=-1"], "max_grad_norm: expected a positive number, got -1"),
     ("metric not reported", ["metric=eval_accuracy"],
      "metric: workload mlp does not report 'eval_accuracy' (it reports: train_loss, eval_loss)"),
+    ("a storage path that is a URI", ["storage_path=s3://bucket/sweeps"],
+     "storage_path: expected a folder, not a URI, got 's3://bucket/sweeps'"),
     ("experiment name climbing out of the storage path", ["experiment=../../x"],
      "experiment: expected a name, not a path (no '/', '\\', '..' or leading '.'), got '../../x'"),
     ("experiment name that is an absolute path", ["experiment=/tmp/x"], "experiment: expected a name, not a path"),

@@ -105,6 +105,19 @@ def test_a_sweep_name_that_is_a_path_is_refused_before_a_job_is_sent(sweep_file,
     assert said["run"].startswith("error: --name: expected a name, not a path") and said["run"].count("\n") == 1
 
 
+@pytest.mark.parametrize("flags, said", [
+    (["--storage-path", "s3://bucket/sweeps"], "error: --storage-path: expected a folder, not a URI, got 's3://bucket/sweeps'"),
+    (["--set", "storage_path=gs://bucket/sweeps"], "error: storage_path: expected a folder, not a URI, got 'gs://bucket/sweeps'"),
+], ids=["flag", "key"])
+def test_a_storage_uri_is_refused_by_every_launcher_before_anything_is_written(sweep_file, tmp_path, capsys, flags, said):
+    """Tune would take it; the sweep's own state (its claim, whole copies of Tune's state, unsent
+    MLflow writes) is file I/O, which made it a local folder named ``s3:``."""
+    refused = refusals(capsys, sweep_file, *flags)
+    assert refused["run"] == refused["run --address"] == refused["submit"]
+    assert refused["run"].startswith(said) and "s3fs, gcsfuse or blobfuse2" in refused["run"]
+    assert refused["run"].count("\n") == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["sweep.yaml"]
+
+
 def test_a_model_whose_step_fails_is_refused_before_a_job_is_sent(sweep_file, capsys):
     """``run`` refuses it with its estimate's line (made while its Ray starts); the other
     launchers make the same estimate before sending anything."""

@@ -13,7 +13,7 @@ import sys
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
-from orchestrator.config import SweepSpec, folder_name, load_spec
+from orchestrator.config import SweepSpec, folder_name, load_spec, storage_folder
 from orchestrator.preflight import check_workloads
 from orchestrator.run_request import RunRequest
 
@@ -47,6 +47,8 @@ def launch(launcher: Launcher, request: RunRequest) -> int:
     spec = load_spec(request.config, list(request.overrides))
     if request.name is not None:
         folder_name(request.name, "--name")
+    if request.storage_path is not None:
+        storage_folder(request.storage_path, "--storage-path")
     launcher.check(request, spec)
     if not launcher.driver_here:
         preflight(spec)

@@ -86,7 +86,7 @@ def results_notes(request: RunRequest, spec: SweepSpec) -> list[str]:
     """Warnings for results that would land in the job's temporary working directory."""
     notes = []
     storage = request.storage_path or spec.storage_path
-    if "://" not in storage and not os.path.isabs(storage):
+    if not os.path.isabs(storage):  # a URI is refused before this (config.StoragePath)
         notes.append(f"Tune results go to {storage!r} inside the job's temporary working directory on the "
                      "cluster; pass --storage-path with a path the cluster keeps (shared storage) to keep them.")
     tracking = request.tracking_uri or spec.tracking_uri
