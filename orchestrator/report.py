@@ -28,7 +28,7 @@ from orchestrator.errors import UserError
 from orchestrator.table import format_table
 from orchestrator.tracking.reader import READERS, StoredRun, trial_runs
 from orchestrator.tracking.runs import ROLE_TAG, STEP_METRIC, SWEEP_ID_TAG, sqlite_path
-from orchestrator.tracking.store import reading
+from orchestrator.tracking.store import database_answers, reading
 from orchestrator.trial_report import TrialReport
 from orchestrator.units import binary_unit, human
 from orchestrator.writable import check_folder, taken_back_if_refused
@@ -177,6 +177,7 @@ def load_sweep(tracking_uri: str, experiment: str | None = None) -> SweepRecord:
         raise UserError(f"no MLflow database at {database}; pass --tracking-uri (the sweep's tracking URI)")
     if database is not None and not database.is_file():  # MLflow would retry opening it for minutes
         raise UserError(f"{database} is not an MLflow database file; pass --tracking-uri (the sweep's tracking URI)")
+    database_answers(tracking_uri)
     client = _client(tracking_uri)
     experiments = client.search_experiments()
     if experiment is not None:

@@ -38,7 +38,7 @@ from orchestrator.tracking.flatten import plan_params, result_metrics, spec_para
 from orchestrator.tracking.outbox import is_outage
 from orchestrator.tracking.store import reading, unusable
 from orchestrator.trial_report import TrialReport
-from tests.conftest import command_env, installed_command
+from tests.conftest import ROOT, command_env, installed_command
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:
@@ -335,6 +335,52 @@ def test_a_store_that_cannot_be_used_is_said_in_one_line():
             raise sqlite3.DatabaseError("file is not a database")
     with pytest.raises(KeyError), reading("sqlite:///m.db", "restore it"):
         raise KeyError("a bug of ours")
+
+
+def test_a_file_store_and_a_missing_database_driver_say_what_to_do(monkeypatch):
+    """MLflow 3 refuses its file store with a paragraph whose advice came after the cut of a first
+    line; a database URI whose driver is not installed raised a bare ModuleNotFoundError (in
+    ``report``, a traceback). Both are one line that says what to do."""
+    from mlflow.exceptions import MlflowException
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    refusal = MlflowException("The filesystem tracking backend (e.g., './mlruns') is in maintenance mode ...")
+    for uri in ("./mlruns", "file:///data/mlruns"):
+        assert unusable(uri, refusal, "start it") == (
+            f"{uri} is MLflow's file store, which MLflow 3 refuses (it is in maintenance mode); use a database store, "
+            "e.g. sqlite:///mlflow.db (`mlflow migrate-filestore` moves the runs already there into one), "
+            "or set MLFLOW_ALLOW_FILE_STORE=true")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # allowed, and failing for another reason: that reason
+    assert unusable("./mlruns", MlflowException("disk full"), "start it") == "MLflow at ./mlruns is not usable (disk full); start it"
+
+    try:
+        try:
+            raise ModuleNotFoundError("No module named 'psycopg'", name="psycopg")
+        except ModuleNotFoundError as missing:
+            raise RuntimeError("could not create the engine") from missing
+    except RuntimeError as exc:
+        said = unusable("postgresql://u@db/mlflow", exc, "start it")
+    assert said == ("MLflow at postgresql://u@db/mlflow needs the database driver 'psycopg', which is not installed "
+                    "here: pip install 'psycopg[binary]' (or write postgresql+psycopg2://..., whose driver "
+                    "`pip install -e '.[postgres]'` installs)")
+    with pytest.raises(UserError, match=r"needs the database driver 'MySQLdb', which is not installed here: pip install 'mysqlclient'$"):
+        with reading("mysql://u@db/mlflow", "restore it"):
+            raise ModuleNotFoundError("No module named 'MySQLdb'", name="MySQLdb")
+
+
+@pytest.mark.parametrize("verb", ["run", "report"])
+def test_a_database_store_that_does_not_answer_is_one_line_at_once(tmp_path, verb):
+    """A PostgreSQL store whose server is down: the driver's refusal in one line, exit 2, not
+    MLflow's ten tries over ~100 s with a warning of several lines each (nothing listens there)."""
+    pytest.importorskip("psycopg2")
+    uri = f"postgresql+psycopg2://mlflow@127.0.0.1:{free_port()}/mlflow"
+    (tmp_path / "sweep.yaml").write_text((ROOT / "configs" / "demo_cpu.yaml").read_text())
+    command = [installed_command(), verb, *(["sweep.yaml"] if verb == "run" else []), "--tracking-uri", uri]
+    done = subprocess.run(command, cwd=tmp_path, env=command_env(), capture_output=True, text=True, timeout=90, check=False)
+    assert done.returncode == 2, done.stderr[-3000:]
+    [line] = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert f"MLflow at {uri} is not usable ((psycopg2.OperationalError) connection to server at" in line
+    assert "could not be created" not in done.stderr and "Traceback" not in done.stderr
 
 
 def test_the_tracking_store_is_checked_before_a_sweep_starts(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from orchestrator.errors import UserError
 from orchestrator.preflight import check_new_database
 from orchestrator.tracking.runs import sqlite_path
-from orchestrator.tracking.store import unusable
+from orchestrator.tracking.store import database_answers, unusable
 from orchestrator.tracking.writer import fail_fast
 
 
@@ -21,6 +21,7 @@ def check_tracking(tracking_uri: str, experiment: str) -> None:
 
     fail_fast()
     try:
+        database_answers(tracking_uri)
         found = MlflowClient(tracking_uri).get_experiment_by_name(experiment)
     except Exception as exc:  # noqa: BLE001 - whatever it is, the sweep cannot record there
         raise UserError("tracking_uri: " + unusable(
@@ -32,3 +33,4 @@ def check_tracking(tracking_uri: str, experiment: str) -> None:
             f"experiment: the MLflow experiment {experiment!r} at {tracking_uri} is deleted; restore it "
             f"(`mlflow experiments restore --experiment-id {found.experiment_id}`) or use another experiment name"
         )
+

@@ -39,10 +39,11 @@ def is_outage(exc: BaseException) -> bool:
         return status >= 500 or status in OUTAGE_STATUSES
     if isinstance(exc, OSError):  # requests' errors, a full or unreadable disk under a local store
         return True
-    return any(type(e).__name__ in ("OperationalError", "TimeoutError") for e in _chain(exc))
+    return any(type(e).__name__ in ("OperationalError", "TimeoutError") for e in causes(exc))
 
 
-def _chain(exc: BaseException) -> list[BaseException]:
+def causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling, outermost first."""
     seen = []
     while exc is not None and exc not in seen:
         seen.append(exc)

@@ -9,7 +9,13 @@ import sqlite3
 from collections.abc import Iterator
 
 from orchestrator.errors import UserError
-from orchestrator.tracking.outbox import first_line
+from orchestrator.tracking.outbox import causes, first_line
+
+
+#: SQLAlchemy's database drivers, by the module a URI needs, and the package pip installs it from
+#: (``postgresql://`` is psycopg 3 for SQLAlchemy 2, ``postgresql+psycopg2://`` psycopg2).
+DRIVER_PACKAGES = {"psycopg": "psycopg[binary]", "psycopg2": "psycopg2-binary", "MySQLdb": "mysqlclient",
+                   "pymysql": "pymysql", "pyodbc": "pyodbc", "pymssql": "pymssql"}
 
 
 def unusable(tracking_uri: str, exc: BaseException, advice: str) -> str:
@@ -23,15 +29,43 @@ def unusable(tracking_uri: str, exc: BaseException, advice: str) -> str:
             f"MLflow at {tracking_uri} refused our credentials (HTTP {status}); set "
             "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)"
         )
+    if isinstance(exc, MlflowException) and is_file_store(tracking_uri) and not file_store_allowed():
+        return (
+            f"{tracking_uri} is MLflow's file store, which MLflow 3 refuses (it is in maintenance mode); use a database "
+            "store, e.g. sqlite:///mlflow.db (`mlflow migrate-filestore` moves the runs already there into one), "
+            "or set MLFLOW_ALLOW_FILE_STORE=true"
+        )
+    missing = next((e for e in causes(exc) if isinstance(e, ModuleNotFoundError)), None)
+    if missing is not None:  # a database's driver
+        package = DRIVER_PACKAGES.get(missing.name or "", missing.name)
+        also = (" (or write postgresql+psycopg2://..., whose driver `pip install -e '.[postgres]'` installs)"
+                if missing.name == "psycopg" else "")
+        return (f"MLflow at {tracking_uri} needs the database driver {missing.name!r}, which is not installed here: "
+                f"pip install {package!r}{also}")
     return f"MLflow at {tracking_uri} is not usable ({first_line(exc)}); {advice}"
+
+
+def is_file_store(tracking_uri: str) -> bool:
+    """A folder of MLflow's file store (``./mlruns``, ``file:///...``), not a database or a server."""
+    from urllib.parse import urlparse
+
+    return urlparse(tracking_uri).scheme in ("", "file")
+
+
+def file_store_allowed() -> bool:
+    """MLflow's own opt-out of refusing its file store."""
+    import os
+
+    return os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1")
 
 
 def is_store_error(exc: BaseException) -> bool:
     """An error of the store rather than of the code reading it: MLflow's own, a SQLite file that
-    is not a database or is corrupted (SQLAlchemy's, sqlite3's), a server that does not answer."""
+    is not a database or is corrupted (SQLAlchemy's, sqlite3's), a server that does not answer, a
+    database whose driver is not installed."""
     from mlflow.exceptions import MlflowException
 
-    kinds: tuple[type[BaseException], ...] = (MlflowException, sqlite3.Error, OSError)
+    kinds: tuple[type[BaseException], ...] = (MlflowException, sqlite3.Error, OSError, ModuleNotFoundError)
     try:
         from sqlalchemy.exc import SQLAlchemyError
     except ImportError:  # a server-only MLflow client (mlflow-skinny) has no SQL store
@@ -53,3 +87,30 @@ def reading(tracking_uri: str, advice: str) -> Iterator[None]:
         if not is_store_error(exc):
             raise
         raise UserError(unusable(tracking_uri, exc, advice)) from None
+
+
+#: Seconds a database server may take to accept a connection before the check gives up.
+CONNECT_TIMEOUT_S = 10
+
+
+def database_answers(tracking_uri: str) -> None:
+    """A database store (``postgresql://``, ``mysql://``, ``mssql://``) accepts a connection, or
+    the driver's error is raised at once: MLflow itself tries ten times over about 100 s, printing
+    a warning of several lines each time, before it says that a server is down. SQLite has no
+    server to ask; MLflow's HTTP client gives up at once already (``writer.fail_fast``)."""
+    from mlflow.store.db.db_types import DATABASE_ENGINES
+    from mlflow.utils.uri import extract_db_type_from_uri
+
+    scheme = tracking_uri.partition("://")[0].partition("+")[0]
+    if scheme not in DATABASE_ENGINES or scheme == "sqlite":
+        return
+    import sqlalchemy
+
+    extract_db_type_from_uri(tracking_uri)  # MLflow's own check of the URI's form
+    timeout = {"connect_timeout": CONNECT_TIMEOUT_S} if scheme in ("postgresql", "mysql") else {}
+    engine = sqlalchemy.create_engine(tracking_uri, connect_args=timeout)
+    try:
+        with engine.connect():
+            pass
+    finally:
+        engine.dispose()
