@@ -852,7 +852,12 @@ def _check_workload_parameters(spec: SweepSpec) -> None:
 
 def _check_parameter_values(classes: dict, path: str, key: str, value: Domain | Any) -> None:
     if not isinstance(value, Domain):
-        candidates = [(path, value, f"got {value!r}")]
+        # A list where one value is expected is most likely the values to try, written without a primitive.
+        meant = ""
+        if isinstance(value, list):
+            where = "" if path.startswith("search_space.") else f"search_space.{key}: "
+            meant = f" (to try each, write {where}{{grid: {value!r}}} or {{choice: {value!r}}})"
+        candidates = [(path, value, f"got {value!r}{meant}")]
     elif value.kind in ("choice", "grid"):
         candidates = [(f"{path}.{value.kind}", v, f"got {v!r}") for v in value.args[0]]
     else:  # a distribution: one of its samples stands for all (floats, or integers for randint)

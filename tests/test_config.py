@@ -116,6 +116,11 @@ BAD = [
     ("allocator setting value", ["memory.allocator_conf=expandable_segments:true,max_split_size_mb:64"],
      "memory.allocator_conf: expandable_segments: expected True or False, got 'true'"),
     ("hyper-parameter of the wrong type", ["search_space.lr=fast"], "search_space.lr: workload mlp's lr expects a number, got 'fast'"),
+    ("a list of values to try, without a primitive", ["search_space.lr=[0.1, 0.01]"],
+     "search_space.lr: workload mlp's lr expects a number, got [0.1, 0.01] (to try each, write {grid: [0.1, 0.01]} "
+     "or {choice: [0.1, 0.01]})"),
+    ("a list of values to try, as a fixed parameter", ["workload.params.lr=[0.1, 0.01]"],
+     "(to try each, write search_space.lr: {grid: [0.1, 0.01]} or {choice: [0.1, 0.01]})"),
     ("wrong type inside a choice", ["search_space.width={choice: [16, wide]}"],
      "search_space.width.choice: workload mlp's width expects an integer, got 'wide'"),
     ("floats for an integer", ["search_space.width={uniform: [8, 64]}"],
