@@ -520,9 +520,10 @@ def summary_table(rows: list[TrialRow], spec: SweepSpec) -> str:
     :data:`BEST_ROWS` of them, with a line that says what was left out."""
     if len(rows) <= TABLE_ROWS:
         return _table(rows, spec)
-    to_look_at = [r for r in rows if r.status != TERMINATED or r.oom_retries or r.moves]
-    ranked = sorted((r for r in rows if r not in to_look_at and _comparable(r.final_metric)),
-                    key=lambda r: r.final_metric, reverse=spec.mode == "max")
+    to_look_at, simply_finished = [], []
+    for r in rows:
+        (to_look_at if r.status != TERMINATED or r.oom_retries or r.moves else simply_finished).append(r)
+    ranked = _by_metric(simply_finished, spec)
     looked = to_look_at[:TABLE_ROWS - min(BEST_ROWS, len(ranked))]
     best = ranked[:TABLE_ROWS - len(looked)]
     chosen = {id(r) for r in looked + best}
@@ -537,13 +538,14 @@ def summary_table(rows: list[TrialRow], spec: SweepSpec) -> str:
 
 def best_row(rows: list[TrialRow], spec: SweepSpec) -> TrialRow | None:
     """The finished trial with the best final metric (None when no trial has one)."""
-    candidates = [r for r in rows if r.status == TERMINATED and _comparable(r.final_metric)]
-    pick = max if spec.mode == "max" else min
-    return pick(candidates, key=lambda r: r.final_metric) if candidates else None
+    ranked = _by_metric([r for r in rows if r.status == TERMINATED], spec)
+    return ranked[0] if ranked else None
 
 
-def _comparable(value: float | None) -> bool:
-    return value is not None and math.isfinite(value)
+def _by_metric(rows: list[TrialRow], spec: SweepSpec) -> list[TrialRow]:
+    """The rows with a finite final metric, best first in the sweep's mode."""
+    measured = [r for r in rows if r.final_metric is not None and math.isfinite(r.final_metric)]
+    return sorted(measured, key=lambda r: r.final_metric, reverse=spec.mode == "max")
 
 
 def _table(rows: list[TrialRow], spec: SweepSpec) -> str:
