@@ -29,7 +29,11 @@ def unusable(tracking_uri: str, exc: BaseException, advice: str) -> str:
             f"MLflow at {tracking_uri} refused our credentials (HTTP {status}); set "
             "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)"
         )
-    if isinstance(exc, MlflowException) and is_file_store(tracking_uri) and not file_store_allowed():
+    from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
+    from mlflow.utils.uri import is_local_uri
+
+    # A local folder is MLflow's file store (./mlruns, file:///...), refused unless its own opt-out is set.
+    if isinstance(exc, MlflowException) and is_local_uri(tracking_uri) and not MLFLOW_ALLOW_FILE_STORE.get():
         return (
             f"{tracking_uri} is MLflow's file store, which MLflow 3 refuses (it is in maintenance mode); use a database "
             "store, e.g. sqlite:///mlflow.db (`mlflow migrate-filestore` moves the runs already there into one), "
@@ -43,20 +47,6 @@ def unusable(tracking_uri: str, exc: BaseException, advice: str) -> str:
         return (f"MLflow at {tracking_uri} needs the database driver {missing.name!r}, which is not installed here: "
                 f"pip install {package!r}{also}")
     return f"MLflow at {tracking_uri} is not usable ({first_line(exc)}); {advice}"
-
-
-def is_file_store(tracking_uri: str) -> bool:
-    """A folder of MLflow's file store (``./mlruns``, ``file:///...``), not a database or a server."""
-    from urllib.parse import urlparse
-
-    return urlparse(tracking_uri).scheme in ("", "file")
-
-
-def file_store_allowed() -> bool:
-    """MLflow's own opt-out of refusing its file store."""
-    import os
-
-    return os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1")
 
 
 def is_store_error(exc: BaseException) -> bool:
