@@ -27,6 +27,9 @@ what changed; ``pyproject.toml`` pins Ray to the minor series that test passed o
 * :func:`ray_processes_in_group`: ``ray._private.services.ConsolePopen``, the class every process
   of a local Ray (GCS, raylet, dashboard, log monitor) is started with, so that they start in a
   process group other than the driver's (``orchestrator.ray_group``).
+* :func:`metrics_export_interval_s`: ``ray._config.metrics_report_interval_ms()``, how often a
+  Ray process exports the metrics it recorded, which a driver that counted OOMs waits out before
+  it exits (``orchestrator.oom_counter``).
 
 The retry also relies on Tune's failure path calling ``TrialScheduler.on_trial_error`` after Tune
 decided to retry and before it requeues the trial, with ``Trial.error_file`` and
@@ -160,3 +163,18 @@ def ray_processes_in_group(group: int) -> Iterator[None]:
         yield
     finally:
         services.ConsolePopen = original
+
+
+def metrics_export_interval_s() -> float:
+    """How often a Ray process exports its metrics: ``metrics_report_interval_ms``, which Ray
+    floors at one second (``SetReportInterval`` in ``src/ray/stats/stats.h``)."""
+    import ray
+
+    try:
+        interval_ms = ray._config.metrics_report_interval_ms()
+    except AttributeError as exc:
+        raise RayChanged(
+            f"Ray changed: ray._config has no {exc.name!r}, so the driver cannot tell how long its last OOM "
+            "count takes to be exported (orchestrator/ray_internals.py)"
+        ) from exc
+    return max(interval_ms, 1000) / 1000

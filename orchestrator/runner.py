@@ -215,6 +215,10 @@ def run_sweep(
             )
         with sigterm_stops_like_sigint(), recording() as record, tune_lines_told_here(verbose):
             results = tuner.fit()
+        if not embedded:  # the cluster outlives this driver: its Prometheus endpoint gets the last counts
+            from orchestrator.oom_counter import wait_for_export
+
+            wait_for_export()
         # A restored sweep lists its trials in the order they were restored: the table keeps the sweep's.
         rows = sorted((_row(result, spec, record) for result in results), key=lambda row: row.name)
         return SweepOutcome(rows, os.path.join(storage, name), tracking_uri, record.tracking, record.stop_reason, spec.on_nan)
@@ -449,13 +453,15 @@ def _run_config(spec: SweepSpec, name: str, storage: str, tracking_uri: str, wai
 def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str, host_cuts: list[str] = ()) -> list:
     """The driver's Tune callbacks: MLflow (with the data loading ``host_cuts`` made for the nodes'
     memory), the final errors and configs Tune's results may lack (outcome.py),
-    the live view of the trials' events (console.py), the stop when the storage refuses a checkpoint
+    the live view of the trials' events (console.py), the OOM retries counted for Prometheus
+    (oom_counter.py), the stop when the storage refuses a checkpoint
     (storage_fault.py), the last whole copy of Tune's state files (tune_state.py), Tune's TensorBoard
     files with the trials' curves (tensorboard.py; Tune adds its JSON and CSV loggers itself), and what
     is dropped of ended trials so that the driver stays flat as trials grow (driver_memory.py; last,
     after the others read them)."""
     from orchestrator.console import LiveView
     from orchestrator.driver_memory import EndedTrialsKeepLess
+    from orchestrator.oom_counter import CountOomRetries
     from orchestrator.outcome import WhatResultsLack
     from orchestrator.storage_fault import StopOnStorageFault
     from orchestrator.tensorboard import tensorboard_logger
@@ -466,7 +472,7 @@ def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str, host_cu
     tracking = MlflowTracking(tracking_uri, spec, unsent_file=os.path.join(experiment_path, UNSENT_FILE),
                               host_cuts=list(host_cuts))
     tensorboard = tensorboard_logger()
-    return [tracking, WhatResultsLack(), view, StopOnStorageFault(), KeepWholeState(), *([tensorboard] if tensorboard else []),
+    return [tracking, WhatResultsLack(), view, CountOomRetries(spec.experiment), StopOnStorageFault(), KeepWholeState(), *([tensorboard] if tensorboard else []),
             EndedTrialsKeepLess(spec.metric)]
 
 

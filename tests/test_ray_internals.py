@@ -16,7 +16,9 @@ Ray upgrade that changes any of these fails here, naming what changed, instead o
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,6 +38,7 @@ from orchestrator.ray_internals import (
     forget_running_statistics,
     make_last_failure,
     make_next_failure_last,
+    metrics_export_interval_s,
     ray_processes_in_group,
     state_folders,
     storage_folder,
@@ -178,6 +181,21 @@ def test_a_changed_storage_context_is_an_error_not_a_silent_loss_of_evidence():
 
 def test_outside_a_trial_there_is_no_storage_folder():
     assert trial_storage_folder() is None
+
+
+def test_the_metrics_export_interval_is_rays_setting_floored_at_a_second():
+    """Read in a fresh process each: Ray reads ``RAY_metrics_report_interval_ms`` once, at import."""
+    def interval(setting: str | None) -> float:
+        env = {k: v for k, v in os.environ.items() if k != "RAY_metrics_report_interval_ms"}
+        if setting is not None:
+            env["RAY_metrics_report_interval_ms"] = setting
+        code = "from orchestrator.ray_internals import metrics_export_interval_s as f; print(f())"
+        return float(subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True,
+                                    text=True, timeout=120).stdout)
+
+    assert interval(None) == 10.0
+    assert interval("2500") == 2.5
+    assert interval("200") == 1.0
 
 
 def test_the_token_loader_the_dashboard_uses():

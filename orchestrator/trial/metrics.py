@@ -1,4 +1,4 @@
-"""Per-trial memory and OOM metrics as Ray metrics, so they show next to the sweep's job.
+"""Per-trial memory metrics as Ray metrics, so they show next to the sweep's job.
 
 The trainable calls :class:`TrialMetrics` with every report from inside its trial actor. Ray's
 metrics agent exports the values on the node's Prometheus endpoint (the metrics export port,
@@ -9,12 +9,12 @@ no auth, all interfaces) about 15 s later, with Ray's ``ray_`` prefix:
     ray_orchestrator_rank_peak_bytes{..., rank, kind}    (each rank of a data-parallel trial)
     ray_orchestrator_micro_batch{...}
     ray_orchestrator_eval_batch{...}
-    ray_orchestrator_oom_retries_total{..., phase}
 
+and the driver counts ``ray_orchestrator_oom_retries_total{..., phase}`` (``orchestrator.oom_counter``).
 Every name starts with ``orchestrator_`` so ``{__name__=~"ray_orchestrator_.*"}`` finds them all.
-A worker exports what it recorded every ``metrics_report_interval_ms`` (Ray's default: 10 s), so
-what a trial records in the last seconds before its worker ends (a sweep's last trial, as the
-job ends) may never reach the endpoint; MLflow, written with each report, has every value.
+These are gauges, live values: a worker exports what it recorded every
+``metrics_report_interval_ms`` (Ray's default: 10 s) and Ray drops a gauge a worker stopped
+reporting after two intervals; MLflow, written with each report, keeps every value.
 Outside Ray (unit tests of the training loop, a plain script) every call is a cheap no-op.
 """
 
@@ -33,7 +33,7 @@ class _RayMetrics:
     """The Ray metric objects; building them registers the names with this process's Ray worker."""
 
     def __init__(self) -> None:
-        from ray.util.metrics import Counter, Gauge
+        from ray.util.metrics import Gauge
 
         self.planned_peak = Gauge(
             PREFIX + "planned_peak_bytes",
@@ -56,16 +56,10 @@ class _RayMetrics:
         self.eval_batch = Gauge(
             PREFIX + "eval_batch", "Evaluation batch size in force", tag_keys=TRIAL_TAGS
         )
-        # Prometheus appends `_total` to counters, so this is exported as ..._oom_retries_total.
-        self.oom_retries = Counter(
-            PREFIX + "oom_retries",
-            "Out-of-memory errors the trial recovered from by shrinking its plan",
-            tag_keys=TRIAL_TAGS + ("phase",),
-        )
 
 
 class TrialMetrics:
-    """One trial's gauges and OOM counter, tagged with the experiment, trial id and workload."""
+    """One trial's gauges, tagged with the experiment, trial id and workload."""
 
     def __init__(self, experiment: str, trial_id: str, workload: str):
         self.tags = {"experiment": str(experiment), "trial_id": str(trial_id), "workload": str(workload)}
@@ -97,12 +91,6 @@ class TrialMetrics:
                 _set(metrics.rank_peak, getattr(peak, kind), {**self.tags, "rank": str(rank), "kind": kind})
         _set(metrics.micro_batch, report.micro_batch, self.tags)
         _set(metrics.eval_batch, report.eval_batch, self.tags)
-
-    def record_oom(self, phase: str) -> None:
-        """Count one OOM the trial is retrying after (phase: train, eval, ...)."""
-        metrics = self._ray()
-        if metrics is not None:
-            metrics.oom_retries.inc(1, tags={**self.tags, "phase": str(phase)})
 
 
 def _set(gauge: Any, value: Any, tags: dict[str, str]) -> None:

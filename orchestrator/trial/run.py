@@ -334,8 +334,6 @@ class TrialRun:
 
     def _shrink(self, event: OomEvent) -> None:
         """Move the plan to its next reduction, or give up with every event in the error."""
-        if self.metrics is not None:  # rank 0 counts a group's OOMs
-            self.metrics.record_oom(event.phase)
         smaller = next_reduction(self.plan, self.policy, event.phase, workload_supports_checkpointing=self.checkpointable)
         if smaller is None or len(self.events) >= self.policy.max_oom_retries:
             reason = "no smaller plan is left" if smaller is None else f"memory.max_oom_retries={self.policy.max_oom_retries} reached"
