@@ -63,6 +63,12 @@ class TrialRecord:
     duration_s: float | None  # wall time between the run's start and end, if it ended
 
     @property
+    def label(self) -> str:
+        """What ``run``'s live view and table call the trial (Tune's trial id, ``a1b2c_00000``);
+        its MLflow run name (Tune's ``train_trial_a1b2c_00000``) where the run lacks the tag."""
+        return self.trial_id or self.name
+
+    @property
     def shown_status(self) -> str:
         return "REFUSED" if self.tags.get("refusal") else "DIVERGED" if self.tags.get("diverged") else self.status
 
@@ -268,7 +274,7 @@ def trial_table(sweep: SweepRecord) -> str:
         predicted, measured, error = trial.peak()
         final = trial.latest().metric(sweep.metric)
         rows.append((
-            trial.name, trial.shown_status, plan_text(trial),
+            trial.label, trial.shown_status, plan_text(trial),
             human(predicted) if predicted else "-", human(measured) if measured is not None else "-",
             f"{error:+.1%}" if error is not None else "-",
             trial.latest().oom_retries,
@@ -299,13 +305,13 @@ def summary(sweep: SweepRecord) -> str:
         side = "above" if error > 0 else "below"
         lines.append(
             f"Worst estimation error: {error:+.1%} "
-            f"({trial.name}: measured {human(measured)} {side} predicted {human(predicted)})"
+            f"({trial.label}: measured {human(measured)} {side} predicted {human(predicted)})"
         )
     else:
         lines.append("Worst estimation error: - (no trial has both a prediction and a measurement)")
     for trial in sweep.trials:
         if trial.tags.get("moves"):
-            lines.append(f"{trial.name}: {trial.tags['moves']}")
+            lines.append(f"{trial.label}: {trial.tags['moves']}")
     gpu_hours = sum(t.gpus() * (t.latest().time_total_s or t.duration_s or 0) for t in sweep.trials) / 3600
     note = "" if any(t.gpus() for t in sweep.trials) else " (no trial had a GPU)"
     lines.append(f"GPU hours: {gpu_hours:.3f}{note}")
@@ -419,7 +425,7 @@ def config_labels(trials: list[TrialRecord]) -> list[str]:
     varying = sorted({k for c in configs for k in c if len({d.get(k) for d in configs}) > 1},
                      key=lambda k: (k != "workload", k))
     labels = [" ".join(f"{k}={short_value(c[k])}" for k in varying if k in c) for c in configs]
-    return [label if labels.count(label) == 1 and label else f"{label} ({t.name})" if label else t.name
+    return [label if labels.count(label) == 1 and label else f"{label} ({t.label})" if label else t.label
             for label, t in zip(labels, trials)]
 
 

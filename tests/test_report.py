@@ -6,6 +6,7 @@ what the plot shows (its unit, its labels) is checked on records made here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import struct
@@ -59,15 +60,18 @@ def test_report_table_summary_parquet_and_png_match_mlflow(sqlite_sweep, tmp_pat
     by_lr = {run.data.params["config.lr"]: run for run in children.values()}
     plain, retried, refused = by_lr["0.01"], by_lr["0.1"], by_lr["0.2"]
 
-    lines = {line.split()[0]: line for line in text.splitlines() if line.startswith("fake_trial_")}
-    assert set(lines) == set(children)
+    # Each trial named as `run` names it: its Tune trial id (the MLflow run is Tune's str(trial)).
+    trial_id = {name: run.data.tags["trial_id"] for name, run in (("plain", plain), ("retried", retried), ("refused", refused))}
+    lines = {line.split()[0]: line for line in text.splitlines() if line.split() and line.split()[0] in trial_id.values()}
+    assert len(lines) == len(children) == 3
+    assert all(run.info.run_name.endswith(run.data.tags["trial_id"]) for run in children.values())
     # trial, status, plan, predicted peak, measured peak, error, OOM retries, eval_loss
-    assert lines[plain.info.run_name].split() == [plain.info.run_name, "FINISHED", "32x2,", "eval", "64,", "fp32",
-                                                  "4.0", "GiB", "4.2", "GiB", "+5.0%", "0", "0.5000"]
-    assert lines[retried.info.run_name].split()[1:5] == ["FINISHED", "16x4,", "eval", "64,"]
-    assert lines[retried.info.run_name].split()[-2:] == ["1", "0.5000"]
+    assert lines[trial_id["plain"]].split() == [trial_id["plain"], "FINISHED", "32x2,", "eval", "64,", "fp32",
+                                                "4.0", "GiB", "4.2", "GiB", "+5.0%", "0", "0.5000"]
+    assert lines[trial_id["retried"]].split()[1:5] == ["FINISHED", "16x4,", "eval", "64,"]
+    assert lines[trial_id["retried"]].split()[-2:] == ["1", "0.5000"]
     # Its prediction (above the 6 GiB budget) and nothing measured.
-    assert lines[refused.info.run_name].split()[1:] == ["REFUSED", "64x1,", "eval", "64,", "fp32", "8.0", "GiB", "-", "-", "0", "-"]
+    assert lines[trial_id["refused"]].split()[1:] == ["REFUSED", "64x1,", "eval", "64,", "fp32", "8.0", "GiB", "-", "-", "0", "-"]
     assert "Trials: 3 (2 finished, 1 refused)" in text
     assert "OOMs survived: 1 (in 1 of 2 finished trials)" in text
     assert "Worst estimation error: +5.0%" in text
@@ -296,7 +300,7 @@ def record(index: int, config: dict[str, str], predicted: float | None, measured
     metrics = {"predicted_peak_bytes": predicted} if predicted else {}
     metrics.update({"peak_allocated_bytes": measured} if measured is not None else {})
     return TrialRecord(
-        name=f"train_a1b2c_{index:05d}", trial_id=str(index), run_id=str(index), status="FINISHED", params=params,
+        name=f"train_trial_a1b2c_{index:05d}", trial_id=f"a1b2c_{index:05d}", run_id=str(index), status="FINISHED", params=params,
         tags={"refusal": "needs 9 MiB"} if refused else {}, results={8: metrics},
         oom_events=[{"bytes_allocated": n, "bytes_requested": 0} for n in ooms], duration_s=1.0,
     )
@@ -317,10 +321,12 @@ def test_bars_are_labelled_by_what_differs_between_the_trials():
               for i, (w, lr, width) in enumerate(configs)]
     assert config_labels(trials) == ["workload=mlp lr=3e-3 width=64", "workload=cnn lr=3e-3 width=16",
                                      "workload=mlp lr=0.1 width=16"]
-    # Samples of the same configuration: their names tell them apart; a lone trial is its name.
+    # Samples of the same configuration: their trial ids (as `run` names them) tell them apart;
+    # a lone trial is its id, and a run without the id tag its MLflow run name.
     twins = [record(i, {"lr": "0.01", "width": w}, 1.0, 1.0) for i, w in enumerate(["16", "16", "32"])]
-    assert config_labels(twins) == ["width=16 (train_a1b2c_00000)", "width=16 (train_a1b2c_00001)", "width=32"]
-    assert config_labels(twins[:1]) == ["train_a1b2c_00000"]
+    assert config_labels(twins) == ["width=16 (a1b2c_00000)", "width=16 (a1b2c_00001)", "width=32"]
+    assert config_labels(twins[:1]) == ["a1b2c_00000"]
+    assert config_labels([dataclasses.replace(twins[0], trial_id="")]) == ["train_trial_a1b2c_00000"]
 
 
 def test_the_unit_is_the_largest_values_and_bars_are_in_it():
