@@ -172,6 +172,15 @@ def keep_local_ray_on_loopback(args: argparse.Namespace) -> None:
         os.environ.setdefault(RAY_CLUSTER_ENV, "0")
 
 
+def join_clusters_with_the_token(args: argparse.Namespace) -> None:
+    """``run --ray-address`` (or inside a Ray Job) sends Ray's token to the cluster wherever there
+    is one (``orchestrator.ray_token``). Must run before Ray is imported."""
+    if args.command == "run" and (args.ray_address or os.environ.get("RAY_ADDRESS")):
+        from orchestrator.ray_token import send_token_to_clusters
+
+        send_token_to_clusters()
+
+
 class _UntilTheReaderLeaves(io.TextIOWrapper):
     """A standard stream on a pipe that, once the pipe's reader has left, writes to /dev/null.
 
@@ -226,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_when_the_reader_leaves()
     keep_local_ray_on_loopback(args)
+    join_clusters_with_the_token(args)
     import_from_working_directory()
     try:
         if args.command in ("run", "submit"):

@@ -13,8 +13,7 @@ import requests
 
 from orchestrator.errors import UserError
 from orchestrator.ray_internals import auth_token_loader
-
-TOKEN_SOURCES = "RAY_AUTH_TOKEN, the file named by RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token"
+from orchestrator.ray_token import TOKEN_SOURCES
 
 
 def auth_headers() -> dict[str, str]:

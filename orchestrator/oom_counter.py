@@ -108,9 +108,11 @@ def wait_for_export() -> float:
     takes it along). Returns the seconds waited."""
     if _last_count_at is None:
         return 0.0
-    left = _last_count_at + metrics_export_interval_s() + EXPORT_SLACK_S - time.monotonic()
+    interval = metrics_export_interval_s()
+    left = _last_count_at + interval + EXPORT_SLACK_S - time.monotonic()
     if left <= 0:
         return 0.0
-    print(f"Waiting {left:.0f} s for Ray to export the last OOM counts (every metrics_report_interval_ms)", flush=True)
+    print(f"Waiting {left:.0f} s for Ray to export the last OOM counts to the cluster's metrics "
+          f"(it exports every {interval:g} s)", flush=True)
     time.sleep(left)
     return left

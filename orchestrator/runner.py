@@ -53,6 +53,8 @@ from orchestrator.units import human, size_flag
 from orchestrator.writable import taken_back_if_refused
 
 DEFAULT_TRACKING_DB = "mlflow.db"
+#: How long the driver waits for ``--ray-address`` to accept a connection.
+GCS_CONNECT_TIMEOUT_S = 10
 
 
 @dataclass(frozen=True)
@@ -301,7 +303,11 @@ def _init_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashboar
     elif address:
         if address == "auto":
             raise UserError("--ray-address: give the head's HOST:PORT; 'auto' can attach to another user's cluster")
-        ray.init(address=address, logging_config=logging_config)
+        _check_gcs_answers(address)
+        try:
+            ray.init(address=address, logging_config=logging_config)
+        except ConnectionError as exc:
+            raise UserError(f"--ray-address {address}: {_refusal(exc)}") from None
     else:
         # A SIGTERM to the driver's process group (SLURM, Kubernetes) reaches the driver alone:
         # it stops the sweep gracefully (orchestrator.stop_signal), then Ray (orchestrator.ray_group).
@@ -316,6 +322,33 @@ def _init_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashboar
             url = f"http://{context.dashboard_url}"
             print(how_to_open(url, token_required(url)))
     return True
+
+
+def _check_gcs_answers(address: str) -> None:
+    """Something listens at ``HOST:PORT``, or one line now: Ray itself waits on an address where
+    nothing answers for minutes, warning every 30 s."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise UserError(f"--ray-address {address!r}: give the head's HOST:PORT, as `ray start --head` prints it (e.g. 10.0.0.1:6379)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=GCS_CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise UserError(f"--ray-address {address}: nothing answers there ({exc.strerror or exc}); give the head's "
+                        "HOST:PORT, as `ray start --head` prints it, and check the head is up (`ray status`)") from None
+
+
+def _refusal(exc: ConnectionError) -> str:
+    """Why Ray could not join the cluster, in a line: its error's cause is a traceback's text."""
+    from orchestrator.ray_token import TOKEN_SOURCES, token_to_send
+
+    cause = str(exc.__cause__ or exc)
+    if "InvalidAuthToken" in cause:
+        problem = "refused this driver's token" if token_to_send() else "needs Ray's token and none was found"
+        return (f"the cluster {problem}. Put the cluster's token (`ray get-auth-token` where it was started) in "
+                f"{TOKEN_SOURCES}")
+    return f"Ray could not join the cluster there ({str(exc).splitlines()[0]})"
 
 
 def _experiment_name(spec: SweepSpec, storage: str, name: str | None, resume: bool) -> tuple[str, str | None]:

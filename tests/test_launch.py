@@ -141,6 +141,18 @@ def test_the_embedded_rays_cpus_and_gpus_are_checked_before_anything_starts(swee
     assert not ray.is_initialized() and not (tmp_path / "orchestrator_results").exists()
 
 
+@pytest.mark.parametrize("flags", [["--num-cpus", "8"], ["--num-gpus", "0"], ["--dashboard"]])
+def test_the_embedded_rays_flags_are_refused_where_the_sweep_joins_a_cluster(sweep_file, tmp_path, capsys, flags):
+    """They sized the Ray this machine would start: joining a cluster, they were silently dropped
+    (Ray's own ``ray.init(address=..., num_cpus=...)`` refuses them too)."""
+    import ray
+
+    assert main(["run", sweep_file, "--ray-address", "127.0.0.1:6379", *flags]) == 2
+    assert capsys.readouterr() == ("", f"error: {flags[0]}: only for the embedded local Ray; with --ray-address the "
+                                       "trials get the cluster's resources and dashboard (what its `ray start` gave them)\n")
+    assert not ray.is_initialized() and not (tmp_path / "orchestrator_results").exists()
+
+
 def test_a_sweep_that_passes_reaches_the_backend(sweep_file, capsys):
     assert main(commands(sweep_file)["run --address"]) == 2
     assert "no Ray dashboard answers there" in capsys.readouterr().err

@@ -1,9 +1,23 @@
-"""Ray's auth token is its owner's only: ~/.ray 0700, auth_token 0600, whatever umask wrote them."""
+"""Ray's auth token is its owner's only: ~/.ray 0700, auth_token 0600, whatever umask wrote them;
+and a driver joining a cluster sends it wherever there is one."""
 
 import os
 import stat
+import subprocess
+import sys
+from pathlib import Path
 
-from orchestrator.ray_token import secure_token_files
+import pytest
+
+from orchestrator.ray_token import (
+    AUTH_MODE,
+    secure_token_files,
+    send_token_to_clusters,
+    token_to_send,
+)
+
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def mode(path) -> int:
@@ -32,3 +46,52 @@ def test_a_token_that_is_already_private_is_left_alone(tmp_path, monkeypatch):
     os.chmod(token, 0o400)  # stricter than ours: kept
     secure_token_files()
     assert mode(token) == 0o400
+
+
+@pytest.fixture
+def no_token(tmp_path, monkeypatch):
+    """A user's shell with a home of its own and none of Ray's token variables."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", AUTH_MODE):
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path
+
+
+def test_a_token_is_found_where_ray_looks_for_it(no_token, monkeypatch):
+    assert not token_to_send()
+    (no_token / ".ray").mkdir()
+    (no_token / ".ray" / "auth_token").write_text("t" * 32)
+    assert token_to_send()
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(no_token / "elsewhere"))  # named: only that file counts
+    assert not token_to_send()
+    (no_token / "elsewhere").write_text("t" * 32)
+    assert token_to_send()
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH")
+    (no_token / ".ray" / "auth_token").unlink()
+    monkeypatch.setenv("RAY_AUTH_TOKEN", " ")
+    assert not token_to_send()
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "t" * 32)
+    assert token_to_send()
+
+
+def test_the_token_is_sent_only_where_there_is_one_and_the_user_chose_no_mode(no_token):
+    """In a fresh process each, as the command runs it: before Ray is imported."""
+    def mode_set(**env: str) -> str | None:
+        code = ("from orchestrator.ray_token import send_token_to_clusters; send_token_to_clusters(); "
+                "import os, sys; assert 'ray' not in sys.modules; print(os.environ.get('RAY_AUTH_MODE'))")
+        done = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, cwd=ROOT, check=True,
+                              capture_output=True, text=True, timeout=60)
+        return done.stdout.strip()
+
+    assert mode_set() == "None"  # no token: Ray's own default, which a cluster without authentication takes
+    assert mode_set(RAY_AUTH_TOKEN="t" * 32) == "token"
+    assert mode_set(RAY_AUTH_TOKEN="t" * 32, RAY_AUTH_MODE="disabled") == "disabled"
+
+
+def test_once_ray_is_imported_the_mode_is_left_alone(no_token, monkeypatch):
+    """This process's client read its mode on import: setting one now would reach only its children."""
+    import ray  # noqa: F401
+
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "t" * 32)
+    send_token_to_clusters()
+    assert AUTH_MODE not in os.environ

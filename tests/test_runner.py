@@ -1,10 +1,14 @@
-"""The runner's own decisions: what counts as finished, and which sweep folder a run uses."""
+"""The runner's own decisions: what counts as finished, which sweep folder a run uses, and how a
+driver joins a cluster."""
 
 import os
+import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
+import yaml
+from ports import free_port
 
 from orchestrator.config import parse_spec
 from orchestrator.run_request import RunRequest
@@ -201,6 +205,48 @@ def test_a_model_whose_estimate_fails_stops_the_sweep_and_the_ray_started_for_it
         run_sweep(spec, tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", storage_path=str(tmp_path / "results"),
                   num_cpus=1)
     assert not ray.is_initialized()
+
+
+@pytest.mark.integration
+def test_a_driver_joins_a_token_cluster_from_a_users_shell_or_says_in_a_line_why_not(ray_head, tmp_path):
+    """`ray start --head` turns token authentication on. A user's shell has the token
+    (~/.ray/auth_token) but not RAY_AUTH_MODE=token, without which Ray's client sends none: the
+    driver retried for 20 s and ended in a traceback. An address where nothing listens made Ray
+    wait for minutes."""
+    from tests.conftest import command_env, installed_command
+
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump({
+        "experiment": "joined", "workload": "mlp", "search_space": {"lr": {"grid": [0.01, 0.1]}},
+        "effective_batch_size": 32, "stop": {"epochs": 1}, "resources": {"cpu": 1},
+    }))
+    results = tmp_path / "results"
+
+    def run(address: str, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [installed_command(), "run", "sweep.yaml", "--ray-address", address, "--storage-path", str(results),
+             "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"],
+            cwd=tmp_path, env={**command_env(), **env}, capture_output=True, text=True, timeout=300, check=False)
+
+    joined = run(ray_head.gcs_address)
+    assert joined.returncode == 0, joined.stdout[-3000:] + joined.stderr[-3000:]
+    assert "Ray: 1 node(s), 2 CPUs" in joined.stdout and "2/2 trials finished" in joined.stdout
+    [sweep] = list(results.iterdir())
+
+    port = free_port()
+    nobody = run(f"127.0.0.1:{port}")
+    assert nobody.returncode == 2
+    assert nobody.stderr.splitlines() == [
+        f"error: --ray-address 127.0.0.1:{port}: nothing answers there (Connection refused); give the head's HOST:PORT, "
+        "as `ray start --head` prints it, and check the head is up (`ray status`)"]
+
+    (tmp_path / "empty-home").mkdir()
+    no_token = run(ray_head.gcs_address, HOME=str(tmp_path / "empty-home"))
+    assert no_token.returncode == 2 and "Traceback" not in no_token.stderr
+    assert no_token.stderr.splitlines()[-1] == (
+        f"error: --ray-address {ray_head.gcs_address}: the cluster needs Ray's token and none was found. Put the "
+        "cluster's token (`ray get-auth-token` where it was started) in RAY_AUTH_TOKEN, the file named by "
+        "RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token")
+    assert list(results.iterdir()) == [sweep]  # the refused runs left no sweep folder
 
 
 @pytest.mark.parametrize("on_nan, ok", [("stop", True), ("fail", False)])

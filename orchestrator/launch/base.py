@@ -18,6 +18,22 @@ from orchestrator.preflight import check_workloads
 from orchestrator.run_request import RunRequest
 
 
+#: ``run``'s flags that size or open the embedded local Ray this machine would start; a sweep on a
+#: cluster's Ray has the resources and dashboard the cluster's ``ray start`` gave it.
+EMBEDDED_RAY_FLAGS = (("num_cpus", "--num-cpus"), ("num_gpus", "--num-gpus"), ("dashboard", "--dashboard"))
+
+
+def refuse_flags(args, flags: tuple[tuple[str, str], ...], why: str) -> None:
+    """The first of ``flags`` (attribute, flag) the command line set is a one-line error: a flag
+    the backend cannot honour is not silently dropped."""
+    from orchestrator.errors import UserError
+
+    for attribute, flag in flags:
+        value = getattr(args, attribute, None)
+        if value is not None and value is not False:  # given (a --num-gpus 0 too), not argparse's default
+            raise UserError(f"{flag}: {why}")
+
+
 class Launcher(ABC):
     """One backend that runs sweeps."""
 

@@ -11,7 +11,7 @@ from typing import ClassVar
 
 from orchestrator.config import SweepSpec
 from orchestrator.errors import UserError
-from orchestrator.launch.base import Launcher
+from orchestrator.launch.base import EMBEDDED_RAY_FLAGS, Launcher, refuse_flags
 from orchestrator.run_request import RunRequest
 from orchestrator.runner import resume_command, run_sweep, summary_lines, summary_table
 
@@ -28,6 +28,9 @@ class LocalLauncher(Launcher):
 
     @classmethod
     def from_args(cls, args) -> LocalLauncher:
+        if getattr(args, "ray_address", None):
+            refuse_flags(args, EMBEDDED_RAY_FLAGS, "only for the embedded local Ray; with --ray-address the trials get "
+                         "the cluster's resources and dashboard (what its `ray start` gave them)")
         for flag, value, least in (("--num-cpus", getattr(args, "num_cpus", None), 1),
                                    ("--num-gpus", getattr(args, "num_gpus", None), 0)):
             if value is not None and value < least:

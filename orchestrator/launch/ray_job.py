@@ -35,15 +35,11 @@ from typing import ClassVar
 from orchestrator.config import SweepSpec
 from orchestrator.errors import UserError
 from orchestrator.invocation import tool
-from orchestrator.launch.base import Launcher
+from orchestrator.launch.base import EMBEDDED_RAY_FLAGS, Launcher, refuse_flags
 from orchestrator.run_request import RunRequest
 
 # Local tracking data is never worth uploading, even when a project has no .gitignore saying so.
 EXCLUDED = ("mlruns", "mlflow.db", ".pytest_cache")
-
-# `run` flags that only mean something to the embedded Ray this machine would start.
-EMBEDDED_ONLY_FLAGS = (("ray_address", "--ray-address"), ("num_cpus", "--num-cpus"),
-                       ("num_gpus", "--num-gpus"), ("dashboard", "--dashboard"))
 
 #: How the job starts ``run`` on the cluster: the Python on the PATH of its ``ray start``.
 PROGRAM = ("python", "-m", "orchestrator")
@@ -101,7 +97,8 @@ def connect(address: str):
     from ray.exceptions import AuthenticationError
     from ray.job_submission import JobSubmissionClient
 
-    from orchestrator.dashboard import TOKEN_SOURCES, auth_headers
+    from orchestrator.dashboard import auth_headers
+    from orchestrator.ray_token import TOKEN_SOURCES
 
     headers = auth_headers()
     try:
@@ -130,9 +127,8 @@ class RayJobLauncher(Launcher):
 
     @classmethod
     def from_args(cls, args) -> RayJobLauncher:
-        for attribute, flag in EMBEDDED_ONLY_FLAGS:
-            if getattr(args, attribute, None):
-                raise UserError(f"{flag}: only for a sweep run here; with --address the job runs on the cluster's Ray")
+        refuse_flags(args, (("ray_address", "--ray-address"), *EMBEDDED_RAY_FLAGS),
+                     "only for a sweep run here; with --address the job runs on the cluster's Ray")
         if not args.address.startswith(("http://", "https://")):  # before the sweep is checked and estimated
             raise UserError(
                 f"--address {args.address}: expected the dashboard's URL, e.g. http://127.0.0.1:8265 "
