@@ -14,6 +14,7 @@ import glob
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,18 +103,21 @@ def _alive(pid: int) -> bool:
 
 
 def start_head(temp_dir: Path, num_cpus: int = 2, node_name: str | None = None,
-               labels: dict[str, str] | None = None) -> RayHead:
-    """Start a head node under ``temp_dir`` (keep the path short: Ray's sockets live under it)."""
+               labels: dict[str, str] | None = None, path: str | None = None) -> RayHead:
+    """Start a head node under ``temp_dir`` (keep the path short: Ray's sockets live under it).
+    ``path``: the PATH ``ray start`` has, where its jobs find their ``python`` (Ray's own
+    processes run with the venv's Python whatever it is)."""
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0",
-           "MLFLOW_DISABLE_TELEMETRY": "true"}
+           "MLFLOW_DISABLE_TELEMETRY": "true", **({"PATH": path} if path is not None else {})}
+    ray = str(Path(sys.executable).parent / "ray")
     token = subprocess.run(
-        ["ray", "get-auth-token", "--generate"], env=env, check=True, capture_output=True, text=True, timeout=60
+        [ray, "get-auth-token", "--generate"], env=env, check=True, capture_output=True, text=True, timeout=60
     ).stdout.strip()
     ports = dict(zip(("gcs", "dashboard", "metrics", "agent", "client"), free_ports(5)))
     temp_dir.mkdir(parents=True, exist_ok=True)
     log_path = temp_dir.parent / f"{temp_dir.name}-ray-start.log"
     command = [
-        "ray", "start", "--head", "--block", "--disable-usage-stats",
+        ray, "start", "--head", "--block", "--disable-usage-stats",
         f"--temp-dir={temp_dir}", f"--num-cpus={num_cpus}", "--num-gpus=0",
         f"--port={ports['gcs']}", "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dashboard']}",
         f"--metrics-export-port={ports['metrics']}", f"--dashboard-agent-listen-port={ports['agent']}",

@@ -275,6 +275,34 @@ def scrape_until(head, predicate, timeout: float = 60) -> list:
 
 
 @pytest.mark.integration
+def test_a_cluster_whose_python_lacks_the_orchestrator_says_which_python_and_what_to_do(tmp_path_factory, tmp_path):
+    """A job runs the `python` on the PATH of the cluster's `ray start`; a head started outside
+    the venv (the usual slip) gives the job a Python without the orchestrator, and Ray's log said
+    only `No module named orchestrator`."""
+    from ray_cluster import start_head
+
+    bare = tmp_path / "bin"  # a Python without the orchestrator, where the head's jobs look for `python`
+    bare.mkdir()
+    base_python = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    (bare / "python").symlink_to(base_python)
+    head = start_head(tmp_path_factory.mktemp("barehead"), num_cpus=1, path=f"{bare}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    try:
+        user = tmp_path / "user"  # a user's folder: the uploaded working_dir holds no orchestrator either
+        user.mkdir()
+        (user / "sweep.yaml").write_text((ROOT / "configs" / "demo_cpu.yaml").read_text())
+        done = subprocess.run([installed_command(), "run", "sweep.yaml", "--address", head.dashboard_url], cwd=user,
+                              env=command_env(), capture_output=True, text=True, timeout=300, check=False)
+    finally:
+        head.stop()
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"{bare / 'python'}: No module named orchestrator" in done.stdout
+    assert done.stdout.splitlines()[-1] == (
+        f"hint: the cluster runs jobs with {bare / 'python'}, the `python` on the PATH of its `ray start`, and the "
+        "orchestrator is not installed there: install it into that Python, or start the cluster from the environment "
+        "that has it (`source .venv/bin/activate && ray start --head ...`)")
+
+
+@pytest.mark.integration
 def test_oom_retries_are_counted_on_the_prometheus_endpoint(ray_head, tmp_path):
     """The OOM demo's large CNN runs out of its emulated 8 MiB, shrinks and finishes: every retry
     is on the head's endpoint once the job has ended.

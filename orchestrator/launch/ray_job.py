@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import secrets
 import shlex
 import string
@@ -172,7 +173,21 @@ class RayJobLauncher(Launcher):
         info = client.get_job_info(commands.submission_id)
         message = (info.message or "").splitlines()[:1]  # a failure's message repeats the log tail
         print(f"Job {commands.submission_id} {info.status.value}: {' '.join(message)}".rstrip(": "))
+        if info.status != JobStatus.SUCCEEDED and (hint := not_installed_hint(info.message or "")):
+            print(hint)
         return 0 if info.status == JobStatus.SUCCEEDED else 1
+
+
+def not_installed_hint(job_message: str) -> str | None:
+    """What to do when the job's ``python`` lacks the orchestrator: the job ran the ``python`` on
+    the PATH its cluster's ``ray start`` had (a head started outside the venv, the usual slip),
+    and Ray's log says only ``No module named orchestrator``."""
+    missing = re.search(r"^(\S*python[\w.]*): No module named orchestrator$", job_message, re.M)
+    if missing is None:
+        return None
+    return (f"hint: the cluster runs jobs with {missing.group(1)}, the `python` on the PATH of its `ray start`, "
+            "and the orchestrator is not installed there: install it into that Python, or start the cluster from "
+            "the environment that has it (`source .venv/bin/activate && ray start --head ...`)")
 
 
 def new_submission_id() -> str:
