@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 from orchestrator.config import SweepSpec, folder_name, load_spec, storage_folder
+from orchestrator.errors import UserError
 from orchestrator.preflight import check_workloads
 from orchestrator.run_request import RunRequest
 
@@ -26,8 +27,6 @@ EMBEDDED_RAY_FLAGS = (("num_cpus", "--num-cpus"), ("num_gpus", "--num-gpus"), ("
 def refuse_flags(args, flags: tuple[tuple[str, str], ...], why: str) -> None:
     """The first of ``flags`` (attribute, flag) the command line set is a one-line error: a flag
     the backend cannot honour is not silently dropped."""
-    from orchestrator.errors import UserError
-
     for attribute, flag in flags:
         value = getattr(args, attribute, None)
         if value is not None and value is not False:  # given (a --num-gpus 0 too), not argparse's default
