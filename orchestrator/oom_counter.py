@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from ray import tune
 
 from orchestrator.ray_internals import metrics_export_interval_s
-from orchestrator.trial.metrics import PREFIX, TRIAL_TAGS
+from orchestrator.trial.metrics import PREFIX, TRIAL_TAGS, trial_tags
 from orchestrator.trial_report import TrialReport
 
 #: The phase label of an OOM that killed the trial's worker (no phase was seen: the process died).
@@ -45,6 +45,12 @@ class Counted:
     events: int = 0
     killed: int = 0
 
+    @classmethod
+    def of(cls, report: TrialReport) -> Counted:
+        """All of a report's OOMs: its events, and the retries beyond them (restarts with one more
+        reduction after a worker died of memory)."""
+        return cls(len(report.oom_events), report.oom_retries - len(report.oom_events))
+
 
 def new_counts(report: TrialReport, counted: Counted) -> dict[str, int]:
     """The OOMs in ``report`` not yet in ``counted``, by phase (a report carries all of its
@@ -52,7 +58,7 @@ def new_counts(report: TrialReport, counted: Counted) -> dict[str, int]:
     phases: dict[str, int] = {}
     for event in report.oom_events[counted.events:]:
         phases[event.phase] = phases.get(event.phase, 0) + 1
-    killed = report.oom_retries - len(report.oom_events)  # restarts with one more reduction
+    killed = Counted.of(report).killed
     if killed > counted.killed:
         phases[KILLED] = killed - counted.killed
     return phases
@@ -88,13 +94,10 @@ class CountOomRetries(tune.Callback):
         if (result.get("oom_retries") or 0) <= counted.events + counted.killed:  # most reports: read no further
             return
         report = TrialReport.from_result(result)
-        phases = new_counts(report, counted)
-        self._counted[trial.trial_id] = counted
-        tags = {"experiment": self.experiment, "trial_id": trial.trial_id, "workload": str(trial.config.get("workload"))}
-        for phase, count in phases.items():
+        tags = trial_tags(self.experiment, trial.trial_id, trial.config.get("workload"))
+        for phase, count in new_counts(report, counted).items():
             self._counter.inc(count, tags={**tags, "phase": phase})
-        counted.events = len(report.oom_events)
-        counted.killed = report.oom_retries - len(report.oom_events)
+        self._counted[trial.trial_id] = Counted.of(report)
         global _last_count_at
         _last_count_at = time.monotonic()
 

@@ -41,6 +41,14 @@ def token_to_send() -> bool:
     return Path(named).expanduser().is_file() if named else default_token_path().is_file()
 
 
+def token_refused(sent: bool, detail: str | None = None) -> str:
+    """A cluster's refusal of this machine's token (``sent``) or of its lack of one, and what to
+    do, in the same words whichever way the sweep joins it (the dashboard's job API, the GCS)."""
+    problem = "rejected our token" if sent else "needs a token and none was found"
+    return (f"the cluster {problem}{f' ({detail})' if detail else ''}. Put the cluster's token "
+            f"(`ray get-auth-token` where it was started) in {TOKEN_SOURCES}")
+
+
 def send_token_to_clusters() -> None:
     """``RAY_AUTH_MODE=token`` for this process and those it starts, where a token is there to
     send and the user set no mode of their own (``disabled`` stays theirs). Only before Ray is

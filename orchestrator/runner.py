@@ -341,13 +341,10 @@ def _check_gcs_answers(address: str) -> None:
 
 def _refusal(exc: ConnectionError) -> str:
     """Why Ray could not join the cluster, in a line: its error's cause is a traceback's text."""
-    from orchestrator.ray_token import TOKEN_SOURCES, token_to_send
+    from orchestrator.ray_token import token_refused, token_to_send
 
-    cause = str(exc.__cause__ or exc)
-    if "InvalidAuthToken" in cause:
-        problem = "refused this driver's token" if token_to_send() else "needs Ray's token and none was found"
-        return (f"the cluster {problem}. Put the cluster's token (`ray get-auth-token` where it was started) in "
-                f"{TOKEN_SOURCES}")
+    if "InvalidAuthToken" in str(exc.__cause__ or exc):
+        return token_refused(token_to_send())
     return f"Ray could not join the cluster there ({str(exc).splitlines()[0]})"
 
 

@@ -243,7 +243,7 @@ def test_a_driver_joins_a_token_cluster_from_a_users_shell_or_says_in_a_line_why
     no_token = run(ray_head.gcs_address, HOME=str(tmp_path / "empty-home"))
     assert no_token.returncode == 2 and "Traceback" not in no_token.stderr
     assert no_token.stderr.splitlines()[-1] == (
-        f"error: --ray-address {ray_head.gcs_address}: the cluster needs Ray's token and none was found. Put the "
+        f"error: --ray-address {ray_head.gcs_address}: the cluster needs a token and none was found. Put the "
         "cluster's token (`ray get-auth-token` where it was started) in RAY_AUTH_TOKEN, the file named by "
         "RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token")
     assert list(results.iterdir()) == [sweep]  # the refused runs left no sweep folder

@@ -99,17 +99,13 @@ def connect(address: str):
     from ray.job_submission import JobSubmissionClient
 
     from orchestrator.dashboard import auth_headers
-    from orchestrator.ray_token import TOKEN_SOURCES
+    from orchestrator.ray_token import token_refused
 
     headers = auth_headers()
     try:
         return JobSubmissionClient(address, headers=headers)
     except AuthenticationError as exc:
-        problem = "rejected our token" if headers else "needs a token and none was found"
-        raise UserError(
-            f"--address {address}: the cluster {problem} ({str(exc).splitlines()[0]}). Put the cluster's token "
-            f"(`ray get-auth-token` where it was started) in {TOKEN_SOURCES}"
-        ) from None
+        raise UserError(f"--address {address}: {token_refused(bool(headers), str(exc).splitlines()[0])}") from None
     except ConnectionError:
         raise UserError(
             f"--address {address}: no Ray dashboard answers there; start one with "

@@ -58,11 +58,16 @@ class _RayMetrics:
         )
 
 
+def trial_tags(experiment: str, trial_id: str, workload: str) -> dict[str, str]:
+    """The :data:`TRIAL_TAGS` of one trial's series, the gauges' and the driver's OOM counter's alike."""
+    return {"experiment": str(experiment), "trial_id": str(trial_id), "workload": str(workload)}
+
+
 class TrialMetrics:
     """One trial's gauges, tagged with the experiment, trial id and workload."""
 
     def __init__(self, experiment: str, trial_id: str, workload: str):
-        self.tags = {"experiment": str(experiment), "trial_id": str(trial_id), "workload": str(workload)}
+        self.tags = trial_tags(experiment, trial_id, workload)
         self._metrics: _RayMetrics | None = None
 
     def _ray(self) -> _RayMetrics | None:
