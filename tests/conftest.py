@@ -15,8 +15,10 @@ import glob
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,14 +69,33 @@ def default_sigint():
     signal.signal(signal.SIGINT, before)
 
 
+@pytest.fixture(scope="session")
+def ray_temp_dir():
+    """``ray_temp_dir(name)``: a new folder for a Ray's ``--temp-dir`` (``_temp_dir``), short.
+
+    Ray's unix sockets live under it, and a socket's path may not exceed 107 bytes: pytest's own
+    temporary folders leave too little room under pytest-xdist, which adds a folder per worker
+    (``.../popen-gw0/``). So these are made in /tmp (``/tmp/orch-ray-XXXXXXXX/NAME``) and removed
+    at the end of the session, after the Rays in them stopped."""
+    made: list[str] = []
+
+    def make(name: str) -> Path:
+        made.append(tempfile.mkdtemp(prefix="orch-ray-", dir="/tmp"))
+        return Path(made[-1]) / name
+
+    yield make
+    for folder in made:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
-def local_ray(isolated_environment, tmp_path_factory):
+def local_ray(isolated_environment, ray_temp_dir):
     """An embedded Ray for the module's tests; its workers import ``tests/`` modules (fake trainables)."""
     import ray
 
     ray.init(
         address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-        _temp_dir=str(tmp_path_factory.mktemp("ray")),
+        _temp_dir=str(ray_temp_dir("local")),
         runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}},
     )
     yield
@@ -82,11 +103,11 @@ def local_ray(isolated_environment, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def ray_head(isolated_environment, tmp_path_factory):
+def ray_head(isolated_environment, ray_temp_dir):
     """One ``ray start --head`` with the dashboard for the session (jobs, metrics, browser tests)."""
     from ray_cluster import start_head
 
-    head = start_head(tmp_path_factory.mktemp("rayhead"))
+    head = start_head(ray_temp_dir("head"))
     yield head
     head.stop()
 

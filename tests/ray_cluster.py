@@ -104,7 +104,8 @@ def _alive(pid: int) -> bool:
 
 def start_head(temp_dir: Path, num_cpus: int = 2, node_name: str | None = None,
                labels: dict[str, str] | None = None, path: str | None = None) -> RayHead:
-    """Start a head node under ``temp_dir`` (keep the path short: Ray's sockets live under it).
+    """Start a head node under ``temp_dir`` (short, as conftest's ``ray_temp_dir`` makes it: Ray's
+    sockets live under it).
     ``path``: the PATH ``ray start`` has, where its jobs find their ``python`` (Ray's own
     processes run with the venv's Python whatever it is)."""
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0",

@@ -35,9 +35,9 @@ def samples(text: str, name: str) -> list:
 
 
 @pytest.mark.integration
-def test_actor_metrics_reach_the_prometheus_endpoint(isolated_environment, tmp_path_factory):
+def test_actor_metrics_reach_the_prometheus_endpoint(isolated_environment, ray_temp_dir):
     ray = pytest.importorskip("ray")
-    temp_dir = tmp_path_factory.mktemp("raym")  # short: Ray's sockets live under it
+    temp_dir = ray_temp_dir("m")
     dashboard_port, metrics_port = free_ports(2)
     ray.init(
         address="local", include_dashboard=True, num_cpus=1, dashboard_host="127.0.0.1",

@@ -44,9 +44,9 @@ def test_a_relative_storage_path_is_refused_on_several_nodes():
 
 
 @pytest.fixture(scope="module")
-def cluster(isolated_environment, tmp_path_factory):
+def cluster(isolated_environment, ray_temp_dir):
     """Head plus node-b and node-c, one CPU each; stopped by PID, all of it, at the end."""
-    root = tmp_path_factory.mktemp("mn")
+    root = ray_temp_dir("mn")
     head = start_head(root / "h", num_cpus=1, node_name="head", labels={CAPACITY_LABEL: CAPACITIES["head"]})
     workers = {}
     try:

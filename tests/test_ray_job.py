@@ -275,7 +275,7 @@ def scrape_until(head, predicate, timeout: float = 60) -> list:
 
 
 @pytest.mark.integration
-def test_a_cluster_whose_python_lacks_the_orchestrator_says_which_python_and_what_to_do(tmp_path_factory, tmp_path):
+def test_a_cluster_whose_python_lacks_the_orchestrator_says_which_python_and_what_to_do(ray_temp_dir, tmp_path):
     """A job runs the `python` on the PATH of the cluster's `ray start`; a head started outside
     the venv (the usual slip) gives the job a Python without the orchestrator, and Ray's log said
     only `No module named orchestrator`."""
@@ -285,7 +285,7 @@ def test_a_cluster_whose_python_lacks_the_orchestrator_says_which_python_and_wha
     bare.mkdir()
     base_python = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
     (bare / "python").symlink_to(base_python)
-    head = start_head(tmp_path_factory.mktemp("barehead"), num_cpus=1, path=f"{bare}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    head = start_head(ray_temp_dir("bare"), num_cpus=1, path=f"{bare}{os.pathsep}/usr/bin{os.pathsep}/bin")
     try:
         user = tmp_path / "user"  # a user's folder: the uploaded working_dir holds no orchestrator either
         user.mkdir()
