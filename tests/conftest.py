@@ -18,8 +18,8 @@ import re
 import shutil
 import signal
 import subprocess
-import tempfile
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
