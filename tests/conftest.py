@@ -71,7 +71,8 @@ def default_sigint():
 
 @pytest.fixture(scope="session")
 def ray_temp_dir():
-    """``ray_temp_dir(name)``: a new folder for a Ray's ``--temp-dir`` (``_temp_dir``), short.
+    """``ray_temp_dir(name)``: a short path for a Ray's ``--temp-dir`` (``_temp_dir``), in a new
+    folder of its own; Ray (or ``start_head``) makes ``NAME`` itself.
 
     Ray's unix sockets live under it, and a socket's path may not exceed 107 bytes: pytest's own
     temporary folders leave too little room under pytest-xdist, which adds a folder per worker
