@@ -4,6 +4,8 @@ Every test runs with its own HOME, so Ray's auth token, MLflow's telemetry setti
 any cache land in a temporary folder instead of the user's home. ``local_ray`` (an embedded
 Ray per module) and ``ray_head`` (one ``ray start --head`` per session) start Ray; a test that
 uses them is marked ``integration``, so ``-m "not integration"`` starts no Ray and no server.
+Tests write under temporary folders only: a run that leaves a file or folder in the checkout
+fails, naming it (``pytest_sessionfinish``).
 
 The README's own-model example is written out here as a user would copy it, for the tests
 that run it with the installed ``orchestrator`` command.
@@ -43,6 +45,53 @@ def isolated_environment(tmp_path_factory):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+# -- the checkout, as the suite found it --------------------------------------------------------
+#: What a run of the suite may add to the checkout: Python's and pytest's own caches.
+LEFT_BY_PYTHON = ("__pycache__/", ".pytest_cache/")
+_CHECKOUT_BEFORE = pytest.StashKey[set]()
+_CHECKOUT_ADDED = pytest.StashKey[list]()
+
+
+def checkout_additions() -> set[str] | None:
+    """The untracked and ignored paths of the checkout as ``git status`` lists them (a new folder
+    as one entry), less Python's caches; None where the tests do not run from a git checkout."""
+    try:
+        listed = subprocess.run(["git", "status", "--porcelain", "--ignored", "-z"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if listed.returncode != 0:
+        return None
+    paths = {entry[3:] for entry in listed.stdout.split("\0") if entry[:2] in ("??", "!!")}
+    return {path for path in paths if not path.endswith(LEFT_BY_PYTHON)}
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # the process that runs the tests or hands them out
+        before = checkout_additions()
+        if before is not None:
+            session.config.stash[_CHECKOUT_BEFORE] = before
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Tests write under temporary folders only: whatever the run added to the checkout (an
+    MLflow client's default ``./mlruns``, say) fails the run, and the summary names it."""
+    before = session.config.stash.get(_CHECKOUT_BEFORE, None)
+    after = checkout_additions() if before is not None else None
+    if after is not None and after - before:
+        session.config.stash[_CHECKOUT_ADDED] = sorted(after - before)
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    added = config.stash.get(_CHECKOUT_ADDED, None)
+    if added:
+        terminalreporter.section("the checkout", red=True)
+        terminalreporter.line(f"the test run wrote into the checkout ({ROOT}): {', '.join(added)}; "
+                              "tests must write under temporary folders only", red=True)
 
 
 @pytest.fixture(autouse=True)
