@@ -184,10 +184,11 @@ def sweep_store(tmp_path_factory) -> Path:
     from orchestrator.tracking.writer import get_or_create_experiment
 
     database = tmp_path_factory.mktemp("store") / "mlflow.db"
-    client = MlflowClient(f"sqlite:///{database}")
+    uri = f"sqlite:///{database}"
+    client = MlflowClient(uri)
     # As the tracking makes it: its artifacts (the report's chart and table) beside the database,
     # not in ./mlruns of the folder pytest runs in, which MLflow's client would pick by default.
-    experiment = get_or_create_experiment(client, "stored", f"sqlite:///{database}")
+    experiment = get_or_create_experiment(client, "stored", uri)
     parent = client.create_run(experiment, tags={"orchestrator.role": "sweep", "orchestrator.sweep_id": "s1"})
     for trial in range(3):
         run = client.create_run(experiment, run_name=f"t{trial}", tags={

@@ -15,13 +15,14 @@ from postgres_server import PostgresServer, why_not_here
 from orchestrator.tracking import reader
 from orchestrator.tracking.reader import StoredRun, trial_runs
 from orchestrator.tracking.runs import PARENT_TAG, ROLE_TAG, SWEEP_ID_TAG
+from orchestrator.tracking.writer import get_or_create_experiment
 
 
 def make_store(uri: str) -> str:
     """A sweep of 5 trials as the tracking writes it, beside what must not be read: another
     sweep's trial, a deleted trial, the parent run. Returns the experiment's id."""
     client = MlflowClient(uri)
-    experiment = client.create_experiment("reader")
+    experiment = get_or_create_experiment(client, "reader", uri)  # its artifact location as the tracking's
     parent = client.create_run(experiment, run_name="sweep", tags={ROLE_TAG: "sweep", SWEEP_ID_TAG: "s1"})
     client.log_metric(parent.info.run_id, "trials", 5)
 
