@@ -33,7 +33,6 @@ NOT_RETRIED_KEY = "_not_retried"
 #: The kind of failure (``worker_died``, ``node_died``, ``node_unreachable``) when a trial's
 #: worker or node died of something other than memory: why it moved, should it resume elsewhere.
 RESTART_REASON_KEY = "_restart_reason"
-RESTART_KEYS = (OOM_SHRINKS_KEY, OOM_GAVE_UP_KEY, OTHER_FAILURES_KEY, NOT_RETRIED_KEY, RESTART_REASON_KEY)
 
 # -- files -------------------------------------------------------------------------------------
 

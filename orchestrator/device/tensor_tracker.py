@@ -94,10 +94,6 @@ class StorageTracker(TorchDispatchMode):
         self.peak = self.allocated
         self.most_live = len(self._live)
 
-    def reset_totals(self) -> None:
-        self.total = 0
-        self.largest = 0
-
     def record(self, existing: Iterable[torch.Tensor] = ()) -> list[int]:
         """Start a new allocation log, opening with the tracked storages of ``existing`` in their
         order (the tensors a step finds already allocated, e.g. a model's states as
