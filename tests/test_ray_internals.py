@@ -38,7 +38,6 @@ from orchestrator.ray_internals import (
     forget_running_statistics,
     make_last_failure,
     make_next_failure_last,
-    metrics_export_interval_s,
     ray_processes_in_group,
     state_folders,
     storage_folder,
