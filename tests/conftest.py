@@ -1,9 +1,11 @@
 """Fixtures shared by the test modules.
 
 Every test runs with its own HOME, so Ray's auth token, MLflow's telemetry settings and
-any cache land in a temporary folder instead of the user's home. ``local_ray`` (an embedded
-Ray per module) and ``ray_head`` (one ``ray start --head`` per session) start Ray; a test that
-uses them is marked ``integration``, so ``-m "not integration"`` starts no Ray and no server.
+any cache land in a temporary folder instead of the user's home, and with its own Ray temp
+root (``RAY_TMPDIR``), so the Rays the tests start leave no session in the machine's /tmp/ray.
+``local_ray`` (an embedded Ray per module) and ``ray_head`` (one ``ray start --head`` per
+session) start Ray; a test that uses them is marked ``integration``, so
+``-m "not integration"`` starts no Ray and no server.
 Tests write under temporary folders only: a run that leaves a file or folder in the checkout
 fails, naming it (``pytest_sessionfinish``).
 
@@ -33,8 +35,14 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="session", autouse=True)
 def isolated_environment(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
-    saved = {k: os.environ.get(k) for k in ("HOME", "MLFLOW_DISABLE_TELEMETRY", "RAY_USAGE_STATS_ENABLED", "PATH")}
+    # Ray's temp root for every Ray the tests start without a --temp-dir of their own (the
+    # `orchestrator run`s in subprocesses, whose embedded Ray would use the machine's /tmp/ray):
+    # their sessions go with the run instead of piling up there, and the user's own Ray keeps
+    # its `session_latest`. Short, in /tmp, for the length of Ray's socket paths (``ray_temp_dir``).
+    ray_root = tempfile.mkdtemp(prefix="orch-ray-", dir="/tmp")
+    saved = {k: os.environ.get(k) for k in ("HOME", "MLFLOW_DISABLE_TELEMETRY", "RAY_USAGE_STATS_ENABLED", "PATH", "RAY_TMPDIR")}
     os.environ["HOME"] = str(home)
+    os.environ["RAY_TMPDIR"] = ray_root
     os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     # Subprocesses (Ray workers, `orchestrator` CLI) must find this venv's executables first.
@@ -45,6 +53,7 @@ def isolated_environment(tmp_path_factory):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+    shutil.rmtree(ray_root, ignore_errors=True)
 
 
 # -- the checkout, as the suite found it --------------------------------------------------------
