@@ -26,7 +26,7 @@ from orchestrator.atomic_file import atomic_write
 from orchestrator.contract import MEMORY_LABELS
 from orchestrator.errors import UserError
 from orchestrator.table import format_table
-from orchestrator.tracking.reader import READERS, StoredRun, trial_runs
+from orchestrator.tracking.reader import READERS, StoredRun, artifact_text, trial_runs
 from orchestrator.tracking.runs import ROLE_TAG, STEP_METRIC, SWEEP_ID_TAG, sqlite_path
 from orchestrator.tracking.store import database_answers, reading
 from orchestrator.trial_report import TrialReport
@@ -230,7 +230,7 @@ def _trial_record(client, run: StoredRun) -> TrialRecord:
     if trial.latest().oom_retries <= 0:
         return trial
     try:
-        events = json.loads(Path(client.download_artifacts(run.run_id, "oom_events.json")).read_text())
+        events = json.loads(artifact_text(client, run.run_id, "oom_events.json"))
     except Exception:  # noqa: BLE001 - the count is still in the metrics
         return trial
     return dataclasses.replace(trial, oom_events=events)

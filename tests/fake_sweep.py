@@ -18,6 +18,7 @@ from types import SimpleNamespace
 from orchestrator.config import parse_spec
 from orchestrator.contract import OomEvent
 from orchestrator.tracking.callback import MlflowTracking
+from orchestrator.tracking.reader import artifact_text
 from orchestrator.trial_report import TrialReport
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,7 +114,7 @@ def fake_trial(config: dict) -> None:
         state["epoch"] = epoch
         checkpoint = None
         if epoch % case.get("checkpoint_every", 1) == 0:
-            folder = tempfile.mkdtemp()
+            folder = tempfile.mkdtemp(dir=config["scratch"])  # the test's, not the machine's /tmp
             Path(folder, "state.json").write_text(json.dumps(state))
             checkpoint = tune.Checkpoint.from_directory(folder)
         plan = plan_dict(state["micro_batch"], state["reductions"])
@@ -161,8 +162,7 @@ def steps(client, run, key: str = "step") -> list[int]:
 
 
 def artifact_json(client, run, path: str):
-    local = client.download_artifacts(run.info.run_id, path)
-    return json.loads(Path(local).read_text())
+    return json.loads(artifact_text(client, run.info.run_id, path))
 
 
 class FakeTrial(SimpleNamespace):

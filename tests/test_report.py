@@ -12,6 +12,7 @@ import math
 import struct
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -23,6 +24,7 @@ from mlflow_server import MlflowServer
 from orchestrator.cli import main
 from orchestrator.errors import UserError
 from orchestrator.report import SweepRecord, TrialRecord, config_labels, peak_chart, plot_peaks, short_value
+from orchestrator.tracking.reader import artifact_text
 from orchestrator.units import KiB, MiB
 from tests.conftest import command_env, installed_command
 
@@ -137,9 +139,10 @@ def test_report_against_a_tracking_server(local_ray, tmp_path, capsys):
 
 
 @pytest.mark.integration  # a real local Ray sweep records what the report reads
-def test_real_sweep_with_ooms_reported_from_mlflow(local_ray, tmp_path, capsys):
+def test_real_sweep_with_ooms_reported_from_mlflow(local_ray, tmp_path, capsys, monkeypatch):
     """The real runner and trainable on an emulated 8 MiB device: trials OOM, shrink and finish;
-    MLflow has every report once, the events and the final plan, and the report agrees with it."""
+    MLflow has every report once, the events and the final plan, and the report agrees with it,
+    leaving nothing in the temporary folder it downloaded the trials' OOM events into."""
     from orchestrator.config import load_spec
     from orchestrator.runner import run_sweep
 
@@ -160,12 +163,16 @@ def test_real_sweep_with_ooms_reported_from_mlflow(local_ray, tmp_path, capsys):
         assert per_epoch in (8, 16) and [int(m.step) for m in epochs] == [per_epoch, 2 * per_epoch, 3 * per_epoch]
         micro = sorted(client.get_metric_history(run.info.run_id, "micro_batch"), key=lambda m: m.step)[-1].value
         assert run.data.params["plan.micro_batch"] == str(int(micro))
-        events = json.loads(Path(client.download_artifacts(run.info.run_id, "oom_events.json")).read_text())
+        events = json.loads(artifact_text(client, run.info.run_id, "oom_events.json"))
         assert len(events) == run.data.metrics["oom_retries"] > 0
         total_ooms += len(events)
 
+    report_temp = tmp_path / "report_temp"
+    report_temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(report_temp))  # where the report's downloads go
     code, text, _ = report(capsys, "demo_oom_cpu", "--tracking-uri", uri, "--out", str(tmp_path / "out"))
     assert code == 0
+    assert list(report_temp.iterdir()) == []
     assert f"OOMs survived: {total_ooms} (in 2 of 2 finished trials)" in text
     rows = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()
     assert len(rows) == 6

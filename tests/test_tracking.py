@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from fake_sweep import (
@@ -36,6 +35,7 @@ from orchestrator.tracking.callback import UNSENT_FILE, MlflowTracking
 from orchestrator.tracking.check import check_tracking
 from orchestrator.tracking.flatten import plan_params, result_metrics, spec_params
 from orchestrator.tracking.outbox import is_outage
+from orchestrator.tracking.reader import artifact_text
 from orchestrator.tracking.store import reading, unusable
 from orchestrator.trial_report import TrialReport
 from tests.conftest import ROOT, command_env, installed_command
@@ -89,7 +89,7 @@ def test_sweep_with_a_retried_and_a_refused_trial(local_ray, tmp_path):
     assert parent.info.status == "FAILED"  # as `run` exits 1: a trial was refused
     assert parent.info.run_name == "tracking_test_run"  # Tune's experiment folder
     assert parent.data.params["search_space.lr"] == "grid [0.01, 0.1, 0.2]"
-    sweep_yaml = Path(client.download_artifacts(parent.info.run_id, "sweep.yaml")).read_text()
+    sweep_yaml = artifact_text(client, parent.info.run_id, "sweep.yaml")
     assert "effective_batch_size: 64" in sweep_yaml
     assert (tmp_path / "mlartifacts").is_dir()  # a SQLite store keeps artifacts beside its database
 

@@ -174,6 +174,8 @@ def test_the_installed_command_verifies_a_plan_from_a_users_folder(tmp_path, lar
 
     import mlflow
 
+    from orchestrator.tracking.reader import artifact_text
+
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     [trial] = [r for r in client.search_runs([client.get_experiment_by_name("verify_trace_high").experiment_id])
                if "mlflow.parentRunId" in r.data.tags]
@@ -181,5 +183,5 @@ def test_the_installed_command_verifies_a_plan_from_a_users_folder(tmp_path, lar
     assert int(params["plan.measured_phases.train"]) == plan["measured_phases"]["train"]
     assert json.loads(params["plan.corrections.train"]) == [list(p) for p in plan["corrections"]["train"]]
     assert int(params["plan.predicted_phases.train"]) == plan["predicted_phases"]["train"]
-    logged = json.loads(open(client.download_artifacts(trial.info.run_id, "plan_checks.json")).read())
+    logged = json.loads(artifact_text(client, trial.info.run_id, "plan_checks.json"))
     assert logged == state["plan_checks"]

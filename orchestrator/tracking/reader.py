@@ -26,9 +26,11 @@ Imports MLflow only when called, and neither torch nor Ray.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 from orchestrator.tracking.runs import ROLE_TAG, SWEEP_ID_TAG
 
@@ -68,6 +70,14 @@ def trial_runs(client, experiment_id: str, sweep_id: str) -> list[StoredRun]:
     if _is_sql(store):
         return _sql_runs(store, experiment_id, sweep_id)
     return _searched_runs(client, store, experiment_id, sweep_id)
+
+
+def artifact_text(client, run_id: str, path: str) -> str:
+    """A run's artifact file as text. Read from a download into a folder of its own, removed
+    again: ``download_artifacts`` without a destination leaves a new temporary folder behind
+    for every file it fetches."""
+    with tempfile.TemporaryDirectory(prefix="orchestrator-artifact-") as folder:
+        return Path(client.download_artifacts(run_id, path, dst_path=folder)).read_text()
 
 
 def _is_sql(store) -> bool:
