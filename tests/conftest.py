@@ -33,16 +33,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session", autouse=True)
-def isolated_environment(tmp_path_factory):
+def isolated_environment(tmp_path_factory, ray_temp_dir):
     home = tmp_path_factory.mktemp("home")
+    saved = {k: os.environ.get(k)
+             for k in ("HOME", "MLFLOW_DISABLE_TELEMETRY", "RAY_USAGE_STATS_ENABLED", "PATH", "RAY_TMPDIR")}
+    os.environ["HOME"] = str(home)
     # Ray's temp root for every Ray the tests start without a --temp-dir of their own (the
     # `orchestrator run`s in subprocesses, whose embedded Ray would use the machine's /tmp/ray):
     # their sessions go with the run instead of piling up there, and the user's own Ray keeps
-    # its `session_latest`. Short, in /tmp, for the length of Ray's socket paths (``ray_temp_dir``).
-    ray_root = tempfile.mkdtemp(prefix="orch-ray-", dir="/tmp")
-    saved = {k: os.environ.get(k) for k in ("HOME", "MLFLOW_DISABLE_TELEMETRY", "RAY_USAGE_STATS_ENABLED", "PATH", "RAY_TMPDIR")}
-    os.environ["HOME"] = str(home)
-    os.environ["RAY_TMPDIR"] = ray_root
+    # its `session_latest`.
+    os.environ["RAY_TMPDIR"] = str(ray_temp_dir("tests"))
     os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     # Subprocesses (Ray workers, `orchestrator` CLI) must find this venv's executables first.
@@ -53,7 +53,6 @@ def isolated_environment(tmp_path_factory):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
-    shutil.rmtree(ray_root, ignore_errors=True)
 
 
 # -- the checkout, as the suite found it --------------------------------------------------------
