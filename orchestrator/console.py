@@ -43,6 +43,7 @@ from orchestrator.failures import exception_line, gave_up_message, last_failure
 from orchestrator.ray_internals import TOKEN_NOTICE_LOGGER
 from orchestrator.trial.errors import DataError
 from orchestrator.trial_report import TrialReport
+from orchestrator.table import value_text
 from orchestrator.units import human
 
 #: Tune's ``verbose`` for the sweep: its own reporter off unless ``--verbose``, then its default
@@ -180,16 +181,12 @@ def cluster_text(nodes: Sequence[Mapping[str, float]]) -> str:
     GPUs did not reach Ray, this is where a user sees it."""
     cpus = sum(node.get("CPU", 0) for node in nodes)
     gpus = sum(node.get("GPU", 0) for node in nodes)
-    return f"Ray: {len(nodes)} node(s), {_short(cpus)} CPUs, {_short(gpus)} GPUs"
+    return f"Ray: {len(nodes)} node(s), {value_text(cpus)} CPUs, {value_text(gpus)} GPUs"
 
 
 def config_text(config: Mapping[str, Any], keys: Sequence[str]) -> str:
     """The hyper-parameters that differ between trials, ``workload=mlp, lr=0.003``."""
-    return ", ".join(f"{k}={_short(v)}" for k, v in config.items() if k in keys)
-
-
-def _short(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    return ", ".join(f"{k}={value_text(v)}" for k, v in config.items() if k in keys)
 
 
 def plan_text(report: TrialReport) -> str:

@@ -37,6 +37,7 @@ from orchestrator.memory import MemoryProfile, Settings
 from orchestrator.memory.cache import ProfileCache
 from orchestrator.memory.fake import trace_device
 from orchestrator.parent_watch import die_with_parent
+from orchestrator.table import value_text
 
 
 def memory_signature(config: dict[str, Any], policy: MemoryPolicy, target: str) -> str:
@@ -144,5 +145,5 @@ def _estimate_one(job) -> tuple[dict[Settings, MemoryProfile], str | None, float
 def describe_signature(signature: str, keys) -> str:
     """'mlp width=16' from a signature, showing the parameters in ``keys`` (those a sweep searches)."""
     data = json.loads(signature)
-    params = " ".join(f"{k}={v}" for k, v in data["params"].items() if k in keys)
+    params = " ".join(f"{k}={value_text(v)}" for k, v in data["params"].items() if k in keys)
     return f"{data['workload']} {params}".strip()

@@ -34,6 +34,7 @@ from orchestrator.device_kinds import device_kind
 from orchestrator.errors import UserError
 from orchestrator.estimator_registry import NO_ESTIMATE
 from orchestrator.estimator_registry import names as estimator_names
+from orchestrator.table import format_table, value_text
 from orchestrator.units import size_flag
 
 
@@ -174,14 +175,12 @@ def _limit(plan) -> int | None:
 
 
 def _as_text(policy, target: str, budget: int | None, results: list[dict]) -> str:
-    from orchestrator.table import format_table
-
     headers = ["trial", "workload", "phase", "params", "grads", "optim", "act/sample", "fixed", "ctx", "alloc@b",
                "peak@b", *(["reserved by"] if target == "cuda" else []), "worst"]
     rows, plans, notes = [], [], []
     for group in _alike(results):
         r, trials = group[0], [g["trial"] for g in group]
-        searched = " ".join(f"{k}={v}" for k, v in r["config"].items()
+        searched = " ".join(f"{k}={value_text(v)}" for k, v in r["config"].items()
                             if k != "workload" and all(g["config"].get(k) == v for g in group))
         config = f"{r['config']['workload']}{' ' + searched if searched else ''}"
         what = (f"trial {r['trial']} ({config})" if len(group) == 1 else

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -11,3 +11,10 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def value_text(value: Any) -> str:
+    """A config value as every command prints it: a float to 4 significant digits (a sampled
+    ``lr=0.0018789852661499496`` reads ``lr=0.001879`` in ``plan`` as in ``run``), the rest as
+    ``str``; MLflow's params and ``plan --json`` keep the exact value."""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -125,6 +125,18 @@ def test_a_random_search_of_hundreds_of_trials_is_a_row_group_per_memory_configu
     assert [t["trial"] for t in json.loads(capsys.readouterr().out)["trials"]] == list(range(300))
 
 
+def test_a_sampled_learning_rate_reads_as_run_prints_it(sweep, capsys):
+    """``plan`` names a trial by its values as ``run``'s lines and table do (4 significant digits),
+    not by a float's 17; ``--json`` keeps the exact value."""
+    overrides = ["search_space.lr={loguniform: [0.0001, 0.01]}", "search_space.workload={grid: [staged_mlp]}", "seed=7"]
+    assert plan_command(args(sweep(), device_memory="2GiB", overrides=overrides, json=True)) == 0
+    exact = json.loads(capsys.readouterr().out)["trials"][0]["config"]["lr"]
+    assert len(repr(exact)) > 8  # a draw, not a round number
+    assert plan_command(args(sweep(), device_memory="2GiB", overrides=overrides)) == 0
+    plan_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("trial 0 "))
+    assert f"lr={exact:.4g} " in plan_line and repr(exact) not in plan_line
+
+
 def test_a_trial_that_cannot_be_estimated_is_shown_and_the_rest_planned(sweep, capsys, tmp_path, monkeypatch):
     """A model whose library is not installed where the plan is made: its trials show the error."""
     (tmp_path / "needs_library.py").write_text(
