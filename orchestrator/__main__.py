@@ -1,4 +1,4 @@
-from orchestrator.cli import main
+from orchestrator.cli import entry
 
 if __name__ == "__main__":  # not when a spawned process (parallel estimates) re-imports this module
-    raise SystemExit(main())
+    raise SystemExit(entry())
