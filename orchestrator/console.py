@@ -41,9 +41,9 @@ from orchestrator.contract import (
 )
 from orchestrator.failures import exception_line, gave_up_message, last_failure
 from orchestrator.ray_internals import TOKEN_NOTICE_LOGGER
+from orchestrator.table import value_text
 from orchestrator.trial.errors import DataError
 from orchestrator.trial_report import TrialReport
-from orchestrator.table import value_text
 from orchestrator.units import human
 
 #: Tune's ``verbose`` for the sweep: its own reporter off unless ``--verbose``, then its default
