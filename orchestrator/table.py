@@ -14,7 +14,8 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
 
 
 def value_text(value: Any) -> str:
-    """A config value as every command prints it: a float to 4 significant digits (a sampled
-    ``lr=0.0018789852661499496`` reads ``lr=0.001879`` in ``plan`` as in ``run``), the rest as
-    ``str``; MLflow's params and ``plan --json`` keep the exact value."""
+    """A config value as ``run`` and ``plan`` print it: a float to 4 significant digits (a sampled
+    ``lr=0.0018789852661499496`` reads ``lr=0.001879`` in both), the rest as ``str``; MLflow's
+    params and ``plan --json`` keep the exact value, and ``report``'s plot labels are shorter
+    still (``report.short_value``)."""
     return f"{value:.4g}" if isinstance(value, float) else str(value)
