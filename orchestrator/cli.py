@@ -8,7 +8,6 @@ command-line surface can be read in one place, and sets up the process every com
 from __future__ import annotations
 
 import argparse
-import gc
 import io
 import os
 import stat
@@ -16,6 +15,7 @@ import sys
 
 from orchestrator.errors import UserError
 from orchestrator.estimator_registry import names as estimator_names
+from orchestrator.garbage import collect_less, skip_last_collection
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -260,22 +260,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-#: How many new objects the command's process makes between two garbage collections (Python's
-#: default: 700). A command imports torch, Ray, MLflow and SQLAlchemy, some 600,000 objects that
-#: live as long as it does, and at 700 each 25 % they grew by made a full collection walk them
-#: all: 9 of them, 1.1 s of the 7 s of CPU the demo sweep's driver used; at 10,000 none
-#: (``bench/RESULTS.md``). What cycles a sweep leaves behind are still collected, in larger rounds.
-GC_THRESHOLD = 10_000
-
-
 def entry() -> int:
     """The installed ``orchestrator`` command and ``python -m orchestrator``: :func:`main`, with
-    the garbage collector at :data:`GC_THRESHOLD`, and then every object left out of the
-    interpreter's last collection. That collection walks each object torch, Ray and MLflow made
-    (about 1.2 s on these cores, after the last line is printed) only to free memory the process
-    hands back as it exits; the exit handlers (Ray's shutdown, MLflow's, removing temporary
-    folders) still run. Not part of :func:`main`, which tests call in their own process."""
-    gc.set_threshold(GC_THRESHOLD, *gc.get_threshold()[1:])
+    fewer garbage collections, and none of the objects torch, Ray and MLflow made in the
+    interpreter's last collection (``orchestrator.garbage``); the exit handlers (Ray's shutdown,
+    MLflow's, removing temporary folders) still run. Not part of :func:`main`, which tests call
+    in their own process."""
+    collect_less()
     code = main()
-    gc.freeze()
+    skip_last_collection()
     return code

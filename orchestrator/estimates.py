@@ -30,13 +30,13 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from orchestrator import spawned
 from orchestrator.config import MemoryPolicy
 from orchestrator.cores import usable_cores
 from orchestrator.estimator_registry import NO_ESTIMATE, registered
 from orchestrator.memory import MemoryProfile, Settings
 from orchestrator.memory.cache import ProfileCache
 from orchestrator.memory.fake import trace_device
-from orchestrator.parent_watch import die_with_parent
 from orchestrator.table import value_text
 
 
@@ -108,7 +108,7 @@ def estimate_trials(
         # A trace on a GPU makes its process a CUDA context: never the driver's, which would
         # hold GPU memory the trials plan with for the whole sweep.
         pool = ProcessPoolExecutor(max(workers, 1), mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=die_with_parent, initargs=(os.getpid(),))
+                                   initializer=spawned.start, initargs=(os.getpid(),))
         results = pool.map(_estimate_one, jobs)
     try:
         for (signature, indices), (profiles, error, seconds) in zip(groups.items(), results):

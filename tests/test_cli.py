@@ -130,8 +130,9 @@ def test_version_names_what_a_bug_report_needs(tmp_path):
 
 EXITS_THROUGH_ENTRY = """
 import atexit, gc, sys
-from orchestrator.cli import GC_THRESHOLD, entry
-atexit.register(lambda: print("exit handler ran; threshold:", gc.get_threshold()[0] == GC_THRESHOLD,
+from orchestrator.cli import entry
+from orchestrator.garbage import YOUNG_THRESHOLD
+atexit.register(lambda: print("exit handler ran; threshold:", gc.get_threshold()[0] == YOUNG_THRESHOLD,
                               "frozen:", gc.get_freeze_count() > 0))
 sys.argv = ["orchestrator", "report", "nosuch", "--tracking-uri", "sqlite:///none.db"]
 raise SystemExit(entry())

@@ -1,6 +1,7 @@
-"""orchestrator.parent_watch: a spawned process ends when the process that spawned it is killed.
+"""orchestrator.spawned: a spawned process ends when the process that spawned it is killed, and
+collects garbage as the command does.
 
-Real processes: a parent spawns a pool whose worker runs ``die_with_parent`` and then sleeps,
+Real processes: a parent spawns a pool whose worker runs ``spawned.start`` and then sleeps,
 as a busy estimate does; ``kill -9`` of the parent must take the worker with it.
 """
 
@@ -13,19 +14,19 @@ import sys
 import textwrap
 import time
 
-from tests.conftest import alive
+from tests.conftest import alive, command_env
 
 PARENT = textwrap.dedent("""
     import multiprocessing, os, sys, time
     from concurrent.futures import ProcessPoolExecutor
-    from orchestrator.parent_watch import die_with_parent
+    from orchestrator import spawned
 
     def busy(_):
         print(os.getpid(), flush=True)
         time.sleep(600)
 
     if __name__ == "__main__":
-        watched = dict(initializer=die_with_parent, initargs=(os.getpid(),)) if sys.argv[1] == "watched" else {}
+        watched = dict(initializer=spawned.start, initargs=(os.getpid(),)) if sys.argv[1] == "watched" else {}
         pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), **watched)
         pool.submit(busy, 0)
         time.sleep(600)
@@ -57,3 +58,25 @@ def killed_parent_leaves(tmp_path, mode: str) -> bool:
 def test_a_worker_dies_with_its_killed_parent(tmp_path):
     assert not killed_parent_leaves(tmp_path, "watched")
     assert killed_parent_leaves(tmp_path, "unwatched")  # what the watch is for: busy, it would live on
+
+
+
+STARTED = """
+import atexit, gc, os
+from orchestrator import spawned
+from orchestrator.garbage import YOUNG_THRESHOLD
+spawned.start(os.getppid())
+print(gc.get_threshold()[0] == YOUNG_THRESHOLD, gc.get_freeze_count() == 0)
+atexit._run_exitfuncs()  # what the process's exit runs before its last collection
+print(gc.get_freeze_count() > 0)
+"""
+
+
+def test_a_spawned_process_collects_less_and_leaves_its_objects_out_of_its_last_collection(tmp_path):
+    """The estimate pool waits for each process's exit, whose last garbage collection walks every
+    object importing torch made (0.5 s a process): its exit handlers freeze them first, and its
+    imports collect as seldom as the command's (``orchestrator.garbage``)."""
+    proc = subprocess.run([sys.executable, "-c", STARTED], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env=command_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == "True True\nTrue\n"

@@ -1,4 +1,5 @@
-"""Processes the driver spawns end when it ends, however it ends.
+"""What a process the driver spawns does first (its pool's ``initializer``, :func:`start`): it
+ends when the driver ends, however that ends, and it collects garbage as the command does.
 
 A driver killed with ``kill -9`` (or by the OOM killer) runs no clean-up, and a spawned worker
 that is busy (an estimate takes minutes and hundreds of MB) would not notice for as long as it
@@ -8,7 +9,19 @@ pool unpickles the initializer before anything heavy is imported).
 
 from __future__ import annotations
 
+import atexit
 import os
+
+from orchestrator.garbage import collect_less, skip_last_collection
+
+
+def start(parent: int) -> None:
+    """First thing in a process ``parent`` spawns: end when it ends, collect garbage less often
+    while importing torch, and exit without the last collection, which its pool waits for
+    (``orchestrator.garbage``: 0.5 s of a process that imported torch and traced a model)."""
+    die_with_parent(parent)
+    collect_less()
+    atexit.register(skip_last_collection)  # before torch is imported: it runs after torch's exit handlers
 
 
 def die_with_parent(parent: int) -> None:
