@@ -232,8 +232,19 @@ def quiet_when_the_reader_leaves() -> None:
         ))
 
 
+def lines_as_printed() -> None:
+    """Standard output written a line at a time wherever it goes. Python writes a pipe or a file
+    in 8 KiB blocks, and a sweep's output is read while it runs (``run ... | tee``, a SLURM
+    job's log, ``ray job logs``): a line nothing flushes (how many nodes Ray has, the
+    dashboard's address, what a resume continues) would wait there for the next trial event."""
+    stream = sys.stdout
+    if isinstance(stream, io.TextIOWrapper) and stream is sys.__stdout__:  # not one a test captures
+        stream.reconfigure(line_buffering=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    lines_as_printed()  # first: the pipe's stream that replaces standard output keeps it
     quiet_when_the_reader_leaves()
     keep_local_ray_on_loopback(args)
     join_clusters_with_the_token(args)

@@ -13,6 +13,7 @@ import contextlib
 import glob
 import os
 import re
+import select
 import shlex
 import signal
 import subprocess
@@ -163,6 +164,48 @@ def test_a_reader_that_leaves_early_ends_plan_quietly(pipe, tmp_path):
     assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr[-3000:]
     if pipe.startswith("| head"):
         assert proc.stdout.startswith("target cpu, budget unbounded") and proc.stdout.count("\n") == 1
+
+
+PRINTS_A_LINE_AND_WAITS = """
+import sys
+from orchestrator.cli import lines_as_printed, quiet_when_the_reader_leaves
+lines_as_printed()
+quiet_when_the_reader_leaves()
+print("Ray: 1 node(s), 2 CPUs, 0 GPUs")
+sys.stdin.readline()
+print("done")
+"""
+
+
+@pytest.mark.parametrize("into", ["pipe", "file"])
+def test_a_line_reaches_a_pipe_or_a_log_file_when_it_is_printed(into, tmp_path):
+    """``run ... | tee log`` and a SLURM job's log: a line is there as soon as the command prints
+    it, not once 8 KiB have gathered or the command exits (the cluster's line waited for the
+    first trial event; the dashboard's address would too)."""
+    log = tmp_path / "log"
+    env = command_env()
+    env.pop("PYTHONUNBUFFERED", None)  # Python's default, as most shells have it
+    with open(log, "w") as file:
+        proc = subprocess.Popen([sys.executable, "-c", PRINTS_A_LINE_AND_WAITS], cwd=tmp_path, env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE if into == "pipe" else file, text=True)
+        try:
+            if into == "pipe":  # the child waits for stdin: a line now came before its exit
+                first = proc.stdout.readline() if select.select([proc.stdout], [], [], 20)[0] else ""
+            else:
+                deadline = time.monotonic() + 20
+                while not log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                first = log.read_text()
+            assert first == "Ray: 1 node(s), 2 CPUs, 0 GPUs\n" and proc.poll() is None
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+            assert proc.wait(timeout=60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if into == "file":
+        assert log.read_text().endswith("done\n")
 
 
 PRINTS_UNTIL_CTRL_C = """
