@@ -25,7 +25,7 @@ def start(parent: int) -> None:
 
 
 def die_with_parent(parent: int) -> None:
-    """First thing in a spawned process (a pool's ``initializer``): end when ``parent`` ends.
+    """End when ``parent`` ends (the first thing :func:`start` does).
 
     On Linux the kernel sends SIGKILL when the parent goes (``PR_SET_PDEATHSIG``; it fires when
     the thread that spawned the process ends, so spawn from a thread that outlives the pool);
