@@ -209,6 +209,26 @@ def test_submit_writes_the_job_folder_and_calls_sbatch(tmp_path, capsys, monkeyp
     assert f"ssh -N -L 8265:<head node>:{expected_dashboard_port('77')} " in out
 
 
+def test_a_job_sbatch_refuses_leaves_its_script_and_no_empty_log_folder(tmp_path, capsys, monkeypatch):
+    """sbatch's refusal (a partition that does not exist) is one line naming the script, which
+    stays for the user to read; the log folder made for the job is taken back."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: Batch job submission failed: "
+                                    "Invalid partition name specified' >&2\nexit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.chdir(tmp_path)
+
+    assert main(["submit", str(DEMO), "--cpus-per-node", "2", "--partition", "nosuch", "--storage-path", "store"]) == 2
+    err = capsys.readouterr().err
+    [job_dir] = (tmp_path / "store" / "slurm").iterdir()
+    assert err.endswith(f"\nerror: sbatch refused the job: sbatch: error: Batch job submission failed: Invalid "
+                        f"partition name specified (script: {job_dir / 'job.sbatch'})\n")
+    assert (job_dir / "job.sbatch").is_file()
+    assert not (tmp_path / "slurm_logs").exists()
+
+
 def test_a_site_template_replaces_the_default(tmp_path, capsys):
     site = tmp_path / "site.tmpl"
     site.write_text("#!/bin/bash\n{{sbatch_directives}}\n#SBATCH --qos=high\nmodule load cuda\nNODES={{nodes}}\n")

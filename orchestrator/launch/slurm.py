@@ -46,6 +46,7 @@ from orchestrator.errors import UserError
 from orchestrator.launch.base import Launcher
 from orchestrator.preflight import check_storage
 from orchestrator.run_request import Expanded, RunRequest
+from orchestrator.writable import taken_back_if_refused
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "slurm"
 DEFAULT_TEMPLATE = TEMPLATE_DIR / "sweep.sbatch.tmpl"
@@ -333,15 +334,16 @@ class SlurmLauncher(Launcher):
             raise UserError("sbatch not found: submit from a SLURM login node, or use --dry-run to see the script")
         check_storage(job.storage_path)
         script_path = _write_job_dir(job, spec, script)
-        os.makedirs(os.path.dirname(job.log_file), exist_ok=True)  # SLURM doesn't create it
-        try:
-            result = subprocess.run([sbatch, "--parsable", str(script_path)], capture_output=True, text=True, check=False)
-        except KeyboardInterrupt:  # the terminal's Ctrl-C reached sbatch too: did the controller take the job?
-            _interrupted_submission(job, spec, script_path, notes)
-            return 130
-        if result.returncode != 0:
-            message = (result.stderr or result.stdout).strip().replace("\n", " ")
-            raise UserError(f"sbatch refused the job: {message} (script: {script_path})")
+        with taken_back_if_refused(os.path.dirname(job.log_file)):  # the job folder stays: the error names its script
+            os.makedirs(os.path.dirname(job.log_file), exist_ok=True)  # SLURM doesn't create it
+            try:
+                result = subprocess.run([sbatch, "--parsable", str(script_path)], capture_output=True, text=True, check=False)
+            except KeyboardInterrupt:  # the terminal's Ctrl-C reached sbatch too: did the controller take the job?
+                _interrupted_submission(job, spec, script_path, notes)
+                return 130
+            if result.returncode != 0:
+                message = (result.stderr or result.stdout).strip().replace("\n", " ")
+                raise UserError(f"sbatch refused the job: {message} (script: {script_path})")
         job_id = result.stdout.strip().split(";")[0]
         _print_submitted(job, spec, job_id, notes)
         return 0
