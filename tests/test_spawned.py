@@ -60,7 +60,6 @@ def test_a_worker_dies_with_its_killed_parent(tmp_path):
     assert killed_parent_leaves(tmp_path, "unwatched")  # what the watch is for: busy, it would live on
 
 
-
 STARTED = """
 import atexit, gc, os
 from orchestrator import spawned
