@@ -21,7 +21,7 @@ import os
 import re
 import typing
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 import yaml
 from pydantic import (
@@ -787,6 +787,17 @@ def load_spec(path: str, overrides: list[str] | tuple[str, ...] = ()) -> SweepSp
     return dataclasses.replace(spec, source=os.path.abspath(path))
 
 
+#: The sections a YAML may give as one value, and the mapping that value is short for (as the
+#: sections' validators read them): ``--set scheduler.grace_period=2`` on ``scheduler: asha``
+#: extends ``{type: asha}``, as it would have had the YAML spelled it out.
+SHORT_FORMS: dict[str, Callable[[Any], dict]] = {
+    "workload": lambda name: {"name": name},
+    "scheduler": lambda name: {"type": name},
+    "eval_every": lambda steps: {"steps": steps},
+    "checkpoint.every": lambda steps: {"steps": steps},
+}
+
+
 def apply_override(raw: dict, override: str) -> None:
     """``--set memory.safety_margin=0.8``: the value is read as YAML, the path may be new."""
     key_path, sep, text = override.partition("=")
@@ -795,11 +806,15 @@ def apply_override(raw: dict, override: str) -> None:
     keys = key_path.strip().split(".")
     node = raw
     for i, key in enumerate(keys[:-1]):
+        path = ".".join(keys[: i + 1])
         child = node.get(key)
         if child is None:
             child = node[key] = {}
+        elif not isinstance(child, dict) and path in SHORT_FORMS:
+            child = node[key] = SHORT_FORMS[path](child)
         if not isinstance(child, dict):
-            raise ConfigError(f"--set {override}: {'.'.join(keys[: i + 1])} is not a mapping")
+            raise ConfigError(f"--set {override}: {path} is {child!r} in the config, not a mapping; "
+                              f"set it whole (--set {path}=VALUE)")
         node = child
     try:
         node[keys[-1]] = read_yaml(text, f"--set {key_path.strip()}")

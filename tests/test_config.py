@@ -76,6 +76,23 @@ def test_set_overrides_a_key_as_yaml(tmp_path):
     assert spec.resources.gpu == 0.25
 
 
+def test_set_extends_a_section_the_yaml_gives_in_its_short_form(tmp_path):
+    """``scheduler: fifo`` is ``scheduler: {type: fifo}``, ``workload: mlp`` is ``{name: mlp}`` and
+    ``eval_every: 50`` is ``{steps: 50}``: a key set under them extends that mapping."""
+    short = VALID.replace("workload: {name: mlp, params: {depth: 1}}", "workload: mlp\nscheduler: fifo\neval_every: 50")
+    spec = load_spec(write(tmp_path, short), ["scheduler.type=asha", "scheduler.grace_period=2",
+                                              "workload.params.depth=3", "eval_every.max_batches=4"])
+    assert spec.scheduler.type == "asha" and spec.scheduler.grace_period == 2
+    assert spec.workload == "mlp" and spec.params == {"depth": 3}
+    assert (spec.eval_every.unit, spec.eval_every.count, spec.eval_every.max_batches) == ("steps", 50, 4)
+
+
+def test_set_under_a_value_that_is_not_a_section_says_what_it_is(tmp_path):
+    with pytest.raises(ConfigError, match=r"^--set stop\.epochs\.max=3: stop\.epochs is 2 in the config, not a mapping; "
+                                          r"set it whole \(--set stop\.epochs=VALUE\)$"):
+        load_spec(write(tmp_path, VALID), ["stop.epochs.max=3"])
+
+
 def test_exponent_floats_are_numbers_as_in_yaml_1_2(tmp_path):
     """PyYAML alone reads ``1e-4`` as a string; every sweep writes learning rates that way."""
     spec = load_spec(write(tmp_path, VALID.replace("[0.0001, 0.1]", "[1e-4, 1E-1]")), ["workload.params.lr=3e-4"])
