@@ -186,14 +186,19 @@ def test_submit_without_sbatch_is_a_user_error(tmp_path, capsys, monkeypatch):
     assert "sbatch not found" in capsys.readouterr().err
 
 
+def sbatch_on_path(tmp_path, monkeypatch, body: str) -> None:
+    """An ``sbatch`` first on PATH that runs the shell lines ``body``, in ``tmp_path/bin``."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\n{body}")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
 def test_submit_writes_the_job_folder_and_calls_sbatch(tmp_path, capsys, monkeypatch):
     """With a fake sbatch: the config is copied (later edits don't reach the job), the script is
     kept next to it, and the output names the job id, the log and the tunnel line."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/sbatch.args\necho '77;cluster'\n")
-    (bin_dir / "sbatch").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    sbatch_on_path(tmp_path, monkeypatch, f"echo \"$@\" > {tmp_path}/sbatch.args\necho '77;cluster'\n")
     monkeypatch.chdir(tmp_path)
     config = tmp_path / "sweep.yaml"
     config.write_text(DEMO.read_text())
@@ -212,12 +217,8 @@ def test_submit_writes_the_job_folder_and_calls_sbatch(tmp_path, capsys, monkeyp
 def test_a_job_sbatch_refuses_leaves_its_script_and_no_empty_log_folder(tmp_path, capsys, monkeypatch):
     """sbatch's refusal (a partition that does not exist) is one line naming the script, which
     stays for the user to read; the log folder made for the job is taken back."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: Batch job submission failed: "
-                                    "Invalid partition name specified' >&2\nexit 1\n")
-    (bin_dir / "sbatch").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    sbatch_on_path(tmp_path, monkeypatch, "echo 'sbatch: error: Batch job submission failed: "
+                                          "Invalid partition name specified' >&2\nexit 1\n")
     monkeypatch.chdir(tmp_path)
 
     assert main(["submit", str(DEMO), "--cpus-per-node", "2", "--partition", "nosuch", "--storage-path", "store"]) == 2
