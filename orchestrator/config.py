@@ -359,10 +359,15 @@ class Every:
         return f"every {self.count:g} {self.unit}{at_most}"
 
 
+def _steps(count: Any) -> dict:
+    """What a cadence given as a bare number is short for."""
+    return {"steps": count}
+
+
 def _cadence(value: Any) -> Every:
     """``{steps: 500}``, ``{minutes: 10}`` or ``{epochs: 1}``; a bare number means steps."""
     if _is_number(value):
-        value = {"steps": value}
+        value = _steps(value)
     if not isinstance(value, dict):
         raise _invalid(f"expected a mapping, got {value!r}")
     if not (len(value) == 1 and next(iter(value)) in EVERY_UNITS):
@@ -793,8 +798,8 @@ def load_spec(path: str, overrides: list[str] | tuple[str, ...] = ()) -> SweepSp
 SHORT_FORMS: dict[str, Callable[[Any], dict]] = {
     "workload": lambda name: {"name": name},
     "scheduler": lambda name: {"type": name},
-    "eval_every": lambda steps: {"steps": steps},
-    "checkpoint.every": lambda steps: {"steps": steps},
+    "eval_every": _steps,
+    "checkpoint.every": _steps,
 }
 
 
