@@ -27,6 +27,9 @@ what changed; ``pyproject.toml`` pins Ray to the minor series that test passed o
 * :func:`ray_processes_in_group`: ``ray._private.services.ConsolePopen``, the class every process
   of a local Ray (GCS, raylet, dashboard, log monitor) is started with, so that they start in a
   process group other than the driver's (``orchestrator.ray_group``).
+* :func:`callbacks_of`: ``Tuner._local_tuner.get_run_config()``, the run config a restored
+  ``Tuner`` unpickled with its callbacks, whose MLflow store a resume may point elsewhere
+  (``orchestrator.runner``).
 * :func:`metrics_export_interval_s`: ``ray._config.metrics_report_interval_ms()``, how often a
   Ray process exports the metrics it recorded, which a driver that counted OOMs waits out before
   it exits (``orchestrator.oom_counter``).
@@ -178,3 +181,15 @@ def metrics_export_interval_s() -> float:
             "count takes to be exported (orchestrator/ray_internals.py)"
         ) from exc
     return max(interval_ms, 1000) / 1000
+
+
+def callbacks_of(tuner: Any) -> list:
+    """The callbacks ``tuner`` runs with: for a restored one, those Tune unpickled from the sweep's
+    folder (``Tuner.restore`` takes no run config to replace them)."""
+    try:
+        return list(tuner._local_tuner.get_run_config().callbacks or [])
+    except AttributeError as exc:
+        raise RayChanged(
+            f"Ray changed: Tune's Tuner has no {exc.name!r}, so a resumed sweep's MLflow store cannot be "
+            "pointed where the resume names it (orchestrator/ray_internals.py)"
+        ) from exc

@@ -13,7 +13,7 @@ import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from orchestrator.capacity import (
@@ -46,13 +46,13 @@ from orchestrator.ray_group import ray_in_its_own_group
 from orchestrator.ray_token import secure_token_files
 from orchestrator.run_request import RunRequest
 from orchestrator.stop_signal import sigterm_stops_like_sigint
-from orchestrator.sweep_guard import claim_sweep
+from orchestrator.sweep_guard import claim_sweep, recorded_value
 from orchestrator.table import format_table
+from orchestrator.tracking.runs import absolute_tracking_uri, default_tracking_uri
 from orchestrator.trial_report import TrialReport
 from orchestrator.units import human, size_flag
 from orchestrator.writable import taken_back_if_refused
 
-DEFAULT_TRACKING_DB = "mlflow.db"
 #: How long the driver waits for ``--ray-address`` to accept a connection.
 GCS_CONNECT_TIMEOUT_S = 10
 
@@ -130,14 +130,16 @@ def resume_command(request: RunRequest, name: str | None = None) -> str:
 def report_command(outcome: SweepOutcome, spec: SweepSpec, request: RunRequest) -> str:
     """``orchestrator report EXPERIMENT``, with the tracking URI where it is not the one ``report``
     reads by default (the working directory's ``mlflow.db``, which is also ``run``'s)."""
-    chosen = request.tracking_uri or spec.tracking_uri
-    return shell_command("report", spec.experiment, *(["--tracking-uri", outcome.tracking_uri] if chosen else []))
+    named = outcome.tracking_uri != default_tracking_uri()
+    return shell_command("report", spec.experiment, *(["--tracking-uri", outcome.tracking_uri] if named else []))
 
 
-def resolve_tracking_uri(flag: str | None, spec: SweepSpec) -> str:
-    """The flag, else the config, else a SQLite file in the working directory (MLflow's own default)."""
-    uri = flag or spec.tracking_uri or f"sqlite:///{os.path.abspath(DEFAULT_TRACKING_DB)}"
-    return uri
+def resolve_tracking_uri(flag: str | None, spec: SweepSpec, restore_from: str | None = None) -> str:
+    """The flag, else the config, else (resuming) the store the sweep recorded, else a SQLite file
+    in the working directory (MLflow's own default). A resume must not name another store by
+    omission: Tune restores the sweep's MLflow callback, whose runs are where it started."""
+    recorded = recorded_value(restore_from, "tracking_uri") if restore_from else None
+    return absolute_tracking_uri(flag or spec.tracking_uri or recorded or default_tracking_uri())
 
 
 def run_sweep(
@@ -164,7 +166,6 @@ def run_sweep(
     from ray import tune
 
     quiet_libraries(verbose)
-    tracking_uri = resolve_tracking_uri(tracking_uri, spec)
     storage = os.path.abspath(storage_path or spec.storage_path)
     node_memory = size_flag("--host-memory", host_memory)
     embedded = ray_address is None and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized()
@@ -177,13 +178,14 @@ def run_sweep(
     claim = None
     try:
         with taken_back_if_refused(storage):
+            name, restore_from = _experiment_name(spec, storage, name, resume)
+            tracking_uri = resolve_tracking_uri(tracking_uri, spec, restore_from)
             _check_before_ray(spec, storage, tracking_uri, offline_tracking)
             if embedded:  # the trials' spec: data loading cut to what this machine holds (the user's is recorded)
                 trial_spec, host_cuts = _fit_host_memory(spec, node_memory, local=local)
             # The sweep's folder is this driver's before Ray starts: a second driver of it is
             # refused at once, and so is a resume whose config differs (orchestrator.sweep_guard).
-            name, restore_from = _experiment_name(spec, storage, name, resume)
-            claim = claim_sweep(os.path.join(storage, name), spec, resuming=restore_from is not None,
+            claim = claim_sweep(os.path.join(storage, name), spec, resuming=restore_from is not None, new=not resume,
                                 allow_config_change=allow_config_change)
             try:
                 from orchestrator.tune_state import restore_cut_off
@@ -200,7 +202,7 @@ def run_sweep(
             except UserError:
                 claim.release(refused=True)
                 raise
-        claim.record(spec)
+        claim.record(replace(spec, tracking_uri=tracking_uri))  # the store a resume finds the runs in
         trainable = _trainable(trial_spec, estimates)
         _tune_settings()
         if restore_from:
@@ -208,6 +210,7 @@ def run_sweep(
             for cut_off in put_back:
                 print(f"{cut_off} was cut off (a full storage?): resuming from its last whole copy")
             tuner = tune.Tuner.restore(restore_from, trainable=trainable, resume_unfinished=True, resume_errored=False)
+            _track_in(tuner, tracking_uri)
         else:
             tuner = tune.Tuner(
                 trainable,
@@ -504,6 +507,19 @@ def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str, host_cu
     tensorboard = tensorboard_logger()
     return [tracking, WhatResultsLack(), view, CountOomRetries(spec.experiment), StopOnStorageFault(), KeepWholeState(), *([tensorboard] if tensorboard else []),
             EndedTrialsKeepLess(spec.metric)]
+
+
+def _track_in(tuner, tracking_uri: str) -> None:
+    """A restored sweep's MLflow callback writes to ``tracking_uri``. Tune restores the callbacks
+    the sweep started with (``Tuner.restore`` takes no run config), and so the store they
+    named: a resume that names another (an MLflow server that moved, a requeued SLURM job's new
+    server port) would otherwise print one store and write to the other."""
+    from orchestrator.ray_internals import callbacks_of
+    from orchestrator.tracking.callback import MlflowTracking
+
+    for callback in callbacks_of(tuner):
+        if isinstance(callback, MlflowTracking):
+            callback.tracking_uri = tracking_uri
 
 
 # -- the final table ---------------------------------------------------------------------------

@@ -12,7 +12,10 @@ without a word. So the driver claims the folder (:func:`claim_sweep`) before Ray
 - on a resume, the config compared with the one the sweep was started with
   (:data:`CONFIG_FILE`, written by :meth:`SweepClaim.record` when it starts). A difference in
   any key but :data:`RESUMABLE_KEYS` is refused, naming the keys, unless the user says
-  ``--allow-config-change``.
+  ``--allow-config-change``;
+- a new sweep (no ``--resume``) in a folder a sweep already started in is refused: Tune would
+  write the second sweep's trials and state beside the first's, and a later ``--resume`` would
+  restore whichever state file is newest.
 """
 
 from __future__ import annotations
@@ -35,11 +38,13 @@ LOCK_FILE = ".driver.lock"  # held by the driver running the sweep; holds its pi
 CONFIG_FILE = "sweep_config.json"  # the validated config the sweep runs with, key path -> value
 
 #: Keys a resume may change without --allow-config-change: where the sweep lives (a resume finds
-#: the sweep there; a moved storage folder is still the same sweep). Everything else either
+#: the sweep there; a moved storage folder is still the same sweep) and where its MLflow runs are
+#: (a server that moved, a requeued SLURM job's server on another port: a resume that names no
+#: store uses the recorded one, see :func:`recorded_value`). Everything else either
 #: changes what the unfinished trials train (they get the new config, the finished ones keep the
 #: old: the budget, the model, the data, the memory policy), or is stored by Tune and restored
 #: as it was (the search space, the scheduler, MLflow's settings), so a change would be ignored.
-RESUMABLE_KEYS = frozenset({"storage_path"})
+RESUMABLE_KEYS = frozenset({"storage_path", "tracking_uri"})
 
 #: The spec's fields as they are written in YAML where the two differ.
 _YAML_NAMES = {"workload": "workload.name", "params": "workload.params"}
@@ -109,9 +114,13 @@ class SweepClaim:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def claim_sweep(folder: str, spec: SweepSpec, *, resuming: bool, allow_config_change: bool = False) -> SweepClaim:
-    """Claim ``folder`` for this driver, or refuse in one line: another driver runs it, or (when
-    ``resuming``) the config differs from the stored one in a key a resume may not change."""
+def claim_sweep(folder: str, spec: SweepSpec, *, resuming: bool, new: bool = False,
+                allow_config_change: bool = False) -> SweepClaim:
+    """Claim ``folder`` for this driver, or refuse in one line: another driver runs it, (when
+    ``resuming``) the config differs from the stored one in a key a resume may not change, or
+    (when ``new``: the user did not ask to resume) a sweep already started there. A ``--resume``
+    that finds nothing Tune can restore starts the sweep again in its folder (neither flag): a
+    SLURM job's attempt that ended before Tune saved any state is retried that way."""
     made_folder = not os.path.isdir(folder)
     try:
         os.makedirs(folder, exist_ok=True)
@@ -120,6 +129,10 @@ def claim_sweep(folder: str, spec: SweepSpec, *, resuming: bool, allow_config_ch
         raise UserError(f"cannot lock the sweep folder {folder}: {exc.strerror or exc}") from None
     claim = SweepClaim(folder, fd, made_folder)
     try:
+        if new and os.path.exists(os.path.join(folder, CONFIG_FILE)):
+            raise UserError(
+                f"sweep {folder} already exists; continue it with --resume, or start a new sweep with another --name"
+            )
         if resuming:
             _check_config(folder, spec, allow_config_change)
     except BaseException:
@@ -164,14 +177,26 @@ def _holder(fd: int) -> str:
     return ""
 
 
-def _check_config(folder: str, spec: SweepSpec, allow_config_change: bool) -> None:
+def recorded_value(folder: str, key: str) -> Any:
+    """The value the sweep in ``folder`` recorded for ``key`` (a key path), None where it recorded
+    none (or no config: a sweep started before configs were kept)."""
+    return (_recorded(folder) or {}).get(key)
+
+
+def _recorded(folder: str) -> dict[str, Any] | None:
     try:
         with open(os.path.join(folder, CONFIG_FILE)) as f:
-            stored = json.load(f)
+            return json.load(f)
     except FileNotFoundError:
-        return  # a sweep started before its config was kept: nothing to compare with
+        return None
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot read the config {folder} was started with ({CONFIG_FILE}: {exc})") from None
+
+
+def _check_config(folder: str, spec: SweepSpec, allow_config_change: bool) -> None:
+    stored = _recorded(folder)
+    if stored is None:
+        return  # a sweep started before its config was kept: nothing to compare with
     current = config_values(spec)
     changed = [k for k in changed_keys(stored, current) if k not in RESUMABLE_KEYS]
     if not changed:

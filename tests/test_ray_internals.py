@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import pyarrow.fs
 import pytest
+from ray import tune
 from ray.exceptions import ActorDiedError
 from ray.train._internal.storage import StorageContext
 from ray.tune.execution.tune_controller import TuneController
@@ -35,6 +36,7 @@ from orchestrator.ray_internals import (
     TOKEN_NOTICE_LOGGER,
     RayChanged,
     auth_token_loader,
+    callbacks_of,
     forget_running_statistics,
     make_last_failure,
     make_next_failure_last,
@@ -253,3 +255,22 @@ def test_the_local_rays_processes_start_in_the_group_they_are_given():
         leader.wait()
     assert int(out) == leader.pid != os.getpgrp()
     assert services.ConsolePopen is before
+
+
+class NamedCallback(tune.Callback):
+    """A callback whose setting a restored Tuner must hand back as it was pickled."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+def test_a_restored_tuner_hands_back_the_callbacks_it_unpickled(tmp_path):
+    """Tune saves the run config with the Tuner (``tuner.pkl``) and ``Tuner.restore`` unpickles
+    it, callbacks and all, without Ray started."""
+    def trainable(config):
+        pass
+
+    tune.Tuner(trainable, run_config=tune.RunConfig(name="sweep", storage_path=str(tmp_path),
+                                                    callbacks=[NamedCallback("first")]))
+    restored = tune.Tuner.restore(str(tmp_path / "sweep"), trainable=trainable)
+    assert [(type(c), c.name) for c in callbacks_of(restored)] == [(NamedCallback, "first")]

@@ -1,6 +1,7 @@
 """The runner's own decisions: what counts as finished, which sweep folder a run uses, and how a
 driver joins a cluster."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from ports import free_port
 from orchestrator.config import parse_spec
 from orchestrator.run_request import RunRequest
 from orchestrator.runner import SweepOutcome, TrialRow, _experiment_name, _row, summary_lines, summary_table
+from orchestrator.tracking.runs import default_tracking_uri
 
 SPEC = parse_spec({
     "experiment": "exp", "workload": "mlp", "search_space": {"lr": {"choice": [0.1, 0.01]}},
@@ -182,8 +184,30 @@ def test_the_report_command_names_the_tracking_uri_the_user_chose(typed):
     chosen = summary_lines(SweepOutcome(rows, "/r/exp_1", "http://127.0.0.1:5000"), SPEC, run_args())
     assert chosen[-1].endswith(f"see `{TYPED} report exp --tracking-uri http://127.0.0.1:5000`")
     # The default, the working directory's mlflow.db, is where `report` looks by itself.
-    default = summary_lines(SweepOutcome(rows, "/r/exp_1", "sqlite:////w/mlflow.db"), SPEC, run_args(tracking_uri=None))
-    assert default[-1] == f"MLflow: sqlite:////w/mlflow.db (experiment 'exp'); see `{TYPED} report exp`"
+    here = default_tracking_uri()
+    default = summary_lines(SweepOutcome(rows, "/r/exp_1", here), SPEC, run_args(tracking_uri=None))
+    assert default[-1] == f"MLflow: {here} (experiment 'exp'); see `{TYPED} report exp`"
+    # A resume that named no store wrote to the one its sweep recorded: the command names it.
+    recorded = summary_lines(SweepOutcome(rows, "/r/exp_1", "sqlite:////w/other.db"), SPEC, run_args(tracking_uri=None))
+    assert recorded[-1].endswith(f"see `{TYPED} report exp --tracking-uri sqlite:////w/other.db`")
+
+
+def test_a_resume_writes_to_the_store_its_sweep_recorded_unless_told_another(tmp_path):
+    """Tune restores the sweep's MLflow callback: a resume that names no store must not print
+    (or check) the working directory's instead."""
+    from orchestrator.runner import resolve_tracking_uri
+    from orchestrator.sweep_guard import claim_sweep
+
+    folder = tmp_path / "exp_1"
+    claim = claim_sweep(str(folder), SPEC, resuming=False, new=True)
+    claim.record(dataclasses.replace(SPEC, tracking_uri="sqlite:////w/other.db"))
+    claim.release()
+    assert resolve_tracking_uri(None, SPEC, str(folder)) == "sqlite:////w/other.db"
+    assert resolve_tracking_uri("http://mlflow:5000", SPEC, str(folder)) == "http://mlflow:5000"
+    configured = dataclasses.replace(SPEC, tracking_uri="http://configured:5000")
+    assert resolve_tracking_uri(None, configured, str(folder)) == "http://configured:5000"
+    assert resolve_tracking_uri(None, SPEC) == default_tracking_uri()  # a new sweep
+    assert resolve_tracking_uri(None, SPEC, str(tmp_path / "from_before_configs_were_kept")) == default_tracking_uri()
 
 
 @pytest.mark.integration

@@ -85,6 +85,23 @@ def test_a_driver_killed_holding_the_lock_does_not_block_the_next(tmp_path):
     claim_sweep(folder, spec(), resuming=True).release()
 
 
+def test_a_new_sweep_in_the_folder_of_a_started_one_is_refused_and_leaves_it_as_it_was(tmp_path):
+    """`run --name taken` without --resume: one line, and the first sweep's folder untouched. A
+    --resume that found nothing to restore (``new`` false) may start the sweep there again."""
+    folder = str(tmp_path / "sweep")
+    started = claim_sweep(folder, spec(), resuming=False, new=True)
+    started.record(spec())
+    started.release()
+    before = sorted(os.listdir(folder))
+    with pytest.raises(UserError) as refused:
+        claim_sweep(folder, spec(), resuming=False, new=True)
+    assert str(refused.value) == (
+        f"sweep {folder} already exists; continue it with --resume, or start a new sweep with another --name"
+    )
+    assert sorted(os.listdir(folder)) == before == [CONFIG_FILE]
+    claim_sweep(folder, spec(), resuming=False).release()
+
+
 def test_a_resume_with_a_changed_config_is_refused_naming_the_keys(tmp_path):
     folder = str(tmp_path / "sweep")
     started = claim_sweep(folder, spec(), resuming=False)
@@ -297,14 +314,23 @@ def test_a_running_sweep_is_not_run_twice_and_its_killed_driver_takes_its_estima
 
 @pytest.mark.integration
 def test_a_resume_with_a_changed_config_is_refused_unless_allowed(user_folder):
+    """A sweep started with --tracking-uri: its --name again without --resume is refused in one
+    line; a --resume with another config is refused naming the key, or with the flag resumes,
+    and writes to (and names) the sweep's store although the resume did not name it."""
     from tests.conftest import command_env, installed_command
 
     def run(*words):
         return subprocess.run([installed_command(), "run", "sweep.yaml", "--name", "s", "--num-cpus", "1", *words],
                               cwd=user_folder, env=command_env(), capture_output=True, text=True, timeout=600)
 
-    done = run()
+    done = run("--tracking-uri", "sqlite:///records.db")
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    again = run()  # the same --name without --resume: not a second sweep over the first
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert again.stderr.strip().splitlines() == [
+        f"error: sweep {user_folder / 'orchestrator_results' / 's'} already exists; continue it with --resume, "
+        "or start a new sweep with another --name"
+    ]
     refused = run("--resume", "--set", "workload.params.hidden=16")
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert refused.stderr.strip().splitlines() == [
@@ -315,3 +341,8 @@ def test_a_resume_with_a_changed_config_is_refused_unless_allowed(user_folder):
     allowed = run("--resume", "--set", "workload.params.hidden=16", "--allow-config-change")
     assert allowed.returncode == 0, (allowed.stdout + allowed.stderr)[-3000:]
     assert "--allow-config-change): workload.params.hidden (8 -> 16)" in allowed.stdout
+    store = f"sqlite:///{user_folder / 'records.db'}"
+    last = allowed.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"MLflow: {store} (experiment 'tiny'); see `"), last
+    assert last.endswith(f" report tiny --tracking-uri {store}`"), last
+    assert not (user_folder / "mlflow.db").exists()

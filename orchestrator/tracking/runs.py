@@ -1,6 +1,6 @@
 """How a sweep's runs are found in MLflow: by tags, each result by its ``step`` metric, a SQLite
-store by its file. The writer and ``orchestrator report`` both read this; it imports neither
-MLflow nor Ray."""
+store by its file, and which store by default. The writer, ``orchestrator run`` and
+``orchestrator report`` all read this; it imports neither MLflow nor Ray."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ from pathlib import Path
 SWEEP_ID_TAG = "orchestrator.sweep_id"
 ROLE_TAG = "orchestrator.role"  # "sweep" (the parent run) or "trial"
 PARENT_TAG = "mlflow.parentRunId"  # what makes a run nested in MLflow's UI
+#: The store ``run`` writes to and ``report`` reads when neither is given one: MLflow's own default,
+#: a SQLite file in the working directory.
+DEFAULT_TRACKING_DB = "mlflow.db"
 #: Logged with every result at MLflow step = the trial's optimizer step: the record of which results a run has.
 STEP_METRIC = "step"
 
@@ -34,6 +37,23 @@ class SweepIdentity:
     sweep_id: str
     run_name: str
     experiment: str
+
+
+def default_tracking_uri() -> str:
+    """The working directory's ``mlflow.db``, as an absolute URI: a sweep resumed or reported from
+    another folder still names the database it wrote."""
+    return f"sqlite:///{Path(DEFAULT_TRACKING_DB).absolute()}"
+
+
+def absolute_tracking_uri(tracking_uri: str) -> str:
+    """A SQLite URI with a relative path (``sqlite:///mlflow.db``, which MLflow reads against the
+    working directory) made absolute, so that the sweep's recorded store is the same file from
+    any folder; other URIs as they are."""
+    database = sqlite_path(tracking_uri)
+    if database is None or tracking_uri.startswith("sqlite:////"):
+        return tracking_uri
+    query = tracking_uri.partition("?")[2]
+    return f"sqlite:///{database}" + (f"?{query}" if query else "")
 
 
 def sqlite_path(tracking_uri: str) -> Path | None:
