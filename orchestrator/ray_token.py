@@ -22,6 +22,8 @@ import stat
 import sys
 from pathlib import Path
 
+from orchestrator.errors import UserError
+
 FOLDER_MODE, FILE_MODE = 0o700, 0o600
 #: Where Ray looks for the token, in its order.
 TOKEN_SOURCES = "RAY_AUTH_TOKEN, the file named by RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token"
@@ -59,13 +61,20 @@ def send_token_to_clusters() -> None:
 
 
 def secure_token_files() -> None:
-    """``~/.ray`` 0700 (created if missing) and ``~/.ray/auth_token`` 0600 when it exists."""
+    """``~/.ray`` 0700 (created if missing) and ``~/.ray/auth_token`` 0600 when it exists. A home
+    where the folder cannot be made is one line: a local Ray could not keep its token there either."""
     path = default_token_path()
     folder = path.parent
-    folder.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
-    _restrict(folder, FOLDER_MODE)
-    if path.exists():
-        _restrict(path, FILE_MODE)
+    try:
+        folder.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
+        _restrict(folder, FOLDER_MODE)
+        if path.exists():
+            _restrict(path, FILE_MODE)
+    except OSError as exc:
+        raise UserError(
+            f"cannot make {folder} private ({exc.strerror or exc}): Ray keeps the cluster's token there; "
+            "run with HOME set to a folder you can write"
+        ) from None
 
 
 def _restrict(path: Path, mode: int) -> None:

@@ -132,8 +132,11 @@ def test_a_model_whose_step_fails_is_refused_before_a_job_is_sent(sweep_file, ca
 @pytest.mark.parametrize("flags, message", [
     (["--num-cpus", "0"], "error: --num-cpus: expected 1 or more, got 0\n"),
     (["--num-gpus", "-1"], "error: --num-gpus: expected 0 or more, got -1\n"),
-])
-def test_the_embedded_rays_cpus_and_gpus_are_checked_before_anything_starts(sweep_file, tmp_path, capsys, flags, message):
+    # Not this machine's (TEST-NET-1): Ray would try 50 ports on it for a minute, then end the sweep in a traceback.
+    (["--dashboard", "--dashboard-host", "192.0.2.1"], "error: --dashboard-host: expected an address of this machine "
+     "(or 0.0.0.0 for all of them), got '192.0.2.1' (Cannot assign requested address)\n"),
+], ids=["cpus", "gpus", "dashboard host"])
+def test_the_embedded_rays_flags_are_checked_before_anything_starts(sweep_file, tmp_path, capsys, flags, message):
     import ray
 
     assert main(["run", sweep_file, *flags]) == 2

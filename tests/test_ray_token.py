@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.errors import UserError
 from orchestrator.ray_token import (
     AUTH_MODE,
     secure_token_files,
@@ -46,6 +47,18 @@ def test_a_token_that_is_already_private_is_left_alone(tmp_path, monkeypatch):
     os.chmod(token, 0o400)  # stricter than ours: kept
     secure_token_files()
     assert mode(token) == 0o400
+
+
+def test_a_home_where_the_token_folder_cannot_be_made_is_one_line(tmp_path, monkeypatch):
+    home = tmp_path / "not-a-folder"
+    home.write_text("")
+    monkeypatch.setenv("HOME", str(home))
+    with pytest.raises(UserError) as refused:
+        secure_token_files()
+    assert str(refused.value) == (
+        f"cannot make {home / '.ray'} private (Not a directory): Ray keeps the cluster's token there; "
+        "run with HOME set to a folder you can write"
+    )
 
 
 @pytest.fixture

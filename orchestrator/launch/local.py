@@ -5,6 +5,7 @@ are the runner's (``runner.run_sweep``); tests launch through it as they would a
 
 from __future__ import annotations
 
+import socket
 import sys
 from dataclasses import dataclass
 from typing import ClassVar
@@ -35,7 +36,10 @@ class LocalLauncher(Launcher):
                                    ("--num-gpus", getattr(args, "num_gpus", None), 0)):
             if value is not None and value < least:
                 raise UserError(f"{flag}: expected {least} or more, got {value:g}")
-        return cls(dashboard=getattr(args, "dashboard", False), dashboard_host=getattr(args, "dashboard_host", "127.0.0.1"))
+        launcher = cls(dashboard=getattr(args, "dashboard", False), dashboard_host=getattr(args, "dashboard_host", "127.0.0.1"))
+        if launcher.dashboard:
+            check_bindable(launcher.dashboard_host)
+        return launcher
 
     def submit(self, request: RunRequest, spec: SweepSpec) -> int:
         try:
@@ -63,3 +67,17 @@ class LocalLauncher(Launcher):
         print()
         print("\n".join(summary_lines(outcome, spec, request)))
         return 0 if outcome.ok else 1
+
+
+def check_bindable(host: str) -> None:
+    """``--dashboard-host`` must be an address of this machine: Ray would try 50 ports on one it
+    cannot bind, for a minute, and then end the sweep with its own traceback."""
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind) as probe:
+            probe.bind(address)
+    except (OSError, UnicodeError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise UserError(
+            f"--dashboard-host: expected an address of this machine (or 0.0.0.0 for all of them), got {host!r} ({reason})"
+        ) from None
