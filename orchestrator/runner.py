@@ -11,8 +11,9 @@ from __future__ import annotations
 import glob
 import math
 import os
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -199,7 +200,7 @@ def run_sweep(
                 wait = check_schedulable(trial_request(spec), spec.resources.wait_minutes, spec.resources.workers)
                 if not embedded:
                     trial_spec, host_cuts = _fit_host_memory(spec, node_memory, cluster=nodes)
-            except UserError:
+            except (UserError, KeyboardInterrupt):  # refused, or stopped before it started
                 claim.release(refused=True)
                 raise
         claim.record(replace(spec, tracking_uri=tracking_uri))  # the store a resume finds the runs in
@@ -253,19 +254,30 @@ def _estimate_while_ray_starts(spec: SweepSpec, connect: Callable[[], bool]):
 
     A model whose estimate fails still stops the sweep before any trial: the Ray we started for
     it is shut down again and the error is the estimate's one line.
+
+    The estimate's thread is a daemon: a Ctrl-C meanwhile ends the command at once, not when a
+    trace of a large model in that thread (two cores or fewer: ``orchestrator.estimates``) ends,
+    which an executor's thread would make it wait for, at the ``with`` and again at exit.
     """
     import ray
 
-    with ThreadPoolExecutor(1, thread_name_prefix="estimate") as pool:
-        estimating = pool.submit(estimate_before_start, spec)
-        started_ray = False
+    estimating: Future = Future()
+
+    def estimate() -> None:
         try:
-            started_ray = connect()
-            return estimating.result(), started_ray
-        except BaseException:
-            if started_ray:
-                ray.shutdown()
-            raise
+            estimating.set_result(estimate_before_start(spec))
+        except BaseException as exc:
+            estimating.set_exception(exc)
+
+    threading.Thread(target=estimate, name="estimate", daemon=True).start()
+    started_ray = False
+    try:
+        started_ray = connect()
+        return estimating.result(), started_ray
+    except BaseException:
+        if started_ray:
+            ray.shutdown()
+        raise
 
 
 def _check_before_ray(spec: SweepSpec, storage: str, tracking_uri: str, offline_tracking: bool) -> None:

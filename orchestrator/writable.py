@@ -45,8 +45,9 @@ def outermost_missing(path: Path) -> Path:
 
 @contextlib.contextmanager
 def taken_back_if_refused(folder: str | os.PathLike) -> Iterator[None]:
-    """What the block makes of ``folder`` goes again if the block refuses (raises ``UserError``):
-    only what did not exist before, and only while nothing was written under it.
+    """What the block makes of ``folder`` goes again if the block refuses (raises ``UserError``)
+    or is interrupted (Ctrl-C during ``run``'s checks and Ray's start): only what did not exist
+    before, and only while nothing was written under it.
 
     ``run``'s storage check makes the storage folder (does it take a file?), and a refusal after
     it (a model that cannot be estimated, a relative storage path on a cluster, no sweep to
@@ -59,7 +60,7 @@ def taken_back_if_refused(folder: str | os.PathLike) -> Iterator[None]:
     made = outermost_missing(made)
     try:
         yield
-    except UserError:
+    except (UserError, KeyboardInterrupt):
         if made.is_dir() and not any(p.is_file() for p in made.rglob("*")):
             shutil.rmtree(made, ignore_errors=True)
         raise

@@ -313,6 +313,28 @@ def test_a_running_sweep_is_not_run_twice_and_its_killed_driver_takes_its_estima
 
 
 @pytest.mark.integration
+def test_a_ctrl_c_before_the_sweep_starts_leaves_no_folder_behind(user_folder):
+    """Ctrl-C (SIGINT to the command's group, as a terminal sends it) while the driver estimates:
+    the sweep never started, so neither its folder nor the storage folder made for it stays."""
+    from tests.conftest import command_env, installed_command
+
+    marks = user_folder / "estimating"
+    marks.mkdir()
+    driver = subprocess.Popen([installed_command(), "run", "two.yaml", "--num-cpus", "2"], cwd=user_folder,
+                              env={**command_env(), "SLOW_ESTIMATES": str(marks)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        estimate_processes(driver, marks)
+        os.killpg(driver.pid, signal.SIGINT)
+        out, _ = driver.communicate(timeout=120)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    assert driver.returncode == 130, out
+    assert not (user_folder / "orchestrator_results").exists(), out
+
+
+@pytest.mark.integration
 def test_a_resume_with_a_changed_config_is_refused_unless_allowed(user_folder):
     """A sweep started with --tracking-uri: its --name again without --resume is refused in one
     line; a --resume with another config is refused naming the key, or with the flag resumes,

@@ -31,11 +31,12 @@ def test_outermost_missing_is_what_making_a_path_makes(tmp_path):
     assert outermost_missing(tmp_path / "a") == tmp_path / "a"
 
 
-def test_a_refusal_takes_back_the_folders_its_checks_made(tmp_path):
+@pytest.mark.parametrize("stop", [UserError("refused after the checks"), KeyboardInterrupt()], ids=["refusal", "ctrl-c"])
+def test_a_refusal_or_a_ctrl_c_takes_back_the_folders_its_checks_made(tmp_path, stop):
     storage = tmp_path / "results" / "nested"
-    with pytest.raises(UserError), taken_back_if_refused(str(storage)):
+    with pytest.raises(type(stop)), taken_back_if_refused(str(storage)):
         check_folder(storage, "storage_path", "")
-        raise UserError("refused after the checks")
+        raise stop
     assert list(tmp_path.iterdir()) == []
 
     # A folder something was written to stays; one that was there before stays; no refusal, no change.
