@@ -190,8 +190,9 @@ def config_text(config: Mapping[str, Any], keys: Sequence[str]) -> str:
 
 
 def plan_text(report: TrialReport) -> str:
-    """``64 x 1`` (micro-batch x accumulation), ``x 2 ranks`` for a data-parallel trial."""
-    if report.micro_batch is None:
+    """``64 x 1`` (micro-batch x accumulation), ``x 2 ranks`` for a data-parallel trial; ``-`` for
+    a refused trial, whose report carries the micro-batch it tried (1), not a plan it trained with."""
+    if report.micro_batch is None or report.refused:
         return "-"
     return _plan(report.micro_batch, report.accum_steps, report.ranks)
 
@@ -208,18 +209,23 @@ class Seen:
     """What the view already told of one trial."""
 
     planned: bool = False
+    refused: bool = False
     oom_events: int = 0
     host_memory_events: int = 0
     moves: int = 0
     plan_checks: int = 0
+
+    def first_refusal(self) -> bool:
+        """Whether a refusal is news: a refused trial's last report and its end both carry it."""
+        told, self.refused, self.planned = self.refused, True, True
+        return not told
 
 
 def report_events(trial: str, report: TrialReport, seen: Seen) -> list[Event]:
     """The events a trial's report adds to what was already told (``seen``, updated)."""
     events: list[Event] = []
     if report.refused:
-        seen.planned = True
-        return [Refused(trial, report.refusal or "nothing fits")]
+        return [Refused(trial, report.refusal or "nothing fits")] if seen.first_refusal() else []
     plan = plan_text(report)
     new_events = report.oom_events[seen.oom_events:]
     for i, event in enumerate(new_events, 1):
@@ -356,7 +362,10 @@ class LiveView(tune.Callback):
             self._say(event)
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
-        self._say(finished_event(trial.trial_id, TrialReport.from_result(trial.last_result), self.metric, self.stop_epochs))
+        event = finished_event(trial.trial_id, TrialReport.from_result(trial.last_result), self.metric, self.stop_epochs)
+        if isinstance(event, Refused) and not self._seen.setdefault(trial.trial_id, Seen()).first_refusal():
+            return  # its last report said it already
+        self._say(event)
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
         self._say(self._failure(trial))
@@ -393,8 +402,12 @@ class LiveView(tune.Callback):
         return Failed(trial.trial_id, reason or "unknown error", log, retrying)
 
     def _say(self, event: Event) -> None:
+        """The event's line in one write, its newline included: Ctrl-C's notice (:class:`StopNotice`)
+        is written from a signal handler, which runs between two writes (``print`` makes two, each
+        its own system call where standard output is unbuffered), and would end up after the text."""
         self._clear()
-        print(format_event(event), flush=True)
+        sys.stdout.write(format_event(event) + "\n")
+        sys.stdout.flush()
 
     def _draw(self, trials) -> None:
         statuses = [t.status for t in trials]
@@ -552,8 +565,21 @@ class StopNotice(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if not record.getMessage().startswith("Stop signal received"):
             return True
+        _clear_the_terminal_line()
         os.write(sys.stderr.fileno(), self.LINE.encode())
         return False
+
+
+def _clear_the_terminal_line() -> None:
+    """On a terminal, the line the cursor is on cleared, straight through the file descriptor (in a
+    signal handler, the stream may be mid-write): :class:`LiveView`'s progress line stays open, with
+    no newline, and a line written now would follow it. Elsewhere the console ends every line."""
+    if not _on_terminal():
+        return
+    try:
+        os.write(sys.stdout.fileno(), b"\r\x1b[K")
+    except (OSError, ValueError):  # a stream with no descriptor of its own: no progress line was drawn there
+        pass
 
 
 def ray_logging_config(verbose: bool):

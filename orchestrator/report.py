@@ -10,11 +10,13 @@ still running or was interrupted.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import math
 import os
+import sqlite3
 import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +29,7 @@ from orchestrator.contract import MEMORY_LABELS
 from orchestrator.errors import UserError
 from orchestrator.table import format_table
 from orchestrator.tracking.reader import READERS, StoredRun, artifact_text, trial_runs
-from orchestrator.tracking.runs import ROLE_TAG, STEP_METRIC, SWEEP_ID_TAG, sqlite_path
+from orchestrator.tracking.runs import ROLE_TAG, STEP_METRIC, SWEEP_ID_TAG, default_tracking_uri, sqlite_path
 from orchestrator.tracking.store import database_answers, reading
 from orchestrator.trial_report import TrialReport
 from orchestrator.units import binary_unit, human
@@ -132,7 +134,7 @@ OUT_ADVICE = "pass --out with a folder you can write"
 
 
 def report_command(args) -> int:
-    tracking_uri = args.tracking_uri or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    tracking_uri = args.tracking_uri or default_tracking_uri()
     out = Path(args.out)
     # --out is tried before MLflow is read (thousands of trials take seconds), and a folder made
     # for a report that is then refused (no such experiment) goes again.
@@ -183,6 +185,8 @@ def load_sweep(tracking_uri: str, experiment: str | None = None) -> SweepRecord:
         raise UserError(f"no MLflow database at {database}; pass --tracking-uri (the sweep's tracking URI)")
     if database is not None and not database.is_file():  # MLflow would retry opening it for minutes
         raise UserError(f"{database} is not an MLflow database file; pass --tracking-uri (the sweep's tracking URI)")
+    if database is not None and (why_not := _not_an_mlflow_database(database)):
+        raise UserError(f"{database} is not an MLflow database ({why_not}); pass --tracking-uri (the sweep's tracking URI)")
     database_answers(tracking_uri)
     client = _client(tracking_uri)
     experiments = client.search_experiments()
@@ -210,6 +214,27 @@ def load_sweep(tracking_uri: str, experiment: str | None = None) -> SweepRecord:
         metric=parent.data.params.get("metric", "eval_loss"),
         trials=trials,
     )
+
+
+#: A table every MLflow database has (its experiments): a SQLite file without it holds no store.
+MLFLOW_TABLE = "experiments"
+
+
+def _not_an_mlflow_database(database: Path) -> str | None:
+    """Why the SQLite file ``database`` holds no MLflow store, or None where it may hold one.
+
+    MLflow opening an empty file (a ``touch``, a copy cut off at once) or another program's SQLite
+    database makes its tables there, and only then finds no sweep: a report must write nothing, so
+    this looks first, read-only. A file SQLite cannot read at all (not SQLite, damaged, locked) is
+    left to MLflow, whose error :func:`~orchestrator.tracking.store.reading` says in one line."""
+    if database.stat().st_size == 0:
+        return "an empty file"
+    try:
+        with contextlib.closing(sqlite3.connect(f"{database.as_uri()}?mode=ro", uri=True)) as db:
+            tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.DatabaseError:
+        return None
+    return None if MLFLOW_TABLE in tables else "a SQLite database without MLflow's tables"
 
 
 def _sweep_experiments(client) -> str:
@@ -240,7 +265,11 @@ def _trial_record(client, run: StoredRun) -> TrialRecord:
 
 
 def plan_text(trial: TrialRecord) -> str:
-    """``16x4, eval 64, ckpt, bf16``: micro-batch x accumulation, eval batch, checkpointing, precision."""
+    """``16x4, eval 64, ckpt, bf16``: micro-batch x accumulation, eval batch, checkpointing, precision;
+    ``-`` for a refused trial, whose ``plan.*`` params are the micro-batch it tried (1), not a plan
+    it trained with (``run``'s table says the same, ``console.plan_text``)."""
+    if trial.shown_status == "REFUSED":
+        return "-"
     latest = trial.latest()
 
     def value(key: str, number: int | None) -> str | None:

@@ -557,7 +557,7 @@ def _row(result, spec: SweepSpec, record: SweepRecord | None = None) -> TrialRow
         steps=report.step or 0,
         # A diverged trial's value is the worst one, told to the searcher, not one it reached; a
         # trial trained on through a NaN (on_nan: continue) reached NaN, and the table says so.
-        final_metric=value if isinstance(value, (int, float)) and not report.diverged else None,
+        final_metric=value if isinstance(value, (int, float)) and not (report.diverged or report.refused) else None,
         plan=plan_text(report),
         peak_bytes=report.measured_peak,
         memory_source=report.memory_source or "",

@@ -6,8 +6,10 @@ command, piped as a user pipes them into a file, from a folder outside the repos
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
+import logging
 import os
 import pickle
 import re
@@ -29,12 +31,14 @@ from orchestrator.console import (
     Refused,
     Seen,
     Started,
+    StopNotice,
     StorageFault,
     cluster_text,
     config_text,
     finished_event,
     format_event,
     format_progress,
+    plan_text,
     report_events,
     trial_fraction,
     tune_lines_told_here,
@@ -137,6 +141,34 @@ def test_a_refused_trial_says_why_instead_of_a_plan():
     assert finished_event("t", result, "eval_loss", 3) == Refused("t", "micro-batch 1 needs 9.0 GiB")
 
 
+#: A refused trial's last report as a trial makes it: the plan it tried (micro-batch 1 at the
+#: sweep's effective batch) and the worst value of the metric, told to the searcher.
+REFUSED = TrialReport(refusal="micro-batch 1 needs 18.7KiB, budget 1.0KiB", micro_batch=1, accum_steps=64,
+                      effective_batch=64, measurements={"eval_loss": float("nan")}, done=True)
+
+
+def test_a_refused_trial_has_no_plan():
+    """It trained nothing: the micro-batch it tried is no plan (the table's cell is ``-``)."""
+    assert plan_text(REFUSED) == "-"
+    assert plan_text(PLANNED) == "64 x 2"
+
+
+def test_a_refused_trial_is_told_once_though_its_last_report_and_its_end_both_say_it(monkeypatch):
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", log)
+    view = LiveView(["lr"], "eval_loss", 3, None)
+    trial = SimpleNamespace(trial_id="t", config={"lr": 0.1}, last_result=REFUSED.to_metrics())
+    view.on_trial_start(0, [trial], trial)
+    view.on_trial_result(0, [trial], trial, REFUSED.to_metrics())
+    view.on_trial_complete(0, [trial], trial)
+    assert log.getvalue() == "t started: lr=0.1\nt refused: micro-batch 1 needs 18.7KiB, budget 1.0KiB\n"
+    # One that never reported (a report Tune did not pass on) is told at its end.
+    log.seek(0), log.truncate()
+    other = SimpleNamespace(trial_id="u", config={"lr": 0.1}, last_result=REFUSED.to_metrics())
+    view.on_trial_complete(0, [other], other)
+    assert log.getvalue() == "u refused: micro-batch 1 needs 18.7KiB, budget 1.0KiB\n"
+
+
 def test_a_finished_trial_says_what_it_trained_its_metric_and_peak():
     result = TrialReport(epoch=3, measurements={"eval_loss": 0.46091}, peak_allocated_bytes=36 * 1024,
                          memory_source="cpu_tensor_tracker")
@@ -221,6 +253,69 @@ def test_on_a_terminal_the_progress_line_is_redrawn_in_place_and_cleared_for_eac
     assert screen.getvalue().endswith("\r\x1b[Kt started: lr=0.1\n")  # the progress line made way
     view.on_experiment_end(_trials())
     assert screen.getvalue().endswith("\n")
+
+
+class Writes(io.StringIO):
+    """A stream that keeps each write: a signal handler runs between two of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return super().write(text)
+
+
+def test_each_event_line_is_written_whole_so_a_signal_cannot_split_it(monkeypatch):
+    """The stop notice is written from Ctrl-C's handler, which runs between two writes of the
+    console's: a line written as its text and then its newline (``print``, unbuffered or on a
+    pipe that is full) would have the notice glued to its end."""
+    out = Writes()
+    monkeypatch.setattr(sys, "stdout", out)
+    view = LiveView(["lr"], "eval_loss", 3, None)
+    view.on_trial_start(0, _trials(), SimpleNamespace(trial_id="t", config={"lr": 0.1}))
+    view.on_trial_result(0, _trials(), SimpleNamespace(trial_id="t"), PLANNED.to_metrics())
+    assert out.writes == ["t started: lr=0.1\n",
+                          "t plan: micro-batch x accumulation 64 x 2, estimated peak 5.0 MiB in train (trace)\n"]
+
+
+def test_ctrl_c_on_a_terminal_says_its_line_on_a_line_of_its_own_not_after_the_progress_line(monkeypatch):
+    """On a terminal the progress line stays open (no newline, redrawn in place): Ctrl-C's
+    notice, written straight to the terminal, first clears it, as each event's line does."""
+    import pty
+
+    control, terminal = pty.openpty()
+    with open(terminal, "w", closefd=True) as screen:
+        monkeypatch.setattr(sys, "stdout", screen)
+        monkeypatch.setattr(sys, "stderr", screen)
+        view = LiveView(["lr"], "eval_loss", 3, None)
+        view.setup(total_num_samples=4)
+        view.on_step_end(0, _trials())
+        record = logging.LogRecord("ray.tune.tune", logging.WARNING, "tune.py", 1,
+                                   "Stop signal received (e.g. via SIGINT/Ctrl+C), ending Ray Tune run.", None, None)
+        assert StopNotice().filter(record) is False  # Tune's own record is not shown
+        view.on_experiment_end(_trials())
+        screen.flush()
+    shown = b""
+    with contextlib.suppress(OSError):  # EIO: all read, the terminal's side closed
+        while chunk := os.read(control, 65536):  # a terminal hands its output over in pieces
+            shown += chunk
+    os.close(control)
+    shown = shown.decode()
+    progress = shown[:shown.index("Stopping")]
+    assert progress.startswith("\r\x1b[K1 done, 1 running, 2 pending") and progress.endswith("\r\x1b[K")
+    assert shown[len(progress):].startswith(StopNotice.LINE.rstrip("\n"))
+
+
+def test_ctrl_c_into_a_file_is_its_line_alone(monkeypatch, tmp_path):
+    """Where standard output is no terminal there is no progress line, and nothing to clear."""
+    with open(tmp_path / "log", "w") as log:
+        monkeypatch.setattr(sys, "stdout", log)
+        monkeypatch.setattr(sys, "stderr", log)
+        record = logging.LogRecord("ray.tune.tune", logging.WARNING, "tune.py", 1, "Stop signal received", None, None)
+        StopNotice().filter(record)
+    assert (tmp_path / "log").read_text() == StopNotice.LINE
 
 
 def test_into_a_file_there_is_no_progress_line(monkeypatch):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sqlite3
 import struct
 import subprocess
 import sys
@@ -23,7 +24,16 @@ from mlflow_server import MlflowServer
 
 from orchestrator.cli import main
 from orchestrator.errors import UserError
-from orchestrator.report import SweepRecord, TrialRecord, config_labels, peak_chart, plot_peaks, short_value
+from orchestrator.report import (
+    SweepRecord,
+    TrialRecord,
+    config_labels,
+    peak_chart,
+    plan_text,
+    plot_peaks,
+    short_value,
+    trial_table,
+)
 from orchestrator.tracking.reader import artifact_text
 from orchestrator.units import KiB, MiB
 from tests.conftest import command_env, installed_command
@@ -252,6 +262,28 @@ def test_a_missing_store_or_a_folder_is_one_line(tmp_path):
     assert done.returncode == 2 and done.stderr.startswith(f"error: {tmp_path / 'mlflow.db'} is not an MLflow database file")
 
 
+@pytest.mark.parametrize("store,what", [
+    ("empty", "an empty file"),
+    ("other program's", "a SQLite database without MLflow's tables"),
+], ids=["empty", "another program's SQLite"])
+def test_a_file_that_holds_no_mlflow_store_is_one_line_and_left_as_it_was(tmp_path, store, what):
+    """MLflow would make its tables in an empty file (a ``touch``, a copy cut off at once) or in
+    another program's SQLite database and then say it holds no sweep: a report writes nothing, so
+    the file is refused as it is, named, and left byte for byte."""
+    database = tmp_path / "mlflow.db"
+    if store == "empty":
+        database.touch()
+    else:
+        with sqlite3.connect(database) as db:
+            db.execute("CREATE TABLE notes (text TEXT)")
+        db.close()
+    before = database.read_bytes()
+    done = report_in(tmp_path)
+    assert done.returncode == 2 and done.stdout == "" and "Traceback" not in done.stderr
+    assert done.stderr == f"error: {database} is not an MLflow database ({what}); pass --tracking-uri (the sweep's tracking URI)\n"
+    assert database.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db"]
+
+
 def test_an_out_folder_that_takes_no_file_is_one_line_before_mlflow_is_read(sweep_store, tmp_path):
     """``--out`` is tried first: a file in its way is one line, exit 2, no traceback, and no
     table printed for a report that is not written; a folder made for an experiment that is not
@@ -320,6 +352,16 @@ def record(index: int, config: dict[str, str], predicted: float | None, measured
 
 def sweep_of(trials: list[TrialRecord]) -> SweepRecord:
     return SweepRecord("demo_cpu", "demo_cpu_2026", "r0", "eval_loss", trials)
+
+
+def test_a_refused_trial_has_no_plan_in_the_table():
+    """It trained nothing: the micro-batch it tried is no plan; its prediction (what micro-batch 1 needs) stays."""
+    refused = dataclasses.replace(record(0, {"lr": "0.1"}, 18 * KiB, None, refused=True),
+                                  params={"plan.micro_batch": "1", "plan.accum_steps": "64", "plan.eval_batch": "1"})
+    planned = dataclasses.replace(refused, tags={}, trial_id="a1b2c_00001")
+    assert plan_text(refused) == "-" and plan_text(planned) == "1x64, eval 1"
+    table = trial_table(sweep_of([refused]))
+    assert table.splitlines()[2].split() == ["a1b2c_00000", "REFUSED", "-", "18.0", "KiB", "-", "-", "0", "-"]
 
 
 def test_hyper_parameters_are_short_in_labels():

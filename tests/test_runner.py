@@ -43,8 +43,11 @@ def test_an_interrupted_trial_is_not_finished_and_fails_the_sweep():
 
 
 def test_refused_and_errored_trials():
-    refused = _row(result({"trial_id": "r", "epoch": 0, "refused": 1, "refusal": "needs 31 GiB", "done": True}), SPEC)
+    # A refused trial reports the worst value (NaN) for the searcher; it trained nothing to show.
+    refused = _row(result({"trial_id": "r", "epoch": 0, "refused": 1, "refusal": "needs 31 GiB", "done": True,
+                           "eval_loss": float("nan")}), SPEC)
     assert refused.status == "REFUSED" and refused.note == "needs 31 GiB" and refused.plan == "-"
+    assert refused.final_metric is None
     errored = _row(result({}, error=RuntimeError("ray::train()\n\x1b[36mTraceback\nValueError: bad width\n")), SPEC)
     assert errored.status == "ERROR" and errored.note == "ValueError: bad width"
     assert "REFUSED: needs 31 GiB" in summary_table([refused], SPEC)
