@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import difflib
 import functools
+import math
 import os
 import re
 import typing
@@ -103,7 +104,6 @@ def _registered_estimator(value: Any) -> None:
 
 PositiveInt = Annotated[int, Field(strict=True, gt=0), _expect("a positive integer")]
 NonNegativeInt = Annotated[int, Field(strict=True, ge=0), _expect("an integer >= 0")]
-Integer = Annotated[int, Field(strict=True), _expect("an integer")]
 PositiveNumber = Annotated[float, Field(strict=True, gt=0), _expect("a positive number")]
 NonNegativeNumber = Annotated[float, Field(strict=True, ge=0), _expect("a number >= 0")]
 Fraction = Annotated[float, Field(strict=True, gt=0, le=1), _expect("a number in (0, 1]")]
@@ -118,6 +118,10 @@ OnNan = _one_of(ON_NAN)
 TimeAttr = _one_of(("epoch", "step"))
 SchedulerType = Annotated[_one_of(SCHEDULERS), BeforeValidator(lambda v: "fifo" if v in (None, "none") else v)]
 LrFraction = Annotated[float, Field(strict=True, ge=0, le=1), _expect("a fraction of lr in [0, 1]")]
+#: Seeds Tune's draw (numpy, whose legacy generator takes 32 bits) and each trial's torch
+#: generators, at ``seed * 1_000_003 + step`` (``trainables.loop.step_seed``): 32 bits keep those
+#: within torch's 64-bit seeds, and a negative one is refused by numpy.
+Seed = Annotated[int, Field(strict=True, ge=0, lt=2**32), _expect(f"an integer from 0 to {2**32 - 1}")]
 
 
 def _bytes(value: Any) -> int | None:
@@ -256,12 +260,20 @@ class Domain:
     args: tuple
 
 
+#: ``randint``'s bounds, ``[low, high)``: Tune draws it with numpy's ``Generator.integers`` as int64.
+INT64_LOW, INT64_HIGH = -(2**63), 2**63
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _domain(value: Any) -> Domain | Any:
-    """A constant, or a one-key mapping naming a Tune search primitive."""
+    """A constant, or a one-key mapping naming a Tune search primitive.
+
+    A distribution's bounds are checked against what Tune's sampling (numpy) takes: one it would
+    refuse (infinite, NaN, past int64) fails only when ``plan`` or the sweep draws the configs, as a
+    traceback, so it is one line here instead."""
     if not isinstance(value, dict):
         return value
     if len(value) != 1 or next(iter(value)) not in SEARCH_KINDS:
@@ -273,16 +285,30 @@ def _domain(value: Any) -> Domain | Any:
         return Domain(kind, (tuple(args),))
     if not (isinstance(args, list) and len(args) == 2 and all(_is_number(a) for a in args)):
         raise _invalid(f"expected [low, high] (two numbers), got {args!r}", kind)
-    low, high = (float(a) for a in args)
+    low, high = args
+    given = f"[{low}, {high}]"
+    # Compared as given: Python compares ints and floats exactly, where float() of a large int overflows.
+    if not all(isinstance(a, int) or math.isfinite(a) for a in args):
+        raise _invalid(f"expected finite bounds, got {given}", kind)
     if not low < high:
-        raise _invalid(f"expected low < high, got [{args[0]}, {args[1]}]", kind)
+        raise _invalid(f"expected low < high, got {given}", kind)
     if kind == "loguniform" and low <= 0:
-        raise _invalid(f"expected a positive low bound, got {args[0]}", kind)
+        raise _invalid(f"expected a positive low bound, got {low}", kind)
     if kind == "randint":
         if not all(isinstance(a, int) for a in args):
             raise _invalid(f"expected two integers [low, high), got {args!r}", kind)
-        return Domain(kind, (int(args[0]), int(args[1])))
-    return Domain(kind, (low, high))
+        if not (INT64_LOW <= low and high <= INT64_HIGH):
+            raise _invalid(
+                f"expected integers from -2**63 to 2**63 (Tune samples randint as numpy's int64), got {given}", kind
+            )
+        return Domain(kind, (low, high))
+    try:  # numpy samples low + (high - low) * u: the span must be a float too
+        span = float(high) - float(low)
+    except OverflowError:
+        span = math.inf
+    if not math.isfinite(span):
+        raise _invalid(f"expected high - low within a float's range (at most 1.8e308), got {given}", kind)
+    return Domain(kind, (float(low), float(high)))
 
 
 def _not_empty(space: dict) -> dict:
@@ -306,12 +332,29 @@ class WorkloadRef:
 
 @dataclass(frozen=True)
 class SchedulerSpec:
+    """Tune's trial scheduler. Every key but ``type`` is ASHA's (``AsyncHyperBandScheduler``): its
+    first rung, how many trials each rung keeps (1 in ``reduction_factor``; Tune asserts it is
+    above 1) and what its rungs count; its last rung is the stop budget in that unit
+    (:meth:`SweepSpec._sections_agree`)."""
+
     __pydantic_config__ = SECTION
 
     type: SchedulerType = "fifo"  # fifo | asha
     grace_period: PositiveInt = 1
-    reduction_factor: PositiveInt = 2
+    reduction_factor: Annotated[int, Field(strict=True, ge=2), _expect("an integer >= 2")] = 2
     time_attr: TimeAttr = "epoch"  # what ASHA's rungs count: "epoch" or "step" (optimizer steps)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _asha_keys_need_asha(cls, data: Any) -> Any:
+        """FIFO reads none of ASHA's keys: one given under it would be silently ignored (a sweep
+        meant to stop early runs every trial to its end), so it is a mistake."""
+        if not isinstance(data, dict) or _nested(SchedulerType, data.get("type"), "type") != "fifo":
+            return data
+        asha_keys = [key for key in data if key != "type" and key in _keys(cls)]
+        if asha_keys:
+            raise _invalid("needs type: asha (FIFO runs every trial to its stop), got type: fifo", asha_keys[0])
+        return data
 
 
 def _scheduler_by_name(value: Any) -> Any:
@@ -521,7 +564,7 @@ class SweepSpec:
     memory: MemoryPolicy = MemoryPolicy()
     storage_path: StoragePath = "./orchestrator_results"
     tracking_uri: Text | None = None
-    seed: Integer = 0
+    seed: Seed = 0
     max_failures: NonNegativeInt = 0
     reuse: Flag = True  # Tune's reuse_actors: a finished trial's worker runs the next (orchestrator.trial.reuse)
     eval_every: EvalCadence = Every("epochs", 1)
@@ -548,6 +591,10 @@ class SweepSpec:
         for grid in self._grid_sizes():
             count *= grid
         return count
+
+    def asha_last_rung(self) -> int | None:
+        """ASHA's last rung (Tune's ``max_t``): the stop budget in the unit its rungs count."""
+        return self.stop.epochs if self.scheduler.time_attr == "epoch" else self.stop.steps
 
     def _grid_sizes(self) -> list[int]:
         return [len(v.args[0]) for v in self.search_space.values() if isinstance(v, Domain) and v.kind == "grid"]
@@ -586,8 +633,14 @@ class SweepSpec:
         share every optimizer step exactly and agree on every milestone without a clock."""
         if self.scheduler.type == "asha":
             unit = self.scheduler.time_attr
-            if (self.stop.epochs if unit == "epoch" else self.stop.steps) is None:
+            last_rung = self.asha_last_rung()
+            if last_rung is None:
                 raise _invalid(f"{unit} needs stop.{unit}s (ASHA's last rung), which is not set", "scheduler", "time_attr")
+            if self.scheduler.grace_period > last_rung:  # Tune asserts grace_period <= max_t
+                raise _invalid(
+                    f"expected at most stop.{unit}s ({last_rung}, ASHA's last rung), got {self.scheduler.grace_period}",
+                    "scheduler", "grace_period",
+                )
         workers = self.resources.workers
         rank_capacities = self.memory.rank_capacities
         if rank_capacities and len(rank_capacities) != workers:
@@ -728,6 +781,22 @@ def read_yaml(text: str | bytes, where: str) -> Any:
         loader.dispose()
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's error as one line's end, ``at line 2, column 5: expected ',' or ']', but got ':'
+    (while parsing a flow sequence at line 1, column 13)``: where it is, not PyYAML's several lines
+    that name the text it read (``"<byte string>"``) and quote it."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        context = f" ({exc.context} at {_line_column(exc.context_mark)})" if exc.context and exc.context_mark else ""
+        return f"at {_line_column(exc.problem_mark)}: {exc.problem}{context}"
+    if isinstance(exc, yaml.reader.ReaderError):  # a byte that is not UTF-8 text, or a control character
+        return f"at position {exc.position}: unacceptable character #x{exc.character:04x}: {exc.reason}"
+    return f"({' '.join(str(exc).split())})"
+
+
+def _line_column(mark: yaml.Mark) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}"  # PyYAML counts from 0, editors from 1
+
+
 def _check_expansion(root: yaml.Node, where: str) -> None:
     """Refuse ``root`` when its aliases, expanded, would add more than :data:`MAX_ALIAS_NODES`
     nodes or one of them contains itself. Counted without expanding anything: each distinct node's
@@ -783,7 +852,7 @@ def load_spec(path: str, overrides: list[str] | tuple[str, ...] = ()) -> SweepSp
     try:
         raw = read_yaml(text, path)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({exc})".replace("\n", " ")) from None
+        raise ConfigError(f"{path}: not valid YAML {_yaml_problem(exc)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of config keys at the top level")
     for override in overrides:
@@ -809,6 +878,8 @@ def apply_override(raw: dict, override: str) -> None:
     if not sep or not key_path.strip():
         raise ConfigError(f"--set {override}: expected KEY.PATH=VALUE")
     keys = key_path.strip().split(".")
+    if not all(keys):  # ".stop", "stop..epochs": an empty key would be one no section has, named as nothing
+        raise ConfigError(f"--set {override}: expected KEY.PATH=VALUE with no empty key part")
     node = raw
     for i, key in enumerate(keys[:-1]):
         path = ".".join(keys[: i + 1])
@@ -823,8 +894,8 @@ def apply_override(raw: dict, override: str) -> None:
         node = child
     try:
         node[keys[-1]] = read_yaml(text, f"--set {key_path.strip()}")
-    except yaml.YAMLError:
-        raise ConfigError(f"--set {override}: value is not valid YAML") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {override}: value is not valid YAML {_yaml_problem(exc)}") from None
 
 
 def parse_spec(raw: dict) -> SweepSpec:

@@ -464,9 +464,8 @@ def _tune_config(spec: SweepSpec):
     from orchestrator.space import search_algorithm
 
     if spec.scheduler.type == "asha":
-        unit = spec.scheduler.time_attr
         inner = ASHAScheduler(
-            time_attr=unit, max_t=spec.stop.epochs if unit == "epoch" else spec.stop.steps,
+            time_attr=spec.scheduler.time_attr, max_t=spec.asha_last_rung(),
             grace_period=spec.scheduler.grace_period, reduction_factor=spec.scheduler.reduction_factor,
         )
     else:

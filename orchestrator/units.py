@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from orchestrator.errors import UserError
@@ -14,6 +15,9 @@ _UNITS = {
 }
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
+#: The largest size a byte count can be: torch, NVML and Ray count bytes in 64-bit integers.
+MAX_BYTES = 2**63 - 1
+
 GiB = 2**30
 MiB = 2**20
 KiB = 2**10
@@ -22,20 +26,33 @@ BINARY_UNITS = (("GiB", GiB), ("MiB", MiB), ("KiB", KiB), ("B", 1))
 
 
 def parse_bytes(value: int | float | str) -> int:
-    """``"24GiB"`` -> 25769803776. Plain numbers are bytes. Raises ValueError on anything else."""
+    """``"24GiB"`` -> 25769803776. Raises ValueError, in the words a user reads, on anything else.
+
+    One rule for every size (a config key, a flag, a node's label): a number with a unit, rounded
+    down to whole bytes, or a number without one (or in ``B``), which is bytes and so must be whole:
+    ``1.5`` is refused rather than read as 1 byte, as whoever wrote it most likely meant a unit.
+    A size must be positive and at most :data:`MAX_BYTES`: byte counts are 64-bit integers in
+    torch, NVML and Ray, and anything larger (``1e400GiB`` is infinite) is a typo, not a memory.
+    """
     if isinstance(value, bool):
         raise ValueError(f"expected a size such as 24GiB or 512MB, got {value!r}")
     if isinstance(value, (int, float)):
-        number, unit = float(value), ""
+        number, unit = value, ""
     else:
         match = _SIZE.match(str(value))
         if not match or match.group(2).lower() not in _UNITS:
             raise ValueError(f"expected a size such as 24GiB or 512MB, got {value!r}")
         number, unit = float(match.group(1)), match.group(2).lower()
-    size = int(number * _UNITS[unit])
+    size = number * _UNITS[unit]  # exact for an int; a float past its range is inf
+    if isinstance(size, float) and math.isnan(size):
+        raise ValueError(f"expected a size such as 24GiB or 512MB, got {value!r}")
     if size <= 0:
         raise ValueError(f"expected a positive size, got {value!r}")
-    return size
+    if size > MAX_BYTES:
+        raise ValueError(f"expected a size of at most 2**63 - 1 bytes (8 EiB), got {value!r}")
+    if _UNITS[unit] == 1 and size != int(size):
+        raise ValueError(f"expected a whole number of bytes, or a larger unit such as {number:g}GiB, got {value!r}")
+    return int(size)
 
 
 def size_flag(flag: str, text: str | None) -> int | None:

@@ -199,6 +199,57 @@ BAD = [
     ("plan verification on or off", ["memory.verify=sometimes"], "memory.verify: expected true or false, got 'sometimes'"),
     ("an estimator nobody registered", ["memory.estimator=flat"],
      "memory.estimator: expected one of static, trace, measured, none, got 'flat'"),
+    ("a negative seed", ["seed=-1"], "seed: expected an integer from 0 to 4294967295, got -1"),
+    ("a seed past 32 bits", ["seed=4294967296"], "seed: expected an integer from 0 to 4294967295, got 4294967296"),
+    ("an infinite upper bound", ["search_space.lr={uniform: [0, .inf]}"],
+     "search_space.lr.uniform: expected finite bounds, got [0, inf]"),
+    ("an infinite lower bound", ["search_space.lr={uniform: [-.inf, 0]}"],
+     "search_space.lr.uniform: expected finite bounds, got [-inf, 0]"),
+    ("an infinite log bound", ["search_space.lr={loguniform: [1e-4, .inf]}"],
+     "search_space.lr.loguniform: expected finite bounds, got [0.0001, inf]"),
+    ("a bound past a float", ["search_space.lr={loguniform: [1e-4, 1e400]}"],
+     "search_space.lr.loguniform: expected finite bounds, got [0.0001, inf]"),
+    ("a bound that is not a number", ["search_space.lr={uniform: [.nan, 1]}"],
+     "search_space.lr.uniform: expected finite bounds, got [nan, 1]"),
+    ("an infinite integer bound", ["search_space.width={randint: [1, .inf]}"],
+     "search_space.width.randint: expected finite bounds, got [1, inf]"),
+    ("bounds further apart than a float", ["search_space.lr={uniform: [-1e308, 1e308]}"],
+     "search_space.lr.uniform: expected high - low within a float's range (at most 1.8e308), got [-1e+308, 1e+308]"),
+    ("an integer bound past a float", [f"search_space.lr={{uniform: [0, {10**400}]}}"],
+     "search_space.lr.uniform: expected high - low within a float's range (at most 1.8e308), got [0, 1000"),
+    ("an integer bound past int64", ["search_space.width={randint: [1, 99999999999999999999999]}"],
+     "search_space.width.randint: expected integers from -2**63 to 2**63 (Tune samples randint as numpy's int64), "
+     "got [1, 99999999999999999999999]"),
+    ("a negative integer bound past int64", [f"search_space.width={{randint: [{-2**63 - 1}, 0]}}"],
+     "search_space.width.randint: expected integers from -2**63 to 2**63 (Tune samples randint as numpy's int64), "
+     "got [-9223372036854775809, 0]"),
+    ("an infinite budget", ["memory.budget=1e400GiB"],
+     "memory.budget: expected a size of at most 2**63 - 1 bytes (8 EiB), got '1e400GiB'"),
+    ("a budget past 64 bits", [f"memory.budget={2**63}"],
+     "memory.budget: expected a size of at most 2**63 - 1 bytes (8 EiB), got 9223372036854775808"),
+    ("a fraction of a byte", ["memory.budget=1.5"],
+     "memory.budget: expected a whole number of bytes, or a larger unit such as 1.5GiB, got 1.5"),
+    ("an infinite capacity", ["memory={device: emulated, capacity: .inf}"],
+     "memory.capacity: expected a size of at most 2**63 - 1 bytes (8 EiB), got inf"),
+    ("ASHA that stops no trial", ["scheduler={type: asha, reduction_factor: 1}"],
+     "scheduler.reduction_factor: expected an integer >= 2, got 1"),
+    ("ASHA's first rung past its last", ["scheduler={type: asha, grace_period: 5}", "stop.epochs=1"],
+     "scheduler.grace_period: expected at most stop.epochs (1, ASHA's last rung), got 5"),
+    ("ASHA's first rung past its last in steps", ["scheduler={type: asha, time_attr: step, grace_period: 100}",
+                                                  "stop={steps: 50}"],
+     "scheduler.grace_period: expected at most stop.steps (50, ASHA's last rung), got 100"),
+    ("a grace period FIFO ignores", ["scheduler={type: fifo, grace_period: 2}"],
+     "scheduler.grace_period: needs type: asha (FIFO runs every trial to its stop), got type: fifo"),
+    ("a reduction factor FIFO ignores", ["scheduler=fifo", "scheduler.reduction_factor=3"],
+     "scheduler.reduction_factor: needs type: asha (FIFO runs every trial to its stop), got type: fifo"),
+    ("ASHA's time attribute without ASHA", ["scheduler={time_attr: step}"],
+     "scheduler.time_attr: needs type: asha (FIFO runs every trial to its stop), got type: fifo"),
+    ("an empty key part", [".stop=3"], "--set .stop=3: expected KEY.PATH=VALUE with no empty key part"),
+    ("an empty key part inside", ["stop..epochs=3"], "--set stop..epochs=3: expected KEY.PATH=VALUE with no empty key part"),
+    ("an empty last key part", ["stop.=3"], "--set stop.=3: expected KEY.PATH=VALUE with no empty key part"),
+    ("a value that is not YAML", ["stop={epochs: 1"],
+     "--set stop={epochs: 1: value is not valid YAML at line 1, column 11: expected ',' or '}', but got '<stream end>' "
+     "(while parsing a flow mapping at line 1, column 1)"),
 ]
 
 
@@ -315,7 +366,16 @@ def test_a_file_past_1_mib_is_refused_before_it_is_read(tmp_path):
      f"error: sweep.yaml: {len(VALID) + 54 * 2**20 + 3:,} bytes, more than the 1,048,576"),
     ("plan", GRID_OF_A_MILLION, [], "error: search_space: makes 1,000,000 trials"),
     ("run", GRID_OF_A_MILLION, ["--set", "num_samples=3"], "error: search_space: makes 3,000,000 trials"),
-], ids=["non-ASCII experiment", "long --name", "long experiment", "non-ASCII --name", "billion laughs", "54 MB file", "grid of a million", "run's grid"])
+    ("run", VALID, ["--set", "seed=-1"], "error: seed: expected an integer from 0 to 4294967295, got -1"),
+    ("plan", VALID, ["--device-memory", "1e400GiB"],
+     "error: --device-memory: expected a size of at most 2**63 - 1 bytes (8 EiB), got '1e400GiB'"),
+    ("run", VALID, ["--host-memory", "1e400GiB"],
+     "error: --host-memory: expected a size of at most 2**63 - 1 bytes (8 EiB), got '1e400GiB'"),
+    ("plan", "experiment: [unclosed\n", [],
+     "error: sweep.yaml: not valid YAML at line 2, column 1: expected ',' or ']', but got '<stream end>'"),
+], ids=["non-ASCII experiment", "long --name", "long experiment", "non-ASCII --name", "billion laughs", "54 MB file",
+        "grid of a million", "run's grid", "negative seed", "infinite --device-memory", "infinite --host-memory",
+        "broken YAML"])
 def test_the_installed_command_refuses_hostile_input_in_one_line(tmp_path, verb, text, flags, message):
     """The user's path: ``.venv/bin/orchestrator`` from a folder outside the repository, each in
     one line and exit 2, before Ray starts (nothing is made where results or records would go)."""
@@ -366,6 +426,41 @@ def test_a_metric_the_workload_declares_and_a_schedule_it_does_not_build_itself(
     assert spec.metric == "eval_accuracy"
     with pytest.raises(ConfigError, match="^schedule: workload accuracy_models:Scored builds its own scheduler"):
         load_spec(write(tmp_path, VALID), ["workload.name=accuracy_models:Scored", "schedule={decay: linear}"])
+
+
+def test_the_widest_settings_the_bounds_allow_are_taken(tmp_path):
+    """Each bound above refuses only what is past it: its edge is a valid sweep."""
+    spec = load_spec(write(tmp_path, VALID), [
+        "seed=4294967295", f"search_space.width={{randint: [{-2**63}, {2**63}]}}",
+        "search_space.lr={uniform: [-8e307, 8e307]}", f"memory.budget={2**63 - 1}", "memory.capacity=1.5KB",
+        "scheduler={type: asha, grace_period: 2, reduction_factor: 2}",
+    ])
+    assert spec.seed == 2**32 - 1 and spec.search_space["width"] == Domain("randint", (-2**63, 2**63))
+    assert spec.memory.budget == 2**63 - 1 and spec.memory.capacity == 1500
+    assert spec.scheduler.grace_period == spec.stop.epochs == 2
+    assert load_spec(write(tmp_path, VALID), ["scheduler=none"]).scheduler.type == "fifo"
+
+
+@pytest.mark.parametrize("text,message", [
+    ("experiment: [unclosed\nstop: {epochs: 1}\n",
+     "not valid YAML at line 2, column 5: expected ',' or ']', but got ':' "
+     "(while parsing a flow sequence at line 1, column 13)"),
+    ("experiment: t\n  stop: 1\n", "not valid YAML at line 2, column 7: mapping values are not allowed here"),
+    ("experiment: t\x07\n", "not valid YAML at position 13: unacceptable character #x0007: special characters are not allowed"),
+], ids=["unclosed list", "bad indentation", "control character"])
+def test_broken_yaml_names_the_file_and_where_in_it(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_spec(path)
+    assert str(err.value) == f"{path}: {message}"
+
+
+def test_a_file_that_is_not_utf_8_names_the_file(tmp_path):
+    path = tmp_path / "sweep.yaml"
+    path.write_bytes(b"experiment: \xff\n")
+    with pytest.raises(ConfigError) as err:
+        load_spec(str(path))
+    assert str(err.value) == f"{path}: not valid YAML at position 12: unacceptable character #x00ff: invalid start byte"
 
 
 def test_missing_file_and_broken_yaml(tmp_path):

@@ -59,6 +59,16 @@ def test_the_seed_decides_the_draw(sweep_file):
     assert [c["lr"] for c in first] != [c["lr"] for c in other]
 
 
+def test_the_widest_space_the_config_accepts_is_drawn(sweep_file):
+    """The config's bounds are Tune's: a seed of 32 bits, randint over all of int64, uniform over
+    all a float's span are drawn, by the search and by ``plan``'s listing alike."""
+    spec = load_spec(str(sweep_file), ["seed=4294967295", f"search_space.seed={{randint: [{-2**63}, {2**63}]}}",
+                                       "search_space.lr={uniform: [-8e307, 8e307]}"])
+    configs = trial_configs(spec)
+    assert tune_draws(spec) == configs and len(configs) == 4
+    assert all(-2**63 <= c["seed"] < 2**63 and -8e307 <= c["lr"] <= 8e307 for c in configs)
+
+
 @pytest.mark.parametrize("overrides", [
     [], ["num_samples=3"], ["search_space.depth={grid: [1, 2, 3]}"], ["search_space.depth={choice: [1, 2, 3]}"],
     ["search_space={workload: {grid: [mlp, cnn]}, lr: {grid: [0.1, 0.01]}}", "num_samples=2"],

@@ -2,13 +2,47 @@
 
 import pytest
 
-from orchestrator.units import GiB, KiB, MiB, binary_unit, human, parse_bytes
+from orchestrator.errors import UserError
+from orchestrator.units import MAX_BYTES, GiB, KiB, MiB, binary_unit, human, parse_bytes, size_flag
 
 
 def test_sizes_parse_in_decimal_and_binary_units():
     assert parse_bytes("24GiB") == 24 * GiB and parse_bytes("512MB") == 512 * 10**6 and parse_bytes(2048) == 2048
     with pytest.raises(ValueError, match="expected a size such as 24GiB"):
         parse_bytes("24 parsecs")
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("1e400GiB", "expected a size of at most 2**63 - 1 bytes (8 EiB), got '1e400GiB'"),
+    (float("inf"), "expected a size of at most 2**63 - 1 bytes (8 EiB), got inf"),
+    (10**400, "expected a size of at most 2**63 - 1 bytes (8 EiB), got 1000"),
+    (MAX_BYTES + 1, "expected a size of at most 2**63 - 1 bytes (8 EiB), got 9223372036854775808"),
+    (float("nan"), "expected a size such as 24GiB or 512MB, got nan"),
+    (1.5, "expected a whole number of bytes, or a larger unit such as 1.5GiB, got 1.5"),
+    ("2.5B", "expected a whole number of bytes, or a larger unit such as 2.5GiB, got '2.5B'"),
+    ("0.4", "expected a whole number of bytes, or a larger unit such as 0.4GiB, got '0.4'"),
+    (0, "expected a positive size, got 0"),
+    ("0KiB", "expected a positive size, got '0KiB'"),
+    (True, "expected a size such as 24GiB or 512MB, got True"),
+])
+def test_a_size_is_positive_finite_and_whole_in_bytes(value, message):
+    """A bare number is bytes, so it must be whole (``1.5`` is not read as 1 byte); a size past
+    what 64-bit byte counts hold (``1e400GiB`` is infinite) is refused, not an OverflowError."""
+    with pytest.raises(ValueError) as err:
+        parse_bytes(value)
+    assert str(err.value).startswith(message)
+
+
+def test_units_round_down_to_whole_bytes_up_to_the_largest_size():
+    assert parse_bytes("1.5KB") == 1500 and parse_bytes("1.001KiB") == 1025 and parse_bytes(2048.0) == 2048
+    assert parse_bytes(MAX_BYTES) == MAX_BYTES and parse_bytes("8388607TiB") == 8388607 * 2**40
+
+
+def test_a_flag_s_size_error_names_the_flag():
+    assert size_flag("--host-memory", None) is None and size_flag("--host-memory", "64GiB") == 64 * GiB
+    with pytest.raises(UserError) as err:
+        size_flag("--device-memory", "1e400GiB")
+    assert str(err.value) == "--device-memory: expected a size of at most 2**63 - 1 bytes (8 EiB), got '1e400GiB'"
 
 
 @pytest.mark.parametrize(("n_bytes", "unit"), [
