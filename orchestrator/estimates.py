@@ -130,7 +130,7 @@ def _estimate_one(job) -> tuple[dict[Settings, MemoryProfile], str | None, float
 
     from orchestrator.memory.failure import summary
     from orchestrator.planner import make_plan
-    from trainables.workload import build_workload
+    from trainables.workload import build_workload, install_advice
 
     config, policy, target, budget, effective_batch = job
     started = time.perf_counter()
@@ -138,7 +138,7 @@ def _estimate_one(job) -> tuple[dict[Settings, MemoryProfile], str | None, float
         cache = ProfileCache(build_workload(config), policy, target)
         make_plan(cache.workload, policy, effective_batch, budget, target=target, profiles=cache)
     except Exception as exc:  # noqa: BLE001 - a user's model failing: reported (op and line), the sweep decides
-        return {}, summary(exc), time.perf_counter() - started
+        return {}, summary(exc) + install_advice(exc), time.perf_counter() - started
     return cache.shareable(), None, time.perf_counter() - started
 
 

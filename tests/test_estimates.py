@@ -126,3 +126,11 @@ def test_a_model_that_cannot_be_estimated_is_an_error_of_its_signature(tmp_path)
     estimates = estimate_trials([config], sweep.memory, "cpu", None, 64)
     (error,) = estimates.errors.values()
     assert error.startswith("ValueError: mat1 and mat2 shapes cannot be multiplied")
+
+
+def test_a_model_that_needs_a_missing_library_says_how_to_install_it():
+    """`plan` shows this line; `run`'s pre-flight refuses the same model with the same advice."""
+    estimates = estimate_trials([{"workload": "tests.workloads:NeedsALibraryWorkload", "width": 16}], spec().memory, "cpu", None, 64)
+    (error,) = estimates.errors.values()
+    assert error.startswith("ModuleNotFoundError: No module named 'transformers_of_nowhere'")
+    assert error.endswith("; install it in this environment: pip install transformers_of_nowhere")

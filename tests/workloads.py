@@ -59,6 +59,16 @@ class DiesOnOomWorkload(CNNWorkload):
 
 
 @dataclasses.dataclass
+class NeedsALibraryWorkload(MLPWorkload):
+    """A model built with a library this environment lacks."""
+
+    def build_model(self):
+        from transformers_of_nowhere import AutoModel  # noqa: F401 - never installed
+
+        return super().build_model()
+
+
+@dataclasses.dataclass
 class BuggyWorkload(MLPWorkload):
     """A model with a bug that no retry fixes; every attempt to train it leaves a line in
     ``attempts_file`` (counted where a trial builds its optimizer: the pre-flight and the
