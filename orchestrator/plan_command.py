@@ -53,6 +53,7 @@ def plan_command(args) -> int:
     if policy.estimator == NO_ESTIMATE:
         raise UserError(f"memory.estimator is 'none': there is nothing to plan; pass --estimator {'|'.join(estimator_names())}")
     planned = planning_target(spec, args.device_memory)
+    host_memory = size_flag("--host-memory", getattr(args, "host_memory", None))  # a typo, before minutes of tracing
     target, budget = planned.kind, planned.budget
     configs = trial_configs(spec)
     # Data for one step and an eval set, as `run` checks: one line, not an estimator's crash. A model
@@ -71,7 +72,7 @@ def plan_command(args) -> int:
     rank_batch = spec.effective_batch_size // spec.resources.workers
     estimates = estimate_trials(configs, policy, target, budget, rank_batch, on_done=progress)
     results, caches = [], {}
-    host = _HostMemory(spec, planned, size_flag("--host-memory", getattr(args, "host_memory", None)), len(configs))
+    host = _HostMemory(spec, planned, host_memory, len(configs))
     for index, config in enumerate(configs):
         signature = memory_signature(config, policy, target)
         if signature in estimates.errors:  # e.g. a model whose library is not installed here: show it, go on

@@ -106,6 +106,11 @@ def test_user_mistakes_exit_2_with_one_line(sweep, capsys):
         plan_command(args(sweep(), device_memory="24XB"))
     assert main(["plan", sweep(), "--device-memory", "lots"]) == 2
     assert capsys.readouterr().err.strip().startswith("error: --device-memory")
+    # Before any estimate: a typo is not worth minutes of tracing first.
+    assert main(["plan", sweep(), "--host-memory", "1e400GiB"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --host-memory: expected a size of at most 2**63 - 1 bytes (8 EiB), got '1e400GiB'"
+    ]
 
 
 def test_a_random_search_of_hundreds_of_trials_is_a_row_group_per_memory_configuration(sweep, capsys):
