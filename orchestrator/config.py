@@ -232,6 +232,11 @@ def storage_folder(value: Any, path: str) -> str:
     return _validated(StoragePath, value, path)
 
 
+def tracking_store(value: Any, path: str) -> str:
+    """``value`` as a tracking URI, or a :class:`ConfigError` naming ``path`` (``--tracking-uri``)."""
+    return _validated(Text, value, path)
+
+
 #: Metadata of a field that no YAML key sets: it is derived from other keys or from the file.
 DERIVED = {"derived": True}
 
@@ -745,8 +750,24 @@ class SweepLoader(yaml.SafeLoader):
     """PyYAML reads YAML 1.1, where ``1e-3`` is a string; sweeps write learning rates that way.
 
     YAML 1.2 (and every user) reads it as a number, so exponent floats without a dot are
-    resolved as floats here too.
+    resolved as floats here too. And YAML 1.2 forbids a key twice in one mapping, where PyYAML
+    keeps the last without a word: a sweep that says ``lr`` twice is refused, naming both lines.
     """
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first: dict[Any, yaml.Node] = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # a merge (<<: *base) may be overridden by the keys beside it, as YAML means
+                key = self.construct_object(key_node)
+                if key in first:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (first at {_line_column(first[key].start_mark)})",
+                        key_node.start_mark,
+                    )
+                first[key] = key_node
+        return super().construct_mapping(node, deep=deep)
 
 
 SweepLoader.add_implicit_resolver(

@@ -447,12 +447,20 @@ def test_the_widest_settings_the_bounds_allow_are_taken(tmp_path):
      "(while parsing a flow sequence at line 1, column 13)"),
     ("experiment: t\n  stop: 1\n", "not valid YAML at line 2, column 7: mapping values are not allowed here"),
     ("experiment: t\x07\n", "not valid YAML at position 13: unacceptable character #x0007: special characters are not allowed"),
-], ids=["unclosed list", "bad indentation", "control character"])
+    # PyYAML would keep the second without a word; YAML 1.2 forbids it.
+    ("search_space:\n  lr: {grid: [0.1]}\n  lr: {grid: [0.2]}\n",
+     "not valid YAML at line 3, column 3: duplicate key 'lr' (first at line 2, column 3)"),
+], ids=["unclosed list", "bad indentation", "control character", "a key twice"])
 def test_broken_yaml_names_the_file_and_where_in_it(tmp_path, text, message):
     path = write(tmp_path, text)
     with pytest.raises(ConfigError) as err:
         load_spec(path)
     assert str(err.value) == f"{path}: {message}"
+
+
+def test_a_merged_mapping_may_be_overridden_by_the_keys_beside_it():
+    """``<<: *base`` then a key of base's: YAML's merge, not a key twice."""
+    assert read_yaml("base: &b {epochs: 1, steps: 5}\nstop: {<<: *b, epochs: 2}\n", "t")["stop"] == {"epochs": 2, "steps": 5}
 
 
 def test_a_file_that_is_not_utf_8_names_the_file(tmp_path):

@@ -99,6 +99,19 @@ def test_a_sweep_run_refuses_is_refused_in_the_same_line_by_every_launcher(sweep
     assert not (tmp_path / "orchestrator_results").exists()
 
 
+@pytest.mark.parametrize("flags, message, only", [
+    (["--tracking-uri", ""], "error: --tracking-uri: expected a non-empty string, got ''\n",
+     ("run", "run --address", "submit")),
+    (["--allow-config-change"], "error: --allow-config-change: only with --resume (a new sweep has no config to "
+     "differ from)\n", ("run", "run --address")),
+], ids=["empty tracking uri", "allow a change to nothing"])
+def test_a_flag_that_would_be_quietly_ignored_is_refused_by_every_launcher(sweep_file, tmp_path, capsys, flags,
+                                                                            message, only):
+    said = refusals(capsys, sweep_file, *flags, only=only)
+    assert set(said.values()) == {message}, said
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.yaml"]
+
+
 def test_a_sweep_name_that_is_a_path_is_refused_before_a_job_is_sent(sweep_file, capsys):
     said = refusals(capsys, sweep_file, "--name", "../elsewhere", only=("run", "run --address"))  # submit names its own
     assert said["run"] == said["run --address"]

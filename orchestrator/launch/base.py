@@ -13,7 +13,7 @@ import sys
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
-from orchestrator.config import SweepSpec, folder_name, load_spec, storage_folder
+from orchestrator.config import SweepSpec, folder_name, load_spec, storage_folder, tracking_store
 from orchestrator.errors import UserError
 from orchestrator.preflight import check_workloads
 from orchestrator.run_request import RunRequest
@@ -64,6 +64,10 @@ def launch(launcher: Launcher, request: RunRequest) -> int:
         folder_name(request.name, "--name")
     if request.storage_path is not None:
         storage_folder(request.storage_path, "--storage-path")
+    if request.tracking_uri is not None:  # an empty one would quietly be the default store
+        tracking_store(request.tracking_uri, "--tracking-uri")
+    if request.allow_config_change and not request.resume:
+        raise UserError("--allow-config-change: only with --resume (a new sweep has no config to differ from)")
     launcher.check(request, spec)
     if not launcher.driver_here:
         preflight(spec)
