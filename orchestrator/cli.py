@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="summarise a finished sweep from MLflow: table, plot, Parquet")
     report.add_argument("experiment", nargs="?", help="MLflow experiment name (default: the most recent sweep)")
     report.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///mlflow.db)")
-    report.add_argument("--out", default="report", help="folder for report.png and results.parquet")
+    report.add_argument("--out", default="report", help="folder for report.png and results.parquet (default: report)")
     return parser
 
 

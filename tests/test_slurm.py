@@ -152,6 +152,8 @@ def test_time_limits(text, seconds):
     ([], "--cpus-per-node: needed for a CPU-only job"),
     (["--cpus-per-node", "2", "--nodes", "0"], "--nodes: expected at least 1"),
     (["--cpus-per-node", "2", "--partition", "gpu; rm -rf /"], "--partition: unexpected characters"),
+    (["--cpus-per-node", "2", "--mem", "lots"], "--mem: expected SLURM's memory per node, a whole number with K, M "
+     "(the default), G or T, such as 64G, got 'lots'"),
     (["--gpus-per-node", "0", "--cpus-per-node", "2", "--set", "resources.gpu=1"], "--gpus-per-node: the sweep's trials need GPUs"),
     (["--cpus-per-node", "1", "--set", "resources.cpu=2"], "fewer than one trial needs"),
     (["--gpus-per-node", "1", "--set", "resources.gpu=2"], "--gpus-per-node: 1 is fewer than one trial needs"),

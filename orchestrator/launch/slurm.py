@@ -143,6 +143,10 @@ def plan_job(args, spec: SweepSpec, *, cwd: str | None = None, now: datetime | N
         value = getattr(args, flag)
         if value is not None and not re.fullmatch(r"[\w.,:+-]+", value):
             raise UserError(f"--{flag}: unexpected characters in {value!r}")
+    if args.mem is not None and not re.fullmatch(r"[0-9]+[KMGT]?", args.mem, re.IGNORECASE):
+        # sbatch would refuse it only once the job is submitted, after the checks and the script
+        raise UserError(f"--mem: expected SLURM's memory per node, a whole number with K, M (the default), G or T, "
+                        f"such as 64G, got {args.mem!r}")
 
     storage = _absolute(args.storage_path or spec.storage_path, cwd)
     log_dir = _absolute(args.log_dir, cwd)
