@@ -265,11 +265,8 @@ def _trial_record(client, run: StoredRun) -> TrialRecord:
 
 
 def plan_text(trial: TrialRecord) -> str:
-    """``16x4, eval 64, ckpt, bf16``: micro-batch x accumulation, eval batch, checkpointing, precision;
-    ``-`` for a refused trial, whose ``plan.*`` params are the micro-batch it tried (1), not a plan
-    it trained with (``run``'s table says the same, ``console.plan_text``)."""
-    if trial.shown_status == "REFUSED":
-        return "-"
+    """``16x4, eval 64, ckpt, bf16``: micro-batch x accumulation, eval batch, checkpointing, precision
+    (a refused trial's: the plan its predicted peak, in the next column, is of)."""
     latest = trial.latest()
 
     def value(key: str, number: int | None) -> str | None:

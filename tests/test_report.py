@@ -354,16 +354,6 @@ def sweep_of(trials: list[TrialRecord]) -> SweepRecord:
     return SweepRecord("demo_cpu", "demo_cpu_2026", "r0", "eval_loss", trials)
 
 
-def test_a_refused_trial_has_no_plan_in_the_table():
-    """It trained nothing: the micro-batch it tried is no plan; its prediction (what micro-batch 1 needs) stays."""
-    refused = dataclasses.replace(record(0, {"lr": "0.1"}, 18 * KiB, None, refused=True),
-                                  params={"plan.micro_batch": "1", "plan.accum_steps": "64", "plan.eval_batch": "1"})
-    planned = dataclasses.replace(refused, tags={}, trial_id="a1b2c_00001")
-    assert plan_text(refused) == "-" and plan_text(planned) == "1x64, eval 1"
-    table = trial_table(sweep_of([refused]))
-    assert table.splitlines()[2].split() == ["a1b2c_00000", "REFUSED", "-", "18.0", "KiB", "-", "-", "0", "-"]
-
-
 def test_hyper_parameters_are_short_in_labels():
     assert [short_value(t) for t in ("0.0031622776601683794", "0.003", "0.1", "64", "mlp", "12345.678", "0.0")] == [
         "3.2e-3", "3e-3", "0.1", "64", "mlp", "1.2e4", "0"]
