@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from orchestrator.capacity import (
@@ -47,7 +47,7 @@ from orchestrator.ray_group import ray_in_its_own_group
 from orchestrator.ray_token import secure_token_files
 from orchestrator.run_request import RunRequest
 from orchestrator.stop_signal import sigterm_stops_like_sigint
-from orchestrator.sweep_guard import claim_sweep, recorded_value
+from orchestrator.sweep_guard import claim_sweep, recorded_tracking_store
 from orchestrator.table import format_table
 from orchestrator.tracking.runs import absolute_tracking_uri, default_tracking_uri
 from orchestrator.trial_report import TrialReport
@@ -135,12 +135,16 @@ def report_command(outcome: SweepOutcome, spec: SweepSpec, request: RunRequest) 
     return shell_command("report", spec.experiment, *(["--tracking-uri", outcome.tracking_uri] if named else []))
 
 
-def resolve_tracking_uri(flag: str | None, spec: SweepSpec, restore_from: str | None = None) -> str:
-    """The flag, else the config, else (resuming) the store the sweep recorded, else a SQLite file
-    in the working directory (MLflow's own default). A resume must not name another store by
-    omission: Tune restores the sweep's MLflow callback, whose runs are where it started."""
-    recorded = recorded_value(restore_from, "tracking_uri") if restore_from else None
-    return absolute_tracking_uri(flag or spec.tracking_uri or recorded or default_tracking_uri())
+def resolve_tracking_uri(flag: str | None, spec: SweepSpec, recorded: str | None = None) -> str:
+    """The flag, else (resuming) the store the sweep recorded, else the config's, else a SQLite
+    file in the working directory (MLflow's own default); a relative SQLite path made absolute.
+
+    A resume writes where its sweep did unless the flag names another store (a server that
+    moved, a requeued SLURM job's server on another port): the config's ``tracking_uri``, like
+    Tune's other restored settings, is the stored sweep's (``sweep_guard`` refuses a change), but
+    the working directory a relative one or the default is read against may not be.
+    ``recorded``: the store the resumed sweep recorded (``sweep_guard.recorded_tracking_store``)."""
+    return absolute_tracking_uri(flag or recorded or spec.tracking_uri or default_tracking_uri())
 
 
 def run_sweep(
@@ -180,7 +184,8 @@ def run_sweep(
     try:
         with taken_back_if_refused(storage):
             name, restore_from = _experiment_name(spec, storage, name, resume)
-            tracking_uri = resolve_tracking_uri(tracking_uri, spec, restore_from)
+            recorded_store = recorded_tracking_store(restore_from) if restore_from else None
+            tracking_uri = resolve_tracking_uri(tracking_uri, spec, recorded_store)
             _check_before_ray(spec, storage, tracking_uri, offline_tracking)
             if embedded:  # the trials' spec: data loading cut to what this machine holds (the user's is recorded)
                 trial_spec, host_cuts = _fit_host_memory(spec, node_memory, local=local)
@@ -203,7 +208,7 @@ def run_sweep(
             except (UserError, KeyboardInterrupt):  # refused, or stopped before it started
                 claim.release(refused=True)
                 raise
-        claim.record(replace(spec, tracking_uri=tracking_uri))  # the store a resume finds the runs in
+        claim.record(spec, tracking_uri)
         trainable = _trainable(trial_spec, estimates)
         _tune_settings()
         if restore_from:
@@ -211,6 +216,8 @@ def run_sweep(
             for cut_off in put_back:
                 print(f"{cut_off} was cut off (a full storage?): resuming from its last whole copy")
             tuner = tune.Tuner.restore(restore_from, trainable=trainable, resume_unfinished=True, resume_errored=False)
+            if recorded_store and recorded_store != tracking_uri:
+                print(f"MLflow: this resume writes to {tracking_uri} (--tracking-uri); the sweep so far is in {recorded_store}")
             _track_in(tuner, tracking_uri)
         else:
             tuner = tune.Tuner(

@@ -38,13 +38,15 @@ LOCK_FILE = ".driver.lock"  # held by the driver running the sweep; holds its pi
 CONFIG_FILE = "sweep_config.json"  # the validated config the sweep runs with, key path -> value
 
 #: Keys a resume may change without --allow-config-change: where the sweep lives (a resume finds
-#: the sweep there; a moved storage folder is still the same sweep) and where its MLflow runs are
-#: (a server that moved, a requeued SLURM job's server on another port: a resume that names no
-#: store uses the recorded one, see :func:`recorded_value`). Everything else either
+#: the sweep there; a moved storage folder is still the same sweep). Everything else either
 #: changes what the unfinished trials train (they get the new config, the finished ones keep the
 #: old: the budget, the model, the data, the memory policy), or is stored by Tune and restored
 #: as it was (the search space, the scheduler, MLflow's settings), so a change would be ignored.
-RESUMABLE_KEYS = frozenset({"storage_path", "tracking_uri"})
+RESUMABLE_KEYS = frozenset({"storage_path"})
+#: Kept beside the config: the MLflow store the sweep writes to as the driver resolved it (the
+#: flag's or the config's, a relative SQLite path made absolute), where a resume that names none
+#: writes too (``runner.resolve_tracking_uri``). Not a config key, so never compared.
+TRACKING_STORE = "tracking_store"
 
 #: The spec's fields as they are written in YAML where the two differ.
 _YAML_NAMES = {"workload": "workload.name", "params": "workload.params"}
@@ -92,12 +94,13 @@ class SweepClaim:
     fd: int | None
     made_folder: bool
 
-    def record(self, spec: SweepSpec) -> None:
-        """Keep the config the sweep now runs with, for the next ``--resume`` to compare."""
+    def record(self, spec: SweepSpec, tracking_store: str) -> None:
+        """Keep the config the sweep now runs with, for the next ``--resume`` to compare, and the
+        MLflow store it writes to, for the next ``--resume`` to write to."""
         path = os.path.join(self.folder, CONFIG_FILE)
         try:
             with atomic_write(path) as f:
-                json.dump(config_values(spec), f, indent=1, sort_keys=True)
+                json.dump({**config_values(spec), TRACKING_STORE: tracking_store}, f, indent=1, sort_keys=True)
         except OSError as exc:
             raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
 
@@ -177,10 +180,10 @@ def _holder(fd: int) -> str:
     return ""
 
 
-def recorded_value(folder: str, key: str) -> Any:
-    """The value the sweep in ``folder`` recorded for ``key`` (a key path), None where it recorded
-    none (or no config: a sweep started before configs were kept)."""
-    return (_recorded(folder) or {}).get(key)
+def recorded_tracking_store(folder: str) -> str | None:
+    """The MLflow store the sweep in ``folder`` writes to, None where it recorded none (a sweep
+    started before stores were kept)."""
+    return (_recorded(folder) or {}).get(TRACKING_STORE)
 
 
 def _recorded(folder: str) -> dict[str, Any] | None:
@@ -197,6 +200,7 @@ def _check_config(folder: str, spec: SweepSpec, allow_config_change: bool) -> No
     stored = _recorded(folder)
     if stored is None:
         return  # a sweep started before its config was kept: nothing to compare with
+    stored.pop(TRACKING_STORE, None)
     current = config_values(spec)
     changed = [k for k in changed_keys(stored, current) if k not in RESUMABLE_KEYS]
     if not changed:

@@ -195,22 +195,27 @@ def test_the_report_command_names_the_tracking_uri_the_user_chose(typed):
     assert recorded[-1].endswith(f"see `{TYPED} report exp --tracking-uri sqlite:////w/other.db`")
 
 
-def test_a_resume_writes_to_the_store_its_sweep_recorded_unless_told_another(tmp_path):
-    """Tune restores the sweep's MLflow callback: a resume that names no store must not print
-    (or check) the working directory's instead."""
+def test_a_resume_writes_to_the_store_its_sweep_recorded_unless_told_another(tmp_path, monkeypatch):
+    """Tune restores the sweep's MLflow callback: a resume that names no store writes (and
+    checks, and prints) the one the sweep recorded, although the config's relative SQLite path
+    or the default would name another file from another folder."""
     from orchestrator.runner import resolve_tracking_uri
-    from orchestrator.sweep_guard import claim_sweep
+    from orchestrator.sweep_guard import claim_sweep, recorded_tracking_store
 
-    folder = tmp_path / "exp_1"
-    claim = claim_sweep(str(folder), SPEC, resuming=False, new=True)
-    claim.record(dataclasses.replace(SPEC, tracking_uri="sqlite:////w/other.db"))
+    monkeypatch.chdir(tmp_path)
+    relative = dataclasses.replace(SPEC, tracking_uri="sqlite:///records.db")
+    folder = str(tmp_path / "exp_1")
+    assert resolve_tracking_uri(None, relative) == f"sqlite:///{tmp_path / 'records.db'}"  # made absolute
+    claim = claim_sweep(folder, relative, resuming=False, new=True)
+    claim.record(relative, "sqlite:////w/records.db")  # started from /w
     claim.release()
-    assert resolve_tracking_uri(None, SPEC, str(folder)) == "sqlite:////w/other.db"
-    assert resolve_tracking_uri("http://mlflow:5000", SPEC, str(folder)) == "http://mlflow:5000"
-    configured = dataclasses.replace(SPEC, tracking_uri="http://configured:5000")
-    assert resolve_tracking_uri(None, configured, str(folder)) == "http://configured:5000"
+    recorded = recorded_tracking_store(folder)
+    assert resolve_tracking_uri(None, relative, recorded) == "sqlite:////w/records.db"
+    assert resolve_tracking_uri(None, SPEC, recorded) == "sqlite:////w/records.db"
+    assert resolve_tracking_uri("http://mlflow:5000", relative, recorded) == "http://mlflow:5000"  # told another
     assert resolve_tracking_uri(None, SPEC) == default_tracking_uri()  # a new sweep
-    assert resolve_tracking_uri(None, SPEC, str(tmp_path / "from_before_configs_were_kept")) == default_tracking_uri()
+    # A sweep started before stores were kept: none recorded.
+    assert recorded_tracking_store(str(tmp_path / "older")) is None
 
 
 @pytest.mark.integration

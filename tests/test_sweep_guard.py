@@ -33,6 +33,9 @@ RAW = {
 }
 
 
+STORE = "sqlite:////sweeps/mlflow.db"  # the MLflow store a started sweep records
+
+
 def spec(**changes):
     return parse_spec({**RAW, **changes})
 
@@ -90,7 +93,7 @@ def test_a_new_sweep_in_the_folder_of_a_started_one_is_refused_and_leaves_it_as_
     --resume that found nothing to restore (``new`` false) may start the sweep there again."""
     folder = str(tmp_path / "sweep")
     started = claim_sweep(folder, spec(), resuming=False, new=True)
-    started.record(spec())
+    started.record(spec(), STORE)
     started.release()
     before = sorted(os.listdir(folder))
     with pytest.raises(UserError) as refused:
@@ -105,7 +108,7 @@ def test_a_new_sweep_in_the_folder_of_a_started_one_is_refused_and_leaves_it_as_
 def test_a_resume_with_a_changed_config_is_refused_naming_the_keys(tmp_path):
     folder = str(tmp_path / "sweep")
     started = claim_sweep(folder, spec(), resuming=False)
-    started.record(spec())
+    started.record(spec(), STORE)
     started.release()
     changed = spec(workload={"name": "mlp", "params": {"depth": 3}})
     with pytest.raises(UserError) as refused:
@@ -121,11 +124,11 @@ def test_a_resume_with_a_changed_config_is_refused_naming_the_keys(tmp_path):
 def test_allow_config_change_resumes_and_says_what_changed(tmp_path, capsys):
     folder = str(tmp_path / "sweep")
     started = claim_sweep(folder, spec(), resuming=False)
-    started.record(spec())
+    started.record(spec(), STORE)
     started.release()
     claim = claim_sweep(folder, spec(stop={"epochs": 4}), resuming=True, allow_config_change=True)
     assert "--allow-config-change): stop.epochs (2 -> 4)" in capsys.readouterr().out
-    claim.record(spec(stop={"epochs": 4}))
+    claim.record(spec(stop={"epochs": 4}), STORE)
     claim.release()
     claim_sweep(folder, spec(stop={"epochs": 4}), resuming=True).release()  # the next resume compares with it
 
@@ -338,7 +341,8 @@ def test_a_ctrl_c_before_the_sweep_starts_leaves_no_folder_behind(user_folder):
 def test_a_resume_with_a_changed_config_is_refused_unless_allowed(user_folder):
     """A sweep started with --tracking-uri: its --name again without --resume is refused in one
     line; a --resume with another config is refused naming the key, or with the flag resumes,
-    and writes to (and names) the sweep's store although the resume did not name it."""
+    and writes to (and names) the sweep's store although the resume did not name it; a resume
+    that names another store writes there."""
     from tests.conftest import command_env, installed_command
 
     def run(*words):
@@ -368,3 +372,12 @@ def test_a_resume_with_a_changed_config_is_refused_unless_allowed(user_folder):
     assert last.startswith(f"MLflow: {store} (experiment 'tiny'); see `"), last
     assert last.endswith(f" report tiny --tracking-uri {store}`"), last
     assert not (user_folder / "mlflow.db").exists()
+
+    # A resume that names another store (a server that moved) writes there, and says so.
+    moved = run("--resume", "--set", "workload.params.hidden=16", "--tracking-uri", "sqlite:///moved.db")
+    assert moved.returncode == 0, (moved.stdout + moved.stderr)[-3000:]
+    elsewhere = f"sqlite:///{user_folder / 'moved.db'}"
+    assert f"MLflow: this resume writes to {elsewhere} (--tracking-uri); the sweep so far is in {store}" in moved.stdout
+    import mlflow
+
+    assert mlflow.MlflowClient(elsewhere).get_experiment_by_name("tiny") is not None  # the restored callback's writes

@@ -38,6 +38,7 @@ from orchestrator.errors import UserError
 from orchestrator.invocation import tool
 from orchestrator.launch.base import EMBEDDED_RAY_FLAGS, Launcher, refuse_flags
 from orchestrator.run_request import RunRequest
+from orchestrator.tracking.runs import is_relative_sqlite
 
 # Local tracking data is never worth uploading, even when a project has no .gitignore saying so.
 EXCLUDED = ("mlruns", "mlflow.db", ".pytest_cache")
@@ -87,7 +88,7 @@ def results_notes(request: RunRequest, spec: SweepSpec) -> list[str]:
         notes.append(f"Tune results go to {storage!r} inside the job's temporary working directory on the "
                      "cluster; pass --storage-path with a path the cluster keeps (shared storage) to keep them.")
     tracking = request.tracking_uri or spec.tracking_uri
-    if tracking is None or (tracking.startswith("sqlite:///") and not tracking.startswith("sqlite:////")):
+    if tracking is None or is_relative_sqlite(tracking):
         notes.append(f"MLflow records go to {tracking or 'sqlite:///mlflow.db'} inside that working directory; "
                      "pass --tracking-uri with an MLflow server (or an absolute sqlite path) the cluster can reach.")
     return notes

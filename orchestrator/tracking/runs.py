@@ -49,11 +49,16 @@ def absolute_tracking_uri(tracking_uri: str) -> str:
     """A SQLite URI with a relative path (``sqlite:///mlflow.db``, which MLflow reads against the
     working directory) made absolute, so that the sweep's recorded store is the same file from
     any folder; other URIs as they are."""
-    database = sqlite_path(tracking_uri)
-    if database is None or tracking_uri.startswith("sqlite:////"):
+    if not is_relative_sqlite(tracking_uri):
         return tracking_uri
+    database = sqlite_path(tracking_uri)
     query = tracking_uri.partition("?")[2]
     return f"sqlite:///{database}" + (f"?{query}" if query else "")
+
+
+def is_relative_sqlite(tracking_uri: str) -> bool:
+    """Whether the URI is a SQLite file named relative to the working directory."""
+    return sqlite_path(tracking_uri) is not None and not tracking_uri.startswith("sqlite:////")
 
 
 def sqlite_path(tracking_uri: str) -> Path | None:
