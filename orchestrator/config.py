@@ -358,7 +358,10 @@ class SchedulerSpec:
             return data
         asha_keys = [key for key in data if key != "type" and key in _keys(cls)]
         if asha_keys:
-            raise _invalid("needs type: asha (FIFO runs every trial to its stop), got type: fifo", asha_keys[0])
+            raise _invalid(
+                "needs type: asha (FIFO runs every trial to its stop), got type: fifo; for FIFO, set the scheduler whole "
+                "(--set scheduler=fifo)", asha_keys[0],
+            )
         return data
 
 
@@ -621,6 +624,23 @@ class SweepSpec:
         return fields
 
     @model_validator(mode="after")
+    def _every_seed_is_a_seed(self) -> SweepSpec:
+        """A trial's seed may come from the search space or the workload's params instead of
+        ``seed``; each value it can take must be one :data:`Seed` allows, or every trial drawn
+        with it fails in torch (``manual_seed`` of ``seed * 1_000_003 + step``)."""
+        for where, value in (("search_space", self.search_space.get("seed")), ("workload.params", self.params.get("seed"))):
+            if isinstance(value, Domain) and value.kind not in ("choice", "grid", "randint"):
+                raise _invalid(f"expected integers (a randint, choice or grid of them), got a {value.kind} distribution",
+                               *where.split("."), "seed")
+            if isinstance(value, Domain):
+                values = [value.args[0], value.args[1] - 1] if value.kind == "randint" else list(value.args[0])
+            else:
+                values = [] if value is None else [value]
+            for one in values:
+                _nested(Seed, one, *where.split("."), "seed")
+        return self
+
+    @model_validator(mode="after")
     def _trials_within_bound(self) -> SweepSpec:
         count = self.trial_count()
         if count > self.max_trials:
@@ -750,24 +770,8 @@ class SweepLoader(yaml.SafeLoader):
     """PyYAML reads YAML 1.1, where ``1e-3`` is a string; sweeps write learning rates that way.
 
     YAML 1.2 (and every user) reads it as a number, so exponent floats without a dot are
-    resolved as floats here too. And YAML 1.2 forbids a key twice in one mapping, where PyYAML
-    keeps the last without a word: a sweep that says ``lr`` twice is refused, naming both lines.
+    resolved as floats here too.
     """
-
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            first: dict[Any, yaml.Node] = {}
-            for key_node, _ in node.value:
-                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
-                    continue  # a merge (<<: *base) may be overridden by the keys beside it, as YAML means
-                key = self.construct_object(key_node)
-                if key in first:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key {key!r} (first at {_line_column(first[key].start_mark)})",
-                        key_node.start_mark,
-                    )
-                first[key] = key_node
-        return super().construct_mapping(node, deep=deep)
 
 
 SweepLoader.add_implicit_resolver(
@@ -795,6 +799,7 @@ def read_yaml(text: str | bytes, where: str) -> Any:
         if node is None:
             return None
         _check_expansion(node, where)
+        _check_duplicate_keys(node)
         return loader.construct_document(node)
     except RecursionError:
         raise ConfigError(f"{where}: nested deeper than a sweep file can be read") from None
@@ -846,6 +851,31 @@ def _check_expansion(root: yaml.Node, where: str) -> None:
             f"{where}: its aliases (*name) expand to {added:,} more YAML nodes, past the {MAX_ALIAS_NODES:,} "
             "a sweep file's aliases may add; write the values out, or nest fewer aliases"
         )
+
+
+def _check_duplicate_keys(root: yaml.Node) -> None:
+    """YAML forbids a key twice in one mapping, where PyYAML keeps the last without a word: a
+    sweep that says ``lr`` twice is refused, naming both lines. Checked on the nodes as written,
+    before construction flattens merges (``<<: *base``), whose keys those beside them may override."""
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            first: dict[tuple[str, str], yaml.Node] = {}
+            for key, _ in node.value:
+                if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                    continue
+                if (key.tag, key.value) in first:
+                    earlier = first[(key.tag, key.value)].start_mark
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key.value!r} (first at {_line_column(earlier)})", key.start_mark
+                    )
+                first[(key.tag, key.value)] = key
+        stack.extend(_children(node))
 
 
 def _children(node: yaml.Node) -> list[yaml.Node]:

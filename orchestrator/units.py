@@ -42,7 +42,8 @@ def parse_bytes(value: int | float | str) -> int:
         match = _SIZE.match(str(value))
         if not match or match.group(2).lower() not in _UNITS:
             raise ValueError(f"expected a size such as 24GiB or 512MB, got {value!r}")
-        number, unit = float(match.group(1)), match.group(2).lower()
+        digits, unit = match.group(1), match.group(2).lower()
+        number = int(digits) if digits.isdigit() else float(digits)  # exact where it can be
     size = number * _UNITS[unit]  # exact for an int; a float past its range is inf
     if isinstance(size, float) and math.isnan(size):
         raise ValueError(f"expected a size such as 24GiB or 512MB, got {value!r}")
@@ -52,6 +53,8 @@ def parse_bytes(value: int | float | str) -> int:
         raise ValueError(f"expected a size of at most 2**63 - 1 bytes (8 EiB), got {value!r}")
     if _UNITS[unit] == 1 and size != int(size):
         raise ValueError(f"expected a whole number of bytes, or a larger unit such as {number:g}GiB, got {value!r}")
+    if size < 1:  # rounds down to no byte (0.0001KiB)
+        raise ValueError(f"expected a size of at least one byte, got {value!r}")
     return int(size)
 
 

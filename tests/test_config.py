@@ -201,6 +201,15 @@ BAD = [
      "memory.estimator: expected one of static, trace, measured, none, got 'flat'"),
     ("a negative seed", ["seed=-1"], "seed: expected an integer from 0 to 4294967295, got -1"),
     ("a seed past 32 bits", ["seed=4294967296"], "seed: expected an integer from 0 to 4294967295, got 4294967296"),
+    # A trial's seed from the search space or the params: each value it can draw is a seed.
+    ("a searched seed past 32 bits", ["search_space.seed={randint: [0, 4611686018427387904]}"],
+     "search_space.seed: expected an integer from 0 to 4294967295, got 4611686018427387903"),
+    ("a searched negative seed", ["search_space.seed={choice: [1, -3]}"],
+     "search_space.seed: expected an integer from 0 to 4294967295, got -3"),
+    ("a seed drawn from a distribution of reals", ["search_space.seed={uniform: [0, 10]}"],
+     "search_space.seed: expected integers (a randint, choice or grid of them), got a uniform distribution"),
+    ("a negative seed in the params", ["workload.params.seed=-1"],
+     "workload.params.seed: expected an integer from 0 to 4294967295, got -1"),
     ("an infinite upper bound", ["search_space.lr={uniform: [0, .inf]}"],
      "search_space.lr.uniform: expected finite bounds, got [0, inf]"),
     ("an infinite lower bound", ["search_space.lr={uniform: [-.inf, 0]}"],
@@ -244,6 +253,9 @@ BAD = [
      "scheduler.reduction_factor: needs type: asha (FIFO runs every trial to its stop), got type: fifo"),
     ("ASHA's time attribute without ASHA", ["scheduler={time_attr: step}"],
      "scheduler.time_attr: needs type: asha (FIFO runs every trial to its stop), got type: fifo"),
+    ("an ASHA config switched to FIFO by one key", ["scheduler={type: asha, grace_period: 1}", "scheduler.type=fifo"],
+     "scheduler.grace_period: needs type: asha (FIFO runs every trial to its stop), got type: fifo; for FIFO, set the "
+     "scheduler whole (--set scheduler=fifo)"),
     ("an empty key part", [".stop=3"], "--set .stop=3: expected KEY.PATH=VALUE with no empty key part"),
     ("an empty key part inside", ["stop..epochs=3"], "--set stop..epochs=3: expected KEY.PATH=VALUE with no empty key part"),
     ("an empty last key part", ["stop.=3"], "--set stop.=3: expected KEY.PATH=VALUE with no empty key part"),
@@ -459,8 +471,12 @@ def test_broken_yaml_names_the_file_and_where_in_it(tmp_path, text, message):
 
 
 def test_a_merged_mapping_may_be_overridden_by_the_keys_beside_it():
-    """``<<: *base`` then a key of base's: YAML's merge, not a key twice."""
+    """``<<: *base`` then a key of base's: YAML's merge, not a key twice; also where the merged
+    mapping merges and overrides in turn (construction flattens it in place: checked before)."""
     assert read_yaml("base: &b {epochs: 1, steps: 5}\nstop: {<<: *b, epochs: 2}\n", "t")["stop"] == {"epochs": 2, "steps": 5}
+    nested = "a: &a {lr: 0.1}\nsweep: {base: &b {<<: *a, lr: 1}}\nother: {<<: *b, lr: 2}\n"
+    assert read_yaml(nested, "t")["other"] == {"lr": 2}
+    read_yaml("{1: x, 1.0: y, true: z}", "t")  # an int, a float and a bool: three YAML keys, not one twice
 
 
 def test_a_file_that_is_not_utf_8_names_the_file(tmp_path):

@@ -8,6 +8,7 @@ from orchestrator.units import MAX_BYTES, GiB, KiB, MiB, binary_unit, human, par
 
 def test_sizes_parse_in_decimal_and_binary_units():
     assert parse_bytes("24GiB") == 24 * GiB and parse_bytes("512MB") == 512 * 10**6 and parse_bytes(2048) == 2048
+    assert parse_bytes(str(MAX_BYTES)) == MAX_BYTES  # digits are read exactly, not through a float
     with pytest.raises(ValueError, match="expected a size such as 24GiB"):
         parse_bytes("24 parsecs")
 
@@ -23,6 +24,7 @@ def test_sizes_parse_in_decimal_and_binary_units():
     ("0.4", "expected a whole number of bytes, or a larger unit such as 0.4GiB, got '0.4'"),
     (0, "expected a positive size, got 0"),
     ("0KiB", "expected a positive size, got '0KiB'"),
+    ("0.0001KiB", "expected a size of at least one byte, got '0.0001KiB'"),  # rounds down to none
     (True, "expected a size such as 24GiB or 512MB, got True"),
 ])
 def test_a_size_is_positive_finite_and_whole_in_bytes(value, message):
