@@ -215,8 +215,8 @@ class Seen:
     moves: int = 0
     plan_checks: int = 0
 
-    def first_refusal(self) -> bool:
-        """Whether a refusal is news: a refused trial's last report and its end both carry it."""
+    def note_refusal(self) -> bool:
+        """Notes the trial as refused; whether that is news (its last report and its end both carry it)."""
         told, self.refused, self.planned = self.refused, True, True
         return not told
 
@@ -225,7 +225,7 @@ def report_events(trial: str, report: TrialReport, seen: Seen) -> list[Event]:
     """The events a trial's report adds to what was already told (``seen``, updated)."""
     events: list[Event] = []
     if report.refused:
-        return [Refused(trial, report.refusal or "nothing fits")] if seen.first_refusal() else []
+        return [Refused(trial, report.refusal or "nothing fits")] if seen.note_refusal() else []
     plan = plan_text(report)
     new_events = report.oom_events[seen.oom_events:]
     for i, event in enumerate(new_events, 1):
@@ -363,7 +363,7 @@ class LiveView(tune.Callback):
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
         event = finished_event(trial.trial_id, TrialReport.from_result(trial.last_result), self.metric, self.stop_epochs)
-        if isinstance(event, Refused) and not self._seen.setdefault(trial.trial_id, Seen()).first_refusal():
+        if isinstance(event, Refused) and not self._seen.setdefault(trial.trial_id, Seen()).note_refusal():
             return  # its last report said it already
         self._say(event)
 

@@ -29,10 +29,8 @@ from orchestrator.report import (
     TrialRecord,
     config_labels,
     peak_chart,
-    plan_text,
     plot_peaks,
     short_value,
-    trial_table,
 )
 from orchestrator.tracking.reader import artifact_text
 from orchestrator.units import KiB, MiB
