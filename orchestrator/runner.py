@@ -377,18 +377,18 @@ def _experiment_name(spec: SweepSpec, storage: str, name: str | None, resume: bo
     its requeued attempts resume exactly their own sweep); ``--resume`` without a name picks
     the newest folder of the experiment.
     """
-    from ray import tune
+    from orchestrator.tune_state import restorable
 
     if name:
         path = os.path.join(storage, name)
-        if resume and tune.Tuner.can_restore(path):
+        if resume and restorable(path):
             return name, path
         if resume:
             print(f"Nothing to resume at {path}: starting the sweep")
         return name, None
     if resume:
         candidates = sorted(
-            (p for p in glob.glob(os.path.join(storage, f"{spec.experiment}_*")) if tune.Tuner.can_restore(p)),
+            (p for p in glob.glob(os.path.join(storage, f"{spec.experiment}_*")) if restorable(p)),
             key=os.path.getmtime,
         )
         if candidates:

@@ -100,6 +100,17 @@ def keep_whole_copies(source: str, sweep: str, copied: dict[str, tuple[int, int]
             continue
 
 
+def restorable(sweep: str) -> bool:
+    """Whether ``--resume`` can continue the sweep in this folder: Tune made it (``tuner.pkl``) and
+    saved its state at least once (made at its first step, perhaps kept only as a whole copy). A
+    sweep stopped before that has no trials to continue: Tune's ``can_restore`` says yes, and its
+    restore then runs one trial of no config, which fails (``KeyError: 'workload'``)."""
+    if not tune.Tuner.can_restore(sweep):
+        return False
+    saved = _state_files(sweep) + _state_files(os.path.join(sweep, COPIES))
+    return any(fnmatch.fnmatchcase(os.path.basename(p), "experiment_state-*.json") for p in saved)
+
+
 def restore_cut_off(sweep: str) -> list[str]:
     """Put back the last whole copy of each state file that is cut off or missing; the names put
     back. A cut-off file with no whole copy is a :class:`UserError`: Tune cannot resume from it."""

@@ -123,6 +123,24 @@ def test_each_run_gets_its_own_folder_unless_named(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+def test_a_sweep_stopped_before_tune_saved_its_state_is_started_again_not_resumed(tmp_path):
+    """Stopped between the Tuner's making (its tuner.pkl) and its first step: Tune's restore would
+    run one trial of no config; the resume starts the sweep instead, in its folder."""
+    from ray import tune
+
+    def trainable(config):
+        pass
+
+    tune.Tuner(trainable, run_config=tune.RunConfig(name="exp_1", storage_path=str(tmp_path)))
+    assert tune.Tuner.can_restore(str(tmp_path / "exp_1"))
+    assert _experiment_name(SPEC, str(tmp_path), "exp_1", resume=True) == ("exp_1", None)
+    name, restore = _experiment_name(SPEC, str(tmp_path), None, resume=True)
+    assert name != "exp_1" and restore is None
+    (tmp_path / "exp_1" / "experiment_state-2026-12-05_16-00-00.json").write_text("{}")  # its first save
+    assert _experiment_name(SPEC, str(tmp_path), "exp_1", resume=True) == ("exp_1", str(tmp_path / "exp_1"))
+    assert _experiment_name(SPEC, str(tmp_path), None, resume=True) == ("exp_1", str(tmp_path / "exp_1"))
+
+
 def test_an_error_tune_could_not_store_is_shown_with_its_reason():
     """Storage unwritable mid-sweep: Tune's result has no error (it reads errors back from storage),
     but the driver's callback recorded it, so the row is ERROR with the reason, not INTERRUPTED."""
