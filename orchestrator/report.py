@@ -176,7 +176,9 @@ def _client(tracking_uri: str):
 
 
 def load_sweep(tracking_uri: str, experiment: str | None = None) -> SweepRecord:
-    """The newest sweep of ``experiment`` (of any experiment if None), with every trial's history."""
+    """The newest sweep of ``experiment`` (of any experiment if None), with every trial's history.
+    ``experiment`` may also name one sweep (its results folder's name, which ``run`` prints and
+    the sweep's MLflow run takes): an older sweep of an experiment is reported that way."""
     for key, value in HTTP_DEFAULTS.items():
         os.environ.setdefault(key, value)
     database = sqlite_path(tracking_uri)
@@ -190,14 +192,21 @@ def load_sweep(tracking_uri: str, experiment: str | None = None) -> SweepRecord:
     database_answers(tracking_uri)
     client = _client(tracking_uri)
     experiments = client.search_experiments()
-    if experiment is not None:
-        experiments = [e for e in experiments if e.name == experiment]
-        if not experiments:
-            raise UserError(f"no MLflow experiment {experiment!r} at {tracking_uri}; sweeps there: {_sweep_experiments(client)}")
     sweep_filter = f"tags.`{ROLE_TAG}` = 'sweep'"
+    if experiment is not None:
+        named = [e for e in experiments if e.name == experiment]
+        if named:
+            experiments = named
+        elif "'" not in experiment:  # a sweep's name (MLflow's filter has no escape for a quote)
+            sweep_filter += f" and tags.`mlflow.runName` = '{experiment}'"
+        else:
+            experiments = []
     parents = client.search_runs(
         [e.experiment_id for e in experiments], sweep_filter, order_by=["attributes.start_time DESC"], max_results=1,
     ) if experiments else []
+    if not parents and experiment is not None and not any(e.name == experiment for e in experiments):
+        raise UserError(f"no MLflow experiment or sweep named {experiment!r} at {tracking_uri}; experiments with "
+                        f"sweeps there: {_sweep_experiments(client)}")
     if not parents:
         where = f"experiment {experiment!r}" if experiment else tracking_uri
         raise UserError(f"no orchestrator sweep in {where}; sweeps there: {_sweep_experiments(client)}")

@@ -129,7 +129,15 @@ def test_report_errors_are_one_line(sqlite_sweep, tmp_path, capsys):
     code, _, err = report(capsys, "--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}")
     assert code == 2 and err.startswith("error: no MLflow database at") and not (tmp_path / "none.db").exists()
     code, _, err = report(capsys, "nope", "--tracking-uri", uri)
-    assert code == 2 and "no MLflow experiment 'nope'" in err and "tracking_test" in err
+    assert code == 2 and "no MLflow experiment or sweep named 'nope'" in err and "tracking_test" in err
+
+
+@pytest.mark.integration  # a real local Ray sweep records what the report reads
+def test_a_sweep_is_reported_by_its_own_name_too(sqlite_sweep, tmp_path, capsys):
+    """The results folder's name, as `run` prints it: how an older sweep of an experiment is reported."""
+    _, uri = sqlite_sweep
+    code, text, _ = report(capsys, "tracking_test_run", "--tracking-uri", uri, "--out", str(tmp_path / "out"))
+    assert code == 0 and text.startswith("Sweep tracking_test_run (experiment 'tracking_test'")
 
 
 @pytest.mark.integration  # a real local Ray sweep records what the report reads
@@ -292,7 +300,7 @@ def test_an_out_folder_that_takes_no_file_is_one_line_before_mlflow_is_read(swee
     assert done.stderr == (f"error: --out: cannot write to {tmp_path / 'taken'} (a file, not a folder); "
                            "pass --out with a folder you can write\n")
     done = report_in(sweep_store.parent, "nosuch", "--out", str(tmp_path / "made" / "here"))
-    assert done.returncode == 2 and done.stderr.startswith("error: no MLflow experiment 'nosuch'")
+    assert done.returncode == 2 and done.stderr.startswith("error: no MLflow experiment or sweep named 'nosuch'")
     assert not (tmp_path / "made").exists()
     done = report_in(sweep_store.parent, "--out", str(tmp_path / "new" / "report"))
     assert done.returncode == 0, done.stderr[-3000:]
