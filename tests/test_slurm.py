@@ -167,6 +167,17 @@ def test_bad_flags_are_one_line_errors(flags, message):
         plan_job(args, load_spec(args.config, args.overrides))
 
 
+@pytest.mark.parametrize("folder, kind", [("logs dir", "whitespace"), ("logs%x", "'%'"), ("it's", '"\'"'),
+                                          ('"quoted"', "'\"'")], ids=["space", "pattern", "quote", "double quote"])
+def test_a_path_an_sbatch_line_would_change_is_refused(folder, kind):
+    """sbatch splits an #SBATCH line at spaces, strips its quotes and reads % in --output as a file
+    name pattern (%x: the job's name): the job would write elsewhere than the path says."""
+    args = submit_args("--cpus-per-node", "2", "--log-dir", f"/tmp/{folder}")
+    with pytest.raises(UserError) as refused:
+        plan_job(args, load_spec(args.config, args.overrides))
+    assert str(refused.value) == f"--log-dir: {'/tmp/' + folder!r} contains {kind}, which #SBATCH lines can't carry as written"
+
+
 def test_a_data_parallel_trial_may_spread_its_workers_over_the_nodes():
     args = submit_args("--gpus-per-node", "2", "--nodes", "2", "--set", "resources={workers: 4, gpu: 1}")
     assert plan_job(args, load_spec(args.config, args.overrides)).nodes == 2

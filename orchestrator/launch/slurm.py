@@ -154,8 +154,9 @@ def plan_job(args, spec: SweepSpec, *, cwd: str | None = None, now: datetime | N
     job_name = f"orch-{safe_name}"
     job_dir = os.path.join(storage, "slurm", f"{safe_name}-{now:%Y%m%d-%H%M%S}")
     for what, path in (("working directory", cwd), ("--log-dir", log_dir), ("storage path", storage)):
-        if re.search(r"\s", path):
-            raise UserError(f"{what}: {path!r} contains whitespace, which #SBATCH lines can't carry")
+        if odd := re.search(r"[\s'\"\\%]", path):  # sbatch splits at spaces, strips quotes, reads % as a pattern
+            kind = "whitespace" if odd.group().isspace() else repr(odd.group())
+            raise UserError(f"{what}: {path!r} contains {kind}, which #SBATCH lines can't carry as written")
 
     return SlurmJob(
         job_name=job_name,
