@@ -235,6 +235,7 @@ def test_the_readmes_own_model_as_a_job(ray_head, own_model_project, tmp_path):
     assert "ray get-auth-token" in out
     assert f"Job {submission_id} SUCCEEDED" in out
     assert "2/2 trials finished" in out
+    assert "dashboard_sdk.py" not in out and "packaging.py" not in out  # Ray's job client says what we said
 
     client = job_client(ray_head)
     info = client.get_job_info(submission_id)
@@ -372,6 +373,25 @@ def test_ctrl_c_while_uploading_says_nothing_was_submitted(ray_head, tmp_path):
     assert "Traceback" not in out and "Submitted job" not in out
     assert out.count("Uploading ") == 1, out  # a Ctrl-C as the line was written once left it to be written again
     assert submission_id not in {job.submission_id for job in job_client(ray_head).list_jobs()}
+
+
+@pytest.mark.integration
+def test_a_job_the_cluster_refuses_is_one_line(ray_head, tmp_path, monkeypatch, capsys):
+    """Ray's job client raises for any request the dashboard refuses (a job agent that is down:
+    500); here a submission id the cluster already has (400): one line naming the address and the
+    cluster's reason, exit 2, no traceback."""
+    taken = new_submission_id()
+    client = job_client(ray_head)
+    client.submit_job(entrypoint="python -c pass", submission_id=taken)
+    monkeypatch.setattr("orchestrator.launch.ray_job.new_submission_id", lambda: taken)
+    (tmp_path / "sweep.yaml").write_text((ROOT / DEMO).read_text())
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "sweep.yaml", "--address", ray_head.dashboard_url, *SMALL_CUT]) == 2
+    said = capsys.readouterr().err.splitlines()[-1]  # after the pre-flight's estimate line
+    assert said.startswith(f"error: --address {ray_head.dashboard_url}: the cluster did not take the job: "
+                           "Request failed with status code "), said
+    assert taken in said and "Traceback" not in said, said  # the cluster's reason, not its traceback's first line
+    wait_terminal(client, taken)
 
 
 @pytest.mark.integration

@@ -23,6 +23,7 @@ to keep them passes ``--storage-path`` and ``--tracking-uri`` that the cluster c
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import secrets
@@ -35,6 +36,7 @@ from typing import ClassVar
 
 from orchestrator.config import SweepSpec
 from orchestrator.errors import UserError
+from orchestrator.failures import exception_line
 from orchestrator.invocation import tool
 from orchestrator.launch.base import EMBEDDED_RAY_FLAGS, Launcher, refuse_flags
 from orchestrator.run_request import RunRequest
@@ -94,6 +96,13 @@ def results_notes(request: RunRequest, spec: SweepSpec) -> list[str]:
     return notes
 
 
+def refusal_line(message: str) -> str:
+    """Ray's job client's error in one line: ``Request failed with status code 500: <reason>``,
+    where the dashboard may send its whole server-side traceback as the reason (its last line)."""
+    status, _, reason = message.partition(": ")
+    return f"{status}: {exception_line(reason)}" if reason else message
+
+
 def connect(address: str):
     """A job client for the dashboard at ``address``, sending Ray's auth token when we have one."""
     from ray.exceptions import AuthenticationError
@@ -113,6 +122,11 @@ def connect(address: str):
             "`ray start --head --dashboard-host 127.0.0.1` (from this project's Python environment) "
             "or fix the URL"
         ) from None
+
+
+#: Ray's job client's loggers, held to warnings unless ``--verbose``.
+JOB_CLIENT_LOGGERS = ("ray.dashboard.modules.dashboard_sdk", "ray._private.runtime_env.packaging",
+                      "ray.dashboard.modules.job.sdk")
 
 
 @dataclass(frozen=True)
@@ -146,6 +160,9 @@ class RayJobLauncher(Launcher):
         job = build_job_request(request, spec, Path.cwd())
         for note in results_notes(request, spec):
             print(f"note: {note}")
+        if not request.verbose:  # their upload and WebSocket notices say again what our lines say
+            for logger in JOB_CLIENT_LOGGERS:
+                logging.getLogger(logger).setLevel(logging.WARNING)
         client = connect(self.address)
         commands = JobCommands(self.address, new_submission_id(), token_required(self.address))
         try:
@@ -156,6 +173,8 @@ class RayJobLauncher(Launcher):
         except KeyboardInterrupt:
             print(interrupted_submission(client, commands), flush=True)
             return 130
+        except RuntimeError as exc:  # Ray's job client, for a request the dashboard refused (an agent that is down)
+            raise UserError(f"--address {self.address}: the cluster did not take the job: {refusal_line(str(exc))}") from None
         try:
             print(f"Submitted job {commands.submission_id}: {job.entrypoint}")
             print(how_to_open(job_page(self.address, commands.submission_id), commands.needs_token))
