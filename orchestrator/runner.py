@@ -11,9 +11,8 @@ from __future__ import annotations
 import glob
 import math
 import os
-import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -205,7 +204,9 @@ def run_sweep(
                 wait = check_schedulable(trial_request(spec), spec.resources.wait_minutes, spec.resources.workers)
                 if not embedded:
                     trial_spec, host_cuts = _fit_host_memory(spec, node_memory, cluster=nodes)
-            except (UserError, KeyboardInterrupt):  # refused, or stopped before it started
+            # Refused, or stopped before it started: Ctrl-C, or SIGTERM once Ray's start has made it
+            # raise SystemExit (before that, the signal ends the process, and the claim's lock with it).
+            except (UserError, KeyboardInterrupt, SystemExit):
                 claim.release(refused=True)
                 raise
         claim.record(spec, tracking_uri)
@@ -262,29 +263,23 @@ def _estimate_while_ray_starts(spec: SweepSpec, connect: Callable[[], bool]):
     A model whose estimate fails still stops the sweep before any trial: the Ray we started for
     it is shut down again and the error is the estimate's one line.
 
-    The estimate's thread is a daemon: a Ctrl-C meanwhile ends the command at once, not when a
-    trace of a large model in that thread (two cores or fewer: ``orchestrator.estimates``) ends,
-    which an executor's thread would make it wait for, at the ``with`` and again at exit.
+    A Ctrl-C meanwhile waits for an estimate under way in the thread (two cores or fewer:
+    ``orchestrator.estimates``) to end. Left to run on as a daemon, the thread was still in torch
+    when the interpreter shut down, which then aborted ("terminate called without an active
+    exception") or hung on a lock the interrupted main thread held.
     """
     import ray
 
-    estimating: Future = Future()
-
-    def estimate() -> None:
+    with ThreadPoolExecutor(1, thread_name_prefix="estimate") as pool:
+        estimating = pool.submit(estimate_before_start, spec)
+        started_ray = False
         try:
-            estimating.set_result(estimate_before_start(spec))
-        except BaseException as exc:
-            estimating.set_exception(exc)
-
-    threading.Thread(target=estimate, name="estimate", daemon=True).start()
-    started_ray = False
-    try:
-        started_ray = connect()
-        return estimating.result(), started_ray
-    except BaseException:
-        if started_ray:
-            ray.shutdown()
-        raise
+            started_ray = connect()
+            return estimating.result(), started_ray
+        except BaseException:
+            if started_ray:
+                ray.shutdown()
+            raise
 
 
 def _check_before_ray(spec: SweepSpec, storage: str, tracking_uri: str, offline_tracking: bool) -> None:

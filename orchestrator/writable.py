@@ -46,8 +46,9 @@ def outermost_missing(path: Path) -> Path:
 @contextlib.contextmanager
 def taken_back_if_refused(folder: str | os.PathLike) -> Iterator[None]:
     """What the block makes of ``folder`` goes again if the block refuses (raises ``UserError``)
-    or is interrupted (Ctrl-C during ``run``'s checks and Ray's start): only what did not exist
-    before, and only while nothing was written under it.
+    or is interrupted (Ctrl-C during ``run``'s checks and Ray's start, or a SIGTERM, which Ray's
+    handler makes ``SystemExit``): only what did not exist before, and only while nothing was
+    written under it.
 
     ``run``'s storage check makes the storage folder (does it take a file?), and a refusal after
     it (a model that cannot be estimated, a relative storage path on a cluster, no sweep to
@@ -60,7 +61,7 @@ def taken_back_if_refused(folder: str | os.PathLike) -> Iterator[None]:
     made = outermost_missing(made)
     try:
         yield
-    except (UserError, KeyboardInterrupt):
+    except (UserError, KeyboardInterrupt, SystemExit):
         if made.is_dir() and not any(p.is_file() for p in made.rglob("*")):
             shutil.rmtree(made, ignore_errors=True)
         raise

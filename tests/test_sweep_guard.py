@@ -171,7 +171,7 @@ class Tiny(Workload):
         if estimating and os.environ.get("SLOW_ESTIMATES"):
             # an estimate (a spawned process's, or the driver's estimate thread's) that takes its time, and says so
             open(os.path.join(os.environ["SLOW_ESTIMATES"], str(os.getpid())), "w").close()
-            time.sleep(600)
+            time.sleep(float(os.environ.get("SLOW_ESTIMATES_S", "600")))
         return torch.nn.Sequential(torch.nn.Linear(4, self.hidden), torch.nn.ReLU(), torch.nn.Linear(self.hidden, 2))
 
     def train_data(self):
@@ -318,14 +318,15 @@ def test_a_running_sweep_is_not_run_twice_and_its_killed_driver_takes_its_estima
 @pytest.mark.integration
 def test_a_ctrl_c_before_the_sweep_starts_leaves_no_folder_behind(user_folder):
     """Ctrl-C (SIGINT to the command's group, as a terminal sends it) while the driver estimates:
-    the sweep never started, so neither its folder nor the storage folder made for it stays."""
+    the sweep never started, so neither its folder nor the storage folder made for it stays. (The
+    command waits for an estimate under way in its thread to end: 5 s here.)"""
     from tests.conftest import command_env, installed_command
 
     marks = user_folder / "estimating"
     marks.mkdir()
     driver = subprocess.Popen([installed_command(), "run", "two.yaml", "--num-cpus", "2"], cwd=user_folder,
-                              env={**command_env(), "SLOW_ESTIMATES": str(marks)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                              env={**command_env(), "SLOW_ESTIMATES": str(marks), "SLOW_ESTIMATES_S": "5"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         estimate_processes(driver, marks)
         os.killpg(driver.pid, signal.SIGINT)
