@@ -193,18 +193,17 @@ def load_sweep(tracking_uri: str, experiment: str | None = None) -> SweepRecord:
     client = _client(tracking_uri)
     experiments = client.search_experiments()
     sweep_filter = f"tags.`{ROLE_TAG}` = 'sweep'"
-    if experiment is not None:
-        named = [e for e in experiments if e.name == experiment]
-        if named:
-            experiments = named
-        elif "'" not in experiment:  # a sweep's name (MLflow's filter has no escape for a quote)
-            sweep_filter += f" and tags.`mlflow.runName` = '{experiment}'"
-        else:
-            experiments = []
+    named = [e for e in experiments if e.name == experiment]
+    if named:
+        experiments = named
+    elif experiment is not None and "'" not in experiment:  # a sweep's name (MLflow's filter has no escape for a quote)
+        sweep_filter += f" and tags.`mlflow.runName` = '{experiment}'"
+    elif experiment is not None:
+        experiments = []
     parents = client.search_runs(
         [e.experiment_id for e in experiments], sweep_filter, order_by=["attributes.start_time DESC"], max_results=1,
     ) if experiments else []
-    if not parents and experiment is not None and not any(e.name == experiment for e in experiments):
+    if not parents and experiment is not None and not named:
         raise UserError(f"no MLflow experiment or sweep named {experiment!r} at {tracking_uri}; experiments with "
                         f"sweeps there: {_sweep_experiments(client)}")
     if not parents:
