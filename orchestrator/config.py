@@ -628,16 +628,17 @@ class SweepSpec:
         """A trial's seed may come from the search space or the workload's params instead of
         ``seed``; each value it can take must be one :data:`Seed` allows, or every trial drawn
         with it fails in torch (``manual_seed`` of ``seed * 1_000_003 + step``)."""
-        for where, value in (("search_space", self.search_space.get("seed")), ("workload.params", self.params.get("seed"))):
+        for where, value in ((("search_space", "seed"), self.search_space.get("seed")),
+                             (("workload", "params", "seed"), self.params.get("seed"))):
             if isinstance(value, Domain) and value.kind not in ("choice", "grid", "randint"):
                 raise _invalid(f"expected integers (a randint, choice or grid of them), got a {value.kind} distribution",
-                               *where.split("."), "seed")
+                               *where)
             if isinstance(value, Domain):
                 values = [value.args[0], value.args[1] - 1] if value.kind == "randint" else list(value.args[0])
             else:
                 values = [] if value is None else [value]
             for one in values:
-                _nested(Seed, one, *where.split("."), "seed")
+                _nested(Seed, one, *where)
         return self
 
     @model_validator(mode="after")

@@ -30,7 +30,8 @@ from orchestrator.errors import UserError
 from orchestrator.ray_internals import state_folders
 
 COPIES = ".whole_state"  # folder in the sweep's folder
-_PATTERNS = ("experiment_state-*.json", "basic-variant-state-*.json", "callback-states-*.pkl", "tuner.pkl")
+EXPERIMENT_STATE = "experiment_state-*.json"  # the trials' state: what a resume restores
+_PATTERNS = (EXPERIMENT_STATE, "basic-variant-state-*.json", "callback-states-*.pkl", "tuner.pkl")
 #: How often Tune's event loop looks for a new save: Tune calls ``on_step_end`` many times a
 #: second, and a listing and a ``stat`` per state file each time were a tenth of the loop's time in
 #: a sweep of short trials; Tune saves at most every 10 s.
@@ -108,7 +109,7 @@ def restorable(sweep: str) -> bool:
     if not tune.Tuner.can_restore(sweep):
         return False
     saved = _state_files(sweep) + _state_files(os.path.join(sweep, COPIES))
-    return any(fnmatch.fnmatchcase(os.path.basename(p), "experiment_state-*.json") for p in saved)
+    return any(fnmatch.fnmatchcase(os.path.basename(p), EXPERIMENT_STATE) for p in saved)
 
 
 def restore_cut_off(sweep: str) -> list[str]:
