@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -238,14 +239,20 @@ def interrupted_at(run: subprocess.Popen, prefix: str) -> tuple[str, str]:
         if line.startswith(prefix):
             break
     run.send_signal(signal.SIGINT)
+    # Read on while it stops: a process that still prints once the pipe is full blocks until it
+    # is read, so waiting for its exit first waited for ever (the 60 s limit, then a kill). Not
+    # communicate(timeout=...): it reads the pipe under the text stream, and would drop what the
+    # stream had already read ahead of the line.
+    stuck = threading.Event()
+    watchdog = threading.Timer(60, lambda: (stuck.set(), run.kill()))
+    watchdog.start()
     try:
-        run.wait(timeout=60)
+        rest = run.stdout.read()
+        run.wait()
     finally:
-        if run.poll() is None:
-            run.kill()
-    # Not communicate(timeout=...): it reads the pipe under the text stream, and would drop what
-    # the stream had already read ahead of the line.
-    return lines[-1], "".join(lines) + run.stdout.read()
+        watchdog.cancel()
+    assert not stuck.is_set(), f"still running 60 s after Ctrl-C: {''.join(lines)[-2000:]}{rest[-2000:]}"
+    return lines[-1], "".join(lines) + rest
 
 
 def command_env(venv_on_path: bool = True) -> dict[str, str]:
