@@ -30,6 +30,9 @@ what changed; ``pyproject.toml`` pins Ray to the minor series that test passed o
 * :func:`callbacks_of`: ``Tuner._local_tuner.get_run_config()``, the run config a restored
   ``Tuner`` unpickled with its callbacks, whose MLflow store a resume may point elsewhere
   (``orchestrator.runner``).
+* :data:`LOCAL_RAY_SYSTEM_CONFIG`: the raylet settings (``ray.init(_system_config=...)``) of the
+  Ray a sweep starts itself (``orchestrator.runner``); Ray's GCS does not start with a key it
+  does not know, so a renamed one fails every local sweep, and the suite with it.
 * :func:`metrics_export_interval_s`: ``ray._config.metrics_report_interval_ms()``, how often a
   Ray process exports the metrics it recorded, which a driver that counted OOMs waits out before
   it exits (``orchestrator.oom_counter``).
@@ -49,6 +52,14 @@ from typing import Any
 
 
 TOKEN_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+#: A new local Ray prestarts an idle worker process per CPU for its first driver, which none of a
+#: sweep's trials runs in: Tune gives every trial actor a runtime environment (``PL_DISABLE_FORK``,
+#: for Lightning), Ray prestarts workers only for an empty one, and a data-parallel trial's ranks
+#: inherit the trial's. Each such worker took ~1 CPU second as the sweep started and held ~100 MiB
+#: of host memory for the whole sweep, memory ``run``'s host plan counted as available
+#: (bench/RESULTS.md, "Tune's trials do not start in the workers Ray prestarts").
+LOCAL_RAY_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
 
 
 class RayChanged(RuntimeError):

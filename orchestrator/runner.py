@@ -43,6 +43,7 @@ from orchestrator.outcome import (
 )
 from orchestrator.preflight import check_shared_storage, check_storage, check_workloads
 from orchestrator.ray_group import ray_in_its_own_group
+from orchestrator.ray_internals import LOCAL_RAY_SYSTEM_CONFIG
 from orchestrator.ray_token import secure_token_files
 from orchestrator.run_request import RunRequest
 from orchestrator.stop_signal import sigterm_stops_like_sigint
@@ -331,7 +332,7 @@ def _init_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashboar
         with ray_in_its_own_group():
             context = ray.init(
                 address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=dashboard,
-                dashboard_host=dashboard_host, logging_config=logging_config,
+                dashboard_host=dashboard_host, logging_config=logging_config, _system_config=LOCAL_RAY_SYSTEM_CONFIG,
             )
         if dashboard:
             from orchestrator.dashboard import how_to_open, token_required

@@ -149,12 +149,15 @@ def ray_temp_dir():
 
 @pytest.fixture(scope="module")
 def local_ray(isolated_environment, ray_temp_dir):
-    """An embedded Ray for the module's tests; its workers import ``tests/`` modules (fake trainables)."""
+    """An embedded Ray for the module's tests, set as ``run``'s; its workers import ``tests/``
+    modules (fake trainables)."""
     import ray
+
+    from orchestrator.ray_internals import LOCAL_RAY_SYSTEM_CONFIG
 
     ray.init(
         address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-        _temp_dir=str(ray_temp_dir("local")),
+        _temp_dir=str(ray_temp_dir("local")), _system_config=LOCAL_RAY_SYSTEM_CONFIG,
         runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}},
     )
     yield

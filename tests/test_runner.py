@@ -257,6 +257,53 @@ def test_a_model_whose_estimate_fails_stops_the_sweep_and_the_ray_started_for_it
     assert not ray.is_initialized()
 
 
+IDLE_WORKERS_SEEN = """
+import os, sys, time, ray
+from orchestrator.runner import _connect_ray
+
+def idle_workers():  # this Ray's: the processes that inherited this one's mark
+    found = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                named = f.read().startswith(b"ray::IDLE")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                found += named and f"IDLE_MARK={os.environ['IDLE_MARK']}".encode() in f.read().split(b"\\0")
+        except OSError:
+            pass
+    return found
+
+if sys.argv[1] == "stock":
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
+else:
+    _connect_ray(None, 2, 0, False, "127.0.0.1")
+started, most = time.monotonic(), 0
+while time.monotonic() - started < float(sys.argv[2]) and not (sys.argv[1] == "stock" and most):
+    most = max(most, idle_workers())
+    time.sleep(0.2)
+print(most, round(time.monotonic() - started, 1))
+ray.shutdown()
+"""
+
+
+@pytest.mark.integration
+def test_the_ray_a_sweep_starts_prestarts_no_idle_worker(tmp_path):
+    """A stock local Ray prestarts idle workers for its first driver, which no trial runs in
+    (``ray_internals.LOCAL_RAY_SYSTEM_CONFIG``: why); the one ``run`` starts has none, watched
+    for twice as long as the stock one took to show its first (5 s at least)."""
+    def most_idle(kind: str, watch_s: float) -> tuple[int, float]:
+        env = {**os.environ, "IDLE_MARK": f"{os.getpid()}-{kind}"}
+        proc = subprocess.run([sys.executable, "-c", IDLE_WORKERS_SEEN, kind, str(watch_s)], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        most, seconds = proc.stdout.split()
+        return int(most), float(seconds)
+
+    stock, took = most_idle("stock", 60)
+    assert stock >= 1, "a stock Ray showed no idle worker in 60 s: this test cannot see them"
+    assert most_idle("ours", max(5.0, 2 * took))[0] == 0
+
+
 @pytest.mark.integration
 def test_a_driver_joins_a_token_cluster_from_a_users_shell_or_says_in_a_line_why_not(ray_head, tmp_path):
     """`ray start --head` turns token authentication on. A user's shell has the token
