@@ -39,7 +39,8 @@ from orchestrator.writable import check_folder, taken_back_if_refused
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
 #: Metrics that are counts or bytes: integers in the Parquet file (MLflow stores every metric as a double).
 INT_METRICS = TrialReport.integer_keys() | {STEP_METRIC}
-#: Column order of the measurements of each result; any other metric a workload reports follows, sorted.
+#: The measurements of each result, in this order, in every parquet file; any other metric a
+#: workload reports follows, sorted.
 METRIC_ORDER = (
     "epoch", "train_loss", "eval_loss", "peak_allocated_bytes", "peak_reserved_bytes", "device_used_bytes",
     "fragmentation", "predicted_peak_bytes", "prediction_error", "budget_bytes", "oom_retries",
@@ -379,7 +380,9 @@ def write_parquet(sweep: SweepRecord, path: Path | IO[bytes]) -> None:
     identity = ["experiment", "sweep", "sweep_run_id", "trial", "trial_id", "run_id", "status", "workload"]
     keys = {key for row in rows for key in row}
     config = sorted(k for k in keys if k.startswith("config."))
-    metrics = [k for k in METRIC_ORDER if k in keys]
+    # The orchestrator's own columns are in every file, empty where a sweep had nothing to put
+    # there (no estimate with `estimator: none`, no device reading): files of two sweeps concatenate.
+    metrics = list(METRIC_ORDER)
     metrics += sorted(keys - set(identity) - set(config) - set(metrics) - set(TRIAL_COLUMNS) - {STEP_METRIC})
     columns = identity + config + [STEP_METRIC] + metrics + list(TRIAL_COLUMNS)
     arrays = {}

@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -30,6 +31,7 @@ from orchestrator.report import (
     config_labels,
     peak_chart,
     plot_peaks,
+    write_parquet,
     short_value,
 )
 from orchestrator.tracking.reader import artifact_text
@@ -358,6 +360,22 @@ def record(index: int, config: dict[str, str], predicted: float | None, measured
 
 def sweep_of(trials: list[TrialRecord]) -> SweepRecord:
     return SweepRecord("demo_cpu", "demo_cpu_2026", "r0", "eval_loss", trials)
+
+
+def test_every_parquet_file_has_the_orchestrators_columns_of_the_same_types(tmp_path):
+    """A sweep with no estimate (``estimator: none``) or no measurement reports fewer metrics; its
+    file still has every column another sweep's has, empty, so that the two concatenate."""
+    from orchestrator.report import METRIC_ORDER, TRIAL_COLUMNS
+
+    estimated = sweep_of([record(0, {"lr": "0.01"}, 1.7 * MiB, 1.8 * MiB, budget=8 * MiB)])
+    bare = sweep_of([record(0, {"lr": "0.1"}, None, None)])
+    write_parquet(estimated, tmp_path / "estimated.parquet")
+    write_parquet(bare, tmp_path / "bare.parquet")
+    schemas = [pq.read_schema(tmp_path / f"{name}.parquet") for name in ("estimated", "bare")]
+    assert schemas[0] == schemas[1]
+    assert {*METRIC_ORDER, *TRIAL_COLUMNS} <= set(schemas[1].names)
+    both = pa.concat_tables([pq.read_table(tmp_path / f"{name}.parquet") for name in ("estimated", "bare")])
+    assert both.column("predicted_peak_bytes").to_pylist() == [int(1.7 * MiB), None]
 
 
 def test_hyper_parameters_are_short_in_labels():
