@@ -31,7 +31,8 @@ what changed; ``pyproject.toml`` pins Ray to the minor series that test passed o
   ``Tuner`` unpickled with its callbacks, whose MLflow store a resume may point elsewhere
   (``orchestrator.runner``).
 * :data:`LOCAL_RAY_SYSTEM_CONFIG`: the raylet settings (``ray.init(_system_config=...)``) of the
-  Ray a sweep starts itself (``orchestrator.runner``); Ray's GCS does not start with a key it
+  Ray a sweep starts itself (``orchestrator.runner``; a SLURM job's head, ``--system-config``
+  in ``slurm/sweep.sbatch.tmpl``); Ray's GCS does not start with a key it
   does not know, so a renamed one fails every local sweep, and the suite with it.
 * :func:`metrics_export_interval_s`: ``ray._config.metrics_report_interval_ms()``, how often a
   Ray process exports the metrics it recorded, which a driver that counted OOMs waits out before

@@ -103,7 +103,8 @@ def test_n_node_gpu_script(tmp_path):
     assert head.startswith("srun --nodes=1 --ntasks=1 --overlap -w \"$HEAD_NODE\"")
     for part in ('--block', '--node-ip-address="$HEAD_IP"', '--port="$GCS_PORT"', '--dashboard-host="$HEAD_IP"',
                  '--dashboard-port="$DASHBOARD_PORT"', '--temp-dir="$RAY_TMP"', '--num-gpus="$GPUS_PER_NODE"',
-                 '"${SRUN_GRES[@]}"', '$(node_ports 0)', '--ray-client-server-port=', '--node-name="$HEAD_NODE"'):
+                 '"${SRUN_GRES[@]}"', '$(node_ports 0)', '--ray-client-server-port=', '--node-name="$HEAD_NODE"',
+                 """--system-config='{"prestart_worker_first_driver": false}'"""):  # as `run`'s own Ray
         assert part in head, part
     [worker] = command_lines(script, 'start --block --address=')
     assert worker.startswith('srun --nodes=1 --ntasks=1 -w "$node"')

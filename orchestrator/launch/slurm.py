@@ -27,6 +27,7 @@ on one node safe.
 from __future__ import annotations
 
 import getpass
+import json
 import math
 import os
 import re
@@ -45,6 +46,7 @@ from orchestrator.config import SweepSpec
 from orchestrator.errors import UserError
 from orchestrator.launch.base import Launcher
 from orchestrator.preflight import check_storage
+from orchestrator.ray_internals import LOCAL_RAY_SYSTEM_CONFIG
 from orchestrator.run_request import Expanded, RunRequest
 from orchestrator.writable import taken_back_if_refused
 
@@ -279,6 +281,8 @@ def render(job: SlurmJob, template: str | None = None) -> str:
         "sbatch_directives": "\n".join(job.sbatch_directives()),
         "python": q(job.python),
         "ray": q(job.ray),
+        # The job's Ray is one the sweep starts, as an embedded one is: set the same.
+        "ray_system_config": q(json.dumps(LOCAL_RAY_SYSTEM_CONFIG)),
         "mlflow": q(job.mlflow),
         "job_dir": q(job.job_dir),
         "run_command": job.driver_request().command(DRIVER_PROGRAM),
