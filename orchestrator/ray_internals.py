@@ -57,8 +57,8 @@ TOKEN_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
 #: A new local Ray prestarts an idle worker process per CPU for its first driver, which none of a
 #: sweep's trials runs in: Tune gives every trial actor a runtime environment (``PL_DISABLE_FORK``,
 #: for Lightning), Ray prestarts workers only for an empty one, and a data-parallel trial's ranks
-#: inherit the trial's. Each such worker took ~1 CPU second as the sweep started and held ~100 MiB
-#: of host memory for the whole sweep, memory ``run``'s host plan counted as available
+#: inherit the trial's. They took CPU as the sweep started (0.6 s for the demo's two), and each
+#: held ~100 MiB of host memory for the whole sweep, memory ``run``'s host plan counted as available
 #: (bench/RESULTS.md, "Tune's trials do not start in the workers Ray prestarts").
 LOCAL_RAY_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
 
