@@ -31,8 +31,8 @@ from orchestrator.report import (
     config_labels,
     peak_chart,
     plot_peaks,
-    write_parquet,
     short_value,
+    write_parquet,
 )
 from orchestrator.tracking.reader import artifact_text
 from orchestrator.units import KiB, MiB
