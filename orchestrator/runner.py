@@ -46,7 +46,7 @@ from orchestrator.ray_group import ray_in_its_own_group
 from orchestrator.ray_internals import LOCAL_RAY_SYSTEM_CONFIG
 from orchestrator.ray_token import secure_token_files
 from orchestrator.run_request import RunRequest
-from orchestrator.stop_signal import sigterm_stops_like_sigint
+from orchestrator.stop_signal import ctrl_c_held, sigterm_stops_like_sigint
 from orchestrator.sweep_guard import claim_sweep, recorded_tracking_store
 from orchestrator.table import format_table
 from orchestrator.tracking.runs import absolute_tracking_uri, default_tracking_uri
@@ -267,7 +267,8 @@ def _estimate_while_ray_starts(spec: SweepSpec, connect: Callable[[], bool]):
     A Ctrl-C meanwhile waits for an estimate under way in the thread (two cores or fewer:
     ``orchestrator.estimates``) to end. Left to run on as a daemon, the thread was still in torch
     when the interpreter shut down, which then aborted ("terminate called without an active
-    exception") or hung on a lock the interrupted main thread held.
+    exception") or hung on a lock the interrupted main thread held. A Ctrl-C during Ray's own
+    start is held until that start ends (``stop_signal.ctrl_c_held``), and then Ray is shut down.
     """
     import ray
 
@@ -275,7 +276,8 @@ def _estimate_while_ray_starts(spec: SweepSpec, connect: Callable[[], bool]):
         estimating = pool.submit(estimate_before_start, spec)
         started_ray = False
         try:
-            started_ray = connect()
+            with ctrl_c_held():
+                started_ray = connect()
             return estimating.result(), started_ray
         except BaseException:
             if started_ray:

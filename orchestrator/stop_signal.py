@@ -1,4 +1,5 @@
-"""SIGTERM stops a sweep as Ctrl-C does.
+"""How the driver's stop signals behave: SIGTERM stops a sweep as Ctrl-C does, and a Ctrl-C
+during Ray's start waits for the start to end.
 
 SIGTERM is what SLURM (scancel, preemption), Kubernetes and ``kill`` send first, and a grace
 period later SIGKILL. Tune handles SIGINT (and SIGUSR1) itself during ``Tuner.fit``: it stops the
@@ -10,6 +11,10 @@ Tune's stack dump, no table, and MLflow runs left ``RUNNING``.
 So while the sweep runs, SIGTERM is handed to whatever handles SIGINT at that moment: Tune's
 graceful stop the first time, the default ``KeyboardInterrupt`` (stop now) the second, exactly as
 a second Ctrl-C.
+
+While the driver starts Ray, a Ctrl-C is held until the start ends (``ctrl_c_held``): Python's
+default handler raises ``KeyboardInterrupt`` wherever the main thread is, and there that can be
+inside logging's fork handler, which then never gives back logging's lock.
 """
 
 from __future__ import annotations
@@ -20,13 +25,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 
-def _as_sigint(signum: int, frame) -> None:
-    handler = signal.getsignal(signal.SIGINT)
+def _deliver_sigint(handler, frame) -> None:
+    """What a SIGINT does under ``handler``, as Python would call it."""
     if callable(handler):
         handler(signal.SIGINT, frame)
     elif handler == signal.SIG_DFL:
         raise KeyboardInterrupt
     # SIG_IGN: ignored, as SIGINT would be
+
+
+def _as_sigint(signum: int, frame) -> None:
+    _deliver_sigint(signal.getsignal(signal.SIGINT), frame)
 
 
 @contextmanager
@@ -41,3 +50,36 @@ def sigterm_stops_like_sigint() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+@contextmanager
+def ctrl_c_held() -> Iterator[None]:
+    """Within the block, the first Ctrl-C (SIGINT) is held and delivered when the block ends; a
+    second one is delivered at once, as a second Ctrl-C stops Tune at once.
+
+    For Ray's start: ``ray.init`` starts its processes with a ``preexec_fn``, so each fork runs
+    Python's fork handlers in the driver, logging's among them: it takes logging's module lock
+    before the fork and gives it back after. A ``KeyboardInterrupt`` raised in that handler is
+    ignored ("Exception ignored in: _releaseLock") and the lock stays taken. The next thread to log
+    then waits forever, and with it the command: a Ctrl-C while the driver estimated once left it
+    hanging (CI, with the estimate's thread waiting on that lock). A start takes seconds; the
+    Ctrl-C then stops the command as before."""
+    before = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or before == signal.SIG_IGN:
+        yield
+        return
+    held = False
+
+    def hold(signum: int, frame) -> None:
+        nonlocal held
+        if held:
+            _deliver_sigint(before, frame)
+        held = True
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+    if held:
+        _deliver_sigint(before, None)

@@ -257,6 +257,26 @@ def test_a_model_whose_estimate_fails_stops_the_sweep_and_the_ray_started_for_it
     assert not ray.is_initialized()
 
 
+def test_a_ctrl_c_while_ray_starts_is_taken_once_the_start_has_ended(default_sigint):
+    """The start (here a function that gets the Ctrl-C halfway, and starts no Ray) runs to its end,
+    the estimate made beside it too, and then the command stops: a ``KeyboardInterrupt`` inside
+    ``ray.init`` can leave logging's lock taken, and the command hanging (``stop_signal.ctrl_c_held``)."""
+    import signal
+
+    from orchestrator.runner import _estimate_while_ray_starts
+
+    started = []
+
+    def connect():
+        signal.raise_signal(signal.SIGINT)
+        started.append("Ray up")
+        return False
+
+    with pytest.raises(KeyboardInterrupt):
+        _estimate_while_ray_starts(SPEC, connect)
+    assert started == ["Ray up"]
+
+
 IDLE_WORKERS_SEEN = """
 import os, sys, time, ray
 from orchestrator.runner import _connect_ray

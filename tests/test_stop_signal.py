@@ -1,4 +1,5 @@
-"""SIGTERM during a sweep does what SIGINT does at that moment (orchestrator/stop_signal.py).
+"""SIGTERM during a sweep does what SIGINT does at that moment, and a Ctrl-C during Ray's start is
+held until the start ends (orchestrator/stop_signal.py).
 
 The sweep's own behaviour (table, resume command, MLflow runs marked, exit 1) is tested through
 the installed command in tests/test_cli.py; here, the handing over itself, in this process.
@@ -7,10 +8,11 @@ the installed command in tests/test_cli.py; here, the handing over itself, in th
 from __future__ import annotations
 
 import signal
+import threading
 
 import pytest
 
-from orchestrator.stop_signal import sigterm_stops_like_sigint
+from orchestrator.stop_signal import ctrl_c_held, sigterm_stops_like_sigint
 
 
 def test_sigterm_runs_the_sigint_handler_of_the_moment(default_sigint):
@@ -42,3 +44,63 @@ def test_the_sigterm_handler_before_is_back_after(default_sigint):
         assert signal.getsignal(signal.SIGTERM) is not before
         signal.raise_signal(signal.SIGTERM)  # the default SIGINT handler: KeyboardInterrupt
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_ctrl_c_during_the_block_is_delivered_when_it_ends(default_sigint):
+    """What ``ray.init`` runs in the block ends first: a ``KeyboardInterrupt`` raised inside it can
+    land in logging's fork handler, which then leaves logging's lock taken for good."""
+    ran_on = []
+    with pytest.raises(KeyboardInterrupt), ctrl_c_held():
+        signal.raise_signal(signal.SIGINT)
+        ran_on.append("after the Ctrl-C")
+    assert ran_on == ["after the Ctrl-C"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_ctrl_c_stops_at_once(default_sigint):
+    ran_on = []
+    with pytest.raises(KeyboardInterrupt), ctrl_c_held():
+        signal.raise_signal(signal.SIGINT)
+        ran_on.append("after the first")
+        signal.raise_signal(signal.SIGINT)
+        ran_on.append("after the second")
+    assert ran_on == ["after the first"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_without_a_ctrl_c_the_block_ends_as_it_would(default_sigint):
+    with ctrl_c_held():
+        pass
+    with pytest.raises(ValueError), ctrl_c_held():  # the block's own error, not a held interrupt
+        raise ValueError("Ray did not start")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_ignored_sigint_stays_ignored(default_sigint):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with ctrl_c_held():
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        signal.raise_signal(signal.SIGINT)
+
+
+def test_another_handler_gets_the_held_ctrl_c_once(default_sigint):
+    seen = []
+    signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+    with ctrl_c_held():
+        signal.raise_signal(signal.SIGINT)
+        assert seen == []
+    assert seen == [signal.SIGINT]
+
+
+def test_off_the_main_thread_nothing_is_held(default_sigint):
+    """Only the main thread may set a handler; a driver run from another thread keeps its own."""
+    seen = []
+
+    def in_a_thread():
+        with ctrl_c_held():
+            seen.append(signal.getsignal(signal.SIGINT))
+
+    worker = threading.Thread(target=in_a_thread)
+    worker.start()
+    worker.join()
+    assert seen == [signal.default_int_handler]
