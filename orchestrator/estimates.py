@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import threading
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -81,7 +82,7 @@ class Estimates:
 def estimate_trials(
     configs: list[dict[str, Any]], policy: MemoryPolicy, target: str, budget: int | None,
     effective_batch: int, *, processes: int | None = None,
-    on_done: Callable[[str, list[int], float], None] | None = None,
+    on_done: Callable[[str, list[int], float], None] | None = None, stop: threading.Event | None = None,
 ) -> Estimates:
     """Estimate each distinct memory signature of ``configs`` once, in up to ``processes``
     parallel processes (by default one fewer than the usable cores; one means this thread, except
@@ -91,6 +92,7 @@ def estimate_trials(
     None where only the worker can tell), so the profiles the plan needs are the ones made.
     ``on_done(signature, trial indices, seconds)`` reports progress. A signature whose estimate
     raised is recorded in ``errors`` (the worker will meet the same error and report it).
+    Once ``stop`` is set (the command was interrupted), no further signature is estimated.
     """
     estimates = Estimates(target, policy)
     if policy.estimator == NO_ESTIMATE or registered(policy.estimator).probes_device:
@@ -118,6 +120,8 @@ def estimate_trials(
                 estimates.errors[signature] = error
             if on_done is not None:
                 on_done(signature, indices, seconds)
+            if stop is not None and stop.is_set():
+                break
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)

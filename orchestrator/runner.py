@@ -11,8 +11,11 @@ from __future__ import annotations
 import glob
 import math
 import os
+import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -182,7 +185,7 @@ def run_sweep(
     started_ray = False
     claim = None
     try:
-        with taken_back_if_refused(storage):
+        with taken_back_if_refused(storage), _before_start():
             name, restore_from = _experiment_name(spec, storage, name, resume)
             recorded_store = recorded_tracking_store(restore_from) if restore_from else None
             tracking_uri = resolve_tracking_uri(tracking_uri, spec, recorded_store)
@@ -244,6 +247,22 @@ def run_sweep(
             ray.shutdown()
 
 
+class InterruptedBeforeStart(KeyboardInterrupt):
+    """A Ctrl-C before the sweep started (its checks, the estimates, Ray's start): no trial ran,
+    ``taken_back_if_refused`` has removed what the run made, and the same command starts it again
+    (a ``--resume`` without a name would take the experiment's newest sweep instead)."""
+
+
+@contextmanager
+def _before_start() -> Iterator[None]:
+    try:
+        yield
+    except InterruptedBeforeStart:
+        raise
+    except KeyboardInterrupt:
+        raise InterruptedBeforeStart from None
+
+
 def _fit_host_memory(spec: SweepSpec, host_memory: int | None, *, local: dict[str, float] | None = None,
                      cluster: list[dict[str, float]] | None = None) -> tuple[SweepSpec, list[str]]:
     """The spec the trials run with: its ``data`` settings cut so that the embedded Ray's machine
@@ -265,21 +284,23 @@ def _estimate_while_ray_starts(spec: SweepSpec, connect: Callable[[], bool]):
     it is shut down again and the error is the estimate's one line.
 
     A Ctrl-C meanwhile waits for an estimate under way in the thread (two cores or fewer:
-    ``orchestrator.estimates``) to end. Left to run on as a daemon, the thread was still in torch
+    ``orchestrator.estimates``) to end, and no further one starts. Left to run on as a daemon, the thread was still in torch
     when the interpreter shut down, which then aborted ("terminate called without an active
     exception") or hung on a lock the interrupted main thread held. A Ctrl-C during Ray's own
     start is held until that start ends (``stop_signal.ctrl_c_held``), and then Ray is shut down.
     """
     import ray
 
+    stop = threading.Event()
     with ThreadPoolExecutor(1, thread_name_prefix="estimate") as pool:
-        estimating = pool.submit(estimate_before_start, spec)
+        estimating = pool.submit(estimate_before_start, spec, stop)
         started_ray = False
         try:
             with ctrl_c_held():
                 started_ray = connect()
             return estimating.result(), started_ray
         except BaseException:
+            stop.set()
             if started_ray:
                 ray.shutdown()
             raise
@@ -395,11 +416,12 @@ def _experiment_name(spec: SweepSpec, storage: str, name: str | None, resume: bo
     return f"{spec.experiment}_{time.strftime('%Y%m%d-%H%M%S')}", None
 
 
-def estimate_before_start(spec: SweepSpec):
+def estimate_before_start(spec: SweepSpec, stop: threading.Event | None = None):
     """The trials' memory, estimated once per memory signature before the Tuner starts.
 
     A workload whose estimate raises (its model or loss fails on the first batch) stops the sweep
-    here, in one line, instead of failing every trial after Ray has started.
+    here, in one line, instead of failing every trial after Ray has started. ``stop``: set when
+    the command is interrupted; no more estimates are made.
     """
     from orchestrator.device.target import resolve_target
     from orchestrator.estimates import describe_signature, estimate_trials
@@ -410,7 +432,9 @@ def estimate_before_start(spec: SweepSpec):
     target, budget = planned.kind, planned.budget
     started = time.perf_counter()
     rank_batch = spec.effective_batch_size // spec.resources.workers  # what one rank of a trial computes per step
-    estimates = estimate_trials(memory_configs(spec), policy, target, budget, rank_batch)
+    estimates = estimate_trials(memory_configs(spec), policy, target, budget, rank_batch, stop=stop)
+    if stop is not None and stop.is_set():
+        return estimates
     if estimates.errors:
         signature, error = next(iter(estimates.errors.items()))
         raise UserError(f"workload {describe_signature(signature, spec.search_space)}: the {policy.estimator} estimate failed "

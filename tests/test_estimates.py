@@ -79,6 +79,18 @@ def test_sixteen_trials_of_two_widths_are_estimated_twice(processes):
     assert Settings("fp32", False) in profiles and estimates.known(configs[0], "cpu") == {}
 
 
+@pytest.mark.parametrize("processes", [1, 2])
+def test_once_stopped_no_further_signature_is_estimated(processes):
+    """A Ctrl-C while the driver estimates: the estimate under way ends, and no other starts."""
+    import threading
+
+    sweep = spec(search_space={"width": {"grid": [16, 32, 48]}})
+    stop = threading.Event()
+    estimates = estimate_trials(memory_configs(sweep), sweep.memory, "cuda", 2**30, 64, processes=processes,
+                                on_done=lambda *_: stop.set(), stop=stop)
+    assert len(estimates.by_signature) == 1 and not estimates.errors
+
+
 def test_on_two_cores_the_estimates_are_made_in_this_process_and_beyond_them_in_processes_beside_it(tmp_path, monkeypatch):
     """One core stays the driver's; with one left, spawning a process (its import and first trace
     cost a core seconds) would be slower than estimating here. Spawned processes import a user's

@@ -9,6 +9,7 @@ with it, a resume with a changed config refused naming the key or accepted with 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -170,7 +171,8 @@ class Tiny(Workload):
         estimating = multiprocessing.parent_process() is not None or threading.current_thread().name.startswith("estimate")
         if estimating and os.environ.get("SLOW_ESTIMATES"):
             # an estimate (a spawned process's, or the driver's estimate thread's) that takes its time, and says so
-            open(os.path.join(os.environ["SLOW_ESTIMATES"], str(os.getpid())), "w").close()
+            with open(os.path.join(os.environ["SLOW_ESTIMATES"], str(os.getpid())), "a") as mark:
+                mark.write(f"hidden={self.hidden}\\n")
             time.sleep(float(os.environ.get("SLOW_ESTIMATES_S", "600")))
         return torch.nn.Sequential(torch.nn.Linear(4, self.hidden), torch.nn.ReLU(), torch.nn.Linear(self.hidden, 2))
 
@@ -318,8 +320,9 @@ def test_a_running_sweep_is_not_run_twice_and_its_killed_driver_takes_its_estima
 @pytest.mark.integration
 def test_a_ctrl_c_before_the_sweep_starts_leaves_no_folder_behind(user_folder):
     """Ctrl-C (SIGINT to the command's group, as a terminal sends it) while the driver estimates:
-    the sweep never started, so neither its folder nor the storage folder made for it stays. (The
-    command waits for an estimate under way in its thread to end: 5 s here.)"""
+    the sweep never started, so neither its folder nor the storage folder made for it stays, and
+    the command says to run it again, not to resume it. (The command waits for an estimate under
+    way in its thread to end, 5 s here, and starts no other: the sweep has two.)"""
     from tests.conftest import command_env, installed_command
 
     marks = user_folder / "estimating"
@@ -336,6 +339,11 @@ def test_a_ctrl_c_before_the_sweep_starts_leaves_no_folder_behind(user_folder):
             os.killpg(driver.pid, signal.SIGKILL)
     assert driver.returncode == 130, out
     assert not (user_folder / "orchestrator_results").exists(), out
+    assert re.search(r"^Interrupted before the sweep started\. Run it again with: \S*orchestrator run two\.yaml --num-cpus 2$",
+                     out, re.M), out
+    assert "--resume" not in out and "Estimated the memory" not in out, out
+    if usable_cores() <= 2:  # the estimates in the driver's thread, one after the other
+        assert (marks / str(driver.pid)).read_text().count("hidden=") == 1
 
 
 @pytest.mark.integration

@@ -14,7 +14,7 @@ from orchestrator.config import SweepSpec
 from orchestrator.errors import UserError
 from orchestrator.launch.base import EMBEDDED_RAY_FLAGS, Launcher, refuse_flags
 from orchestrator.run_request import RunRequest
-from orchestrator.runner import resume_command, run_sweep, summary_lines, summary_table
+from orchestrator.runner import InterruptedBeforeStart, resume_command, run_sweep, summary_lines, summary_table
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,9 @@ class LocalLauncher(Launcher):
                 verbose=request.verbose,
                 allow_config_change=request.allow_config_change,
             )
+        except InterruptedBeforeStart:
+            print(f"\nInterrupted before the sweep started. Run it again with: {request.command()}", file=sys.stderr)
+            raise
         except KeyboardInterrupt:
             print(f"\nInterrupted. Continue the sweep with: {resume_command(request)}", file=sys.stderr)
             raise
