@@ -655,8 +655,9 @@ class SweepSpec:
 
     @model_validator(mode="after")
     def _sections_agree(self) -> SweepSpec:
-        """Rules across sections: ASHA's rungs need a budget in the unit they count; a group's ranks
-        share every optimizer step exactly and agree on every milestone without a clock."""
+        """Rules across sections: ASHA's rungs need a budget in the unit they count; a GPU device
+        needs a GPU from Ray; a group's ranks share every optimizer step exactly and agree on every
+        milestone without a clock."""
         if self.scheduler.type == "asha":
             unit = self.scheduler.time_attr
             last_rung = self.asha_last_rung()
@@ -667,6 +668,13 @@ class SweepSpec:
                     f"expected at most stop.{unit}s ({last_rung}, ASHA's last rung), got {self.scheduler.grace_period}",
                     "scheduler", "grace_period",
                 )
+        device = self.memory.device
+        if device != AUTO and device_kind(device).accelerator and self.resources.gpu == 0:
+            raise _invalid(
+                f"'{device}' trains on a GPU, but resources.gpu is 0 (Ray gives such a trial no GPU); "
+                "ask for one (resources.gpu: 1) or use memory.device: auto",
+                "memory", "device",
+            )
         workers = self.resources.workers
         rank_capacities = self.memory.rank_capacities
         if rank_capacities and len(rank_capacities) != workers:

@@ -126,6 +126,9 @@ BAD = [
     ("bad estimator", ["memory.estimator=guess"], "memory.estimator: expected one of static, trace, measured, none"),
     ("negative gpu", ["resources.gpu=-1"], "resources.gpu: expected a GPU count"),
     ("emulated without capacity", ["memory.device=emulated"], "memory.capacity: memory.device 'emulated' needs a capacity"),
+    ("a GPU device with no GPU asked of Ray", ["memory.device=cuda", "resources.gpu=0"],
+     "memory.device: 'cuda' trains on a GPU, but resources.gpu is 0 (Ray gives such a trial no GPU); ask for one "
+     "(resources.gpu: 1) or use memory.device: auto"),
     ("bad scheduler", ["scheduler=pbt"], "scheduler: expected one of fifo, asha"),
     ("bad on_nan", ["on_nan=ignore"], "on_nan: expected one of stop, fail, continue, got 'ignore'"),
     ("allocator setting typo", ["memory.allocator_conf=expandible_segments:True"],
