@@ -215,13 +215,15 @@ def _local_folder(path: str) -> str:
     keeps its own sweep state beside Tune's (the claim on the sweep, whole copies of Tune's state
     files, MLflow writes left unsent, a trial's OOM evidence) and reads it back on ``--resume``
     with plain file I/O: a URI would become a local folder named ``s3:``. So it is refused, with
-    what works instead."""
+    what works instead. A leading ``~`` is the home folder, as in Tune's own ``~/ray_results``
+    (no shell expands it in a YAML file or after ``--storage-path=``): kept, it made a folder
+    named ``~`` in the working directory."""
     if _URI.match(path):
         raise _invalid(
             f"expected a folder, not a URI, got {path!r}: the sweep keeps its state beside Tune's with file I/O; "
             "use a folder every node mounts (a shared disk, NFS, or the bucket mounted with s3fs, gcsfuse or blobfuse2)"
         )
-    return path
+    return os.path.expanduser(path)
 
 
 StoragePath = Annotated[Text, AfterValidator(_local_folder)]

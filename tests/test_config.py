@@ -18,6 +18,7 @@ from orchestrator.config import (
     folder_name,
     load_spec,
     read_yaml,
+    storage_folder,
 )
 from orchestrator.errors import ConfigError
 from orchestrator.space import trial_configs
@@ -67,6 +68,14 @@ def test_a_data_parallel_trial_with_a_capacity_per_rank(tmp_path):
     assert spec.resources.workers == 2
     assert spec.memory.rank_capacities == (64 * 2**20, 8 * 2**20) and spec.memory.capacity == 8 * 2**20
     assert spec.memory.capacity_of(0) == 64 * 2**20 and spec.memory.capacity_of(1) == 8 * 2**20
+
+
+def test_a_storage_path_under_home_is_the_home_folders(tmp_path, monkeypatch):
+    """As Tune's ``~/ray_results``: no shell expands ``~`` in a YAML file or after ``--storage-path=``."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    spec = load_spec(write(tmp_path, VALID), ["storage_path=~/sweeps"])
+    assert spec.storage_path == str(tmp_path / "home" / "sweeps")
+    assert storage_folder("~/elsewhere", "--storage-path") == str(tmp_path / "home" / "elsewhere")
 
 
 def test_set_overrides_a_key_as_yaml(tmp_path):
