@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
 import difflib
 import functools
 import math
@@ -68,16 +69,32 @@ def _invalid(message: str, *under: str | int) -> PydanticCustomError:
     return PydanticCustomError("config", "{message}", {"message": message, "under": under})
 
 
-def _expect(what: str) -> WrapValidator:
-    """Whatever pydantic finds wrong with a value, say what was expected in the project's words."""
+def _expect(what: str, text: bool = False) -> WrapValidator:
+    """Whatever pydantic finds wrong with a value, say what was expected in the project's words.
+    ``text``: the value is a word, which YAML may have read as something else."""
 
     def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         try:
             return handler(value)
         except ValidationError:
-            raise _invalid(f"expected {what}, got {value!r}") from None
+            raise _invalid(f"expected {what}, got {_got(value, text)}") from None
 
     return WrapValidator(validate)
+
+
+#: What YAML makes of an unquoted word that is not text: ``on``, ``2024-01-01``, ``1e3``, ``~``.
+_YAML_READS = ((bool, "a boolean"), (datetime.date, "a date"), (int, "a number"), (float, "a number"),
+               (type(None), "null"))
+
+
+def _got(value: Any, text: bool) -> str:
+    """The value as the user wrote it, as far as it can be told; where a word was expected and
+    YAML made it something else (``experiment: 2024-01-01`` is a date), how to make it a word."""
+    shown = value.isoformat() if isinstance(value, datetime.date) else repr(value)
+    read_as = next((name for kind, name in _YAML_READS if isinstance(value, kind)), None)
+    if text and read_as:
+        return f"{shown}, which YAML reads as {read_as}; quote it to make it text"
+    return shown
 
 
 def _one_of(values: tuple[str, ...]) -> Any:
@@ -108,9 +125,9 @@ PositiveNumber = Annotated[float, Field(strict=True, gt=0), _expect("a positive 
 NonNegativeNumber = Annotated[float, Field(strict=True, ge=0), _expect("a number >= 0")]
 Fraction = Annotated[float, Field(strict=True, gt=0, le=1), _expect("a number in (0, 1]")]
 Flag = Annotated[bool, Field(strict=True), _expect("true or false")]
-Text = Annotated[str, StringConstraints(strict=True, pattern=r"\S"), _expect("a non-empty string")]
+Text = Annotated[str, StringConstraints(strict=True, pattern=r"\S"), _expect("a non-empty string", text=True)]
 Device = Annotated[str, BeforeValidator(_registered_device)]
-Estimator = Annotated[str, StringConstraints(strict=True, pattern=r"^\w+$"), _expect("an estimator's name")]
+Estimator = Annotated[str, StringConstraints(strict=True, pattern=r"^\w+$"), _expect("an estimator's name", text=True)]
 Precision = _one_of(PRECISIONS)
 Decay = _one_of(LR_DECAYS)
 Mode = _one_of(("min", "max"))

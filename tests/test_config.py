@@ -135,6 +135,10 @@ BAD = [
     ("bad estimator", ["memory.estimator=guess"], "memory.estimator: expected one of static, trace, measured, none"),
     ("negative gpu", ["resources.gpu=-1"], "resources.gpu: expected a GPU count"),
     ("emulated without capacity", ["memory.device=emulated"], "memory.capacity: memory.device 'emulated' needs a capacity"),
+    ("a date where a name goes", ["experiment=2024-01-01"],
+     "experiment: expected a non-empty string, got 2024-01-01, which YAML reads as a date; quote it to make it text"),
+    ("a boolean where a name goes", ["experiment=on"],
+     "experiment: expected a non-empty string, got True, which YAML reads as a boolean; quote it to make it text"),
     ("a GPU device with no GPU asked of Ray", ["memory.device=cuda", "resources.gpu=0"],
      "memory.device: 'cuda' trains on a GPU, but resources.gpu is 0 (Ray gives such a trial no GPU); ask for one "
      "(resources.gpu: 1) or use memory.device: auto"),
