@@ -148,8 +148,7 @@ def report_command(args) -> int:
         print()
         print(summary(sweep))
         png, parquet = out / "report.png", out / "results.parquet"
-        write_whole(png, lambda f: plot_peaks(sweep, f))
-        write_whole(parquet, lambda f: write_parquet(sweep, f))
+        write_whole({png: lambda f: plot_peaks(sweep, f), parquet: lambda f: write_parquet(sweep, f)})
     with reading(tracking_uri, STORE_ADVICE):
         _client(tracking_uri).log_artifact(sweep.run_id, str(png), "report")
         _client(tracking_uri).log_artifact(sweep.run_id, str(parquet), "report")
@@ -157,13 +156,18 @@ def report_command(args) -> int:
     return 0
 
 
-def write_whole(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """``path`` as ``write`` makes it, or as it was: a disk that fills up mid-write leaves no
-    cut-off plot or Parquet file beside a whole one from an earlier report."""
+def write_whole(files: dict[Path, Callable[[IO[bytes]], None]]) -> None:
+    """Every path as its ``write`` makes it, or all as they were: a disk that fills up mid-write
+    leaves no cut-off plot or Parquet file beside a whole one from an earlier report, and a file
+    that cannot be written leaves none of the others new (a plot of one sweep beside the table of
+    another)."""
+    path = None
     try:
-        with atomic_write(path, "wb") as f:
-            write(f)
+        with contextlib.ExitStack() as written:  # each file moved into place as the stack unwinds
+            for path, write in files.items():
+                write(written.enter_context(atomic_write(path, "wb")))
     except OSError as exc:
+        path = getattr(exc, "filename2", None) or path  # a move into place names its target
         raise UserError(f"--out: cannot write {path} ({exc.strerror or exc}); {OUT_ADVICE}") from None
 
 

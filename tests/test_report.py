@@ -326,11 +326,21 @@ def test_a_write_cut_off_keeps_the_earlier_file_whole(tmp_path):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with pytest.raises(UserError) as raised:
-        write_whole(earlier, fills_the_disk)
+        write_whole({tmp_path / "report.png": lambda f: f.write(b"a new plot"), earlier: fills_the_disk})
     assert str(raised.value) == (f"--out: cannot write {earlier} (No space left on device); "
                                  "pass --out with a folder you can write")
     assert earlier.read_bytes() == b"the earlier report"
-    assert [p.name for p in tmp_path.iterdir()] == ["results.parquet"]
+    assert [p.name for p in tmp_path.iterdir()] == ["results.parquet"]  # no new plot beside the old table
+
+
+def test_a_file_that_cannot_be_put_in_place_leaves_the_others_as_they_were(tmp_path):
+    from orchestrator.report import write_whole
+
+    (tmp_path / "results.parquet").mkdir()
+    with pytest.raises(UserError, match=r"^--out: cannot write .*/results\.parquet \(Is a directory\); "):
+        write_whole({tmp_path / "report.png": lambda f: f.write(b"a plot"),
+                     tmp_path / "results.parquet": lambda f: f.write(b"a table")})
+    assert [p.name for p in tmp_path.iterdir()] == ["results.parquet"] and not any((tmp_path / "results.parquet").iterdir())
 
 
 def test_report_loads_neither_torch_nor_ray():
