@@ -123,6 +123,15 @@ class SweepRecord:
     run_id: str
     metric: str
     trials: list[TrialRecord]
+    status: str = "FINISHED"  # the sweep run's: KILLED while a resume can still finish it, RUNNING while it runs
+
+
+#: What the sweep run's status says of the trials a report lists (a trial that never started has no run).
+UNFINISHED_SWEEP = {
+    "KILLED": "The sweep was interrupted: only the trials that started are listed; `orchestrator run CONFIG --resume` "
+              "finishes it",
+    "RUNNING": "The sweep is running (or its driver was killed): only the trials that have started are listed",
+}
 
 
 # -- the command ----------------------------------------------------------------------------------
@@ -226,6 +235,7 @@ def load_sweep(tracking_uri: str, experiment: str | None = None) -> SweepRecord:
         run_id=parent.info.run_id,
         metric=parent.data.params.get("metric", "eval_loss"),
         trials=trials,
+        status=parent.info.status,
     )
 
 
@@ -338,6 +348,8 @@ def summary(sweep: SweepRecord) -> str:
         f"Trials: {len(sweep.trials)} ({', '.join(f'{n} {s}' for s, n in sorted(counts.items()))})",
         f"OOMs survived: {survived} (in {with_ooms} of {len(finished)} finished trials)",
     ]
+    if sweep.status in UNFINISHED_SWEEP:
+        lines.insert(1, UNFINISHED_SWEEP[sweep.status])
     errors = [(t, *t.peak()) for t in sweep.trials if t.peak()[2] is not None]
     if errors:
         trial, predicted, measured, error = max(errors, key=lambda e: abs(e[3]))

@@ -388,6 +388,22 @@ def test_every_parquet_file_has_the_orchestrators_columns_of_the_same_types(tmp_
     assert both.column("predicted_peak_bytes").to_pylist() == [int(1.7 * MiB), None]
 
 
+def test_an_unfinished_sweep_says_that_trials_that_never_started_are_not_listed():
+    """A trial that never started has no MLflow run: the report of an interrupted sweep (its run
+    KILLED) or of one still running says so, and how to finish it, below the count of those listed."""
+    import dataclasses
+
+    from orchestrator.report import summary
+
+    sweep = sweep_of([record(0, {"lr": "0.01"}, 1.7 * MiB, 1.8 * MiB)])
+    assert "listed" not in summary(sweep)
+    interrupted = summary(dataclasses.replace(sweep, status="KILLED")).splitlines()
+    assert interrupted[:2] == ["Trials: 1 (1 finished)", "The sweep was interrupted: only the trials that started are "
+                               "listed; `orchestrator run CONFIG --resume` finishes it"]
+    assert summary(dataclasses.replace(sweep, status="RUNNING")).splitlines()[1] == (
+        "The sweep is running (or its driver was killed): only the trials that have started are listed")
+
+
 def test_hyper_parameters_are_short_in_labels():
     assert [short_value(t) for t in ("0.0031622776601683794", "0.003", "0.1", "64", "mlp", "12345.678", "0.0")] == [
         "3.2e-3", "3e-3", "0.1", "64", "mlp", "1.2e4", "0"]
