@@ -8,7 +8,6 @@ another user's cluster.
 
 from __future__ import annotations
 
-import glob
 import math
 import os
 import threading
@@ -50,7 +49,7 @@ from orchestrator.ray_internals import LOCAL_RAY_SYSTEM_CONFIG
 from orchestrator.ray_token import secure_token_files
 from orchestrator.run_request import RunRequest
 from orchestrator.stop_signal import ctrl_c_held, sigterm_stops_like_sigint
-from orchestrator.sweep_guard import claim_sweep, recorded_tracking_store
+from orchestrator.sweep_guard import claim_sweep, recorded_tracking_store, running, sweeps_of
 from orchestrator.table import format_table
 from orchestrator.tracking.runs import absolute_tracking_uri, default_tracking_uri
 from orchestrator.trial_report import TrialReport
@@ -394,7 +393,8 @@ def _experiment_name(spec: SweepSpec, storage: str, name: str | None, resume: bo
 
     Each run gets a fresh, timestamped folder unless ``--name`` fixes it (a SLURM job does, so
     its requeued attempts resume exactly their own sweep); ``--resume`` without a name picks
-    the newest folder of the experiment.
+    the newest sweep of the experiment that can be resumed or is running (which the claim on
+    its folder then refuses, rather than a second copy of it starting beside it).
     """
     from orchestrator.tune_state import restorable
 
@@ -406,12 +406,11 @@ def _experiment_name(spec: SweepSpec, storage: str, name: str | None, resume: bo
             print(f"Nothing to resume at {path}: starting the sweep")
         return name, None
     if resume:
-        candidates = sorted(
-            (p for p in glob.glob(os.path.join(storage, f"{spec.experiment}_*")) if restorable(p)),
-            key=os.path.getmtime,
-        )
+        candidates = sorted((p for p in sweeps_of(storage, spec.experiment) if restorable(p) or running(p)),
+                            key=os.path.getmtime)
         if candidates:
-            return os.path.basename(candidates[-1]), candidates[-1]
+            newest = candidates[-1]
+            return os.path.basename(newest), newest if restorable(newest) else None
         print(f"Nothing to resume under {storage} for {spec.experiment!r}: starting the sweep")
     return f"{spec.experiment}_{time.strftime('%Y%m%d-%H%M%S')}", None
 

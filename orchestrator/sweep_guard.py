@@ -180,6 +180,37 @@ def _holder(fd: int) -> str:
     return ""
 
 
+def sweeps_of(storage: str, experiment: str) -> list[str]:
+    """The sweep folders under ``storage`` of ``experiment``: those ``run`` named for it, and those
+    a ``--name`` named whose recorded config is of it."""
+    found = []
+    for entry in os.scandir(storage) if os.path.isdir(storage) else ():
+        if entry.is_dir() and (entry.name.startswith(f"{experiment}_") or _experiment_of(entry.path) == experiment):
+            found.append(entry.path)
+    return found
+
+
+def _experiment_of(folder: str) -> str | None:
+    with contextlib.suppress(UserError):
+        return (_recorded(folder) or {}).get("experiment")
+    return None
+
+
+def running(folder: str) -> bool:
+    """Whether a driver runs the sweep in ``folder`` now: it holds the folder's lock."""
+    try:
+        fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 def recorded_tracking_store(folder: str) -> str | None:
     """The MLflow store the sweep in ``folder`` writes to, None where it recorded none (a sweep
     started before stores were kept)."""

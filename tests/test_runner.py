@@ -123,6 +123,26 @@ def test_each_run_gets_its_own_folder_unless_named(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+def test_a_resume_without_a_name_finds_the_experiments_running_sweep_and_is_refused_there(tmp_path):
+    """``run CONFIG --resume`` while a sweep of the experiment runs, under a name of its own and
+    before Tune saved anything: that sweep is the one meant, and its claim refuses the second
+    driver (a second copy of the sweep started beside it)."""
+    from orchestrator.errors import UserError
+    from orchestrator.sweep_guard import claim_sweep
+
+    folder = tmp_path / "X1"
+    claim = claim_sweep(str(folder), SPEC, resuming=False, new=True)
+    try:
+        claim.record(SPEC, "sqlite:///mlflow.db")
+        assert _experiment_name(SPEC, str(tmp_path), None, resume=True) == ("X1", None)
+        with pytest.raises(UserError, match=f"^sweep {folder} is already running"):
+            claim_sweep(str(folder), SPEC, resuming=False)
+    finally:
+        claim.release()
+    name, restore = _experiment_name(SPEC, str(tmp_path), None, resume=True)  # ended before Tune saved: a new sweep
+    assert name.startswith("exp_") and restore is None
+
+
 def test_a_sweep_stopped_before_tune_saved_its_state_is_started_again_not_resumed(tmp_path):
     """Stopped between the Tuner's making (its tuner.pkl) and its first step: Tune's restore would
     run one trial of no config; the resume starts the sweep instead, in its folder."""
