@@ -207,29 +207,32 @@ def run_sweep(
                 wait = check_schedulable(trial_request(spec), spec.resources.wait_minutes, spec.resources.workers)
                 if not embedded:
                     trial_spec, host_cuts = _fit_host_memory(spec, node_memory, cluster=nodes)
+                # The sweep starts: its config kept, Tune's Tuner made (its tuner.pkl in the folder).
+                claim.record(spec, tracking_uri)
+                trainable = _trainable(trial_spec, estimates)
+                _tune_settings()
+                if restore_from:
+                    print(f"Resuming {restore_from}: finishing the trials that did not finish")
+                    for cut_off in put_back:
+                        print(f"{cut_off} was cut off (a full storage?): resuming from its last whole copy")
+                    tuner = tune.Tuner.restore(restore_from, trainable=trainable, resume_unfinished=True,
+                                               resume_errored=False)
+                    if recorded_store and recorded_store != tracking_uri:
+                        print(f"MLflow: this resume writes to {tracking_uri} (--tracking-uri); "
+                              f"the sweep so far is in {recorded_store}")
+                    _track_in(tuner, tracking_uri)
+                else:
+                    tuner = tune.Tuner(
+                        trainable,
+                        param_space=_param_space(spec),
+                        tune_config=_tune_config(spec),
+                        run_config=_run_config(spec, name, storage, tracking_uri, wait, verbose, host_cuts=host_cuts),
+                    )
             # Refused, or stopped before it started: Ctrl-C, or SIGTERM once Ray's start has made it
             # raise SystemExit (before that, the signal ends the process, and the claim's lock with it).
             except (UserError, KeyboardInterrupt, SystemExit):
                 claim.release(refused=True)
                 raise
-        claim.record(spec, tracking_uri)
-        trainable = _trainable(trial_spec, estimates)
-        _tune_settings()
-        if restore_from:
-            print(f"Resuming {restore_from}: finishing the trials that did not finish")
-            for cut_off in put_back:
-                print(f"{cut_off} was cut off (a full storage?): resuming from its last whole copy")
-            tuner = tune.Tuner.restore(restore_from, trainable=trainable, resume_unfinished=True, resume_errored=False)
-            if recorded_store and recorded_store != tracking_uri:
-                print(f"MLflow: this resume writes to {tracking_uri} (--tracking-uri); the sweep so far is in {recorded_store}")
-            _track_in(tuner, tracking_uri)
-        else:
-            tuner = tune.Tuner(
-                trainable,
-                param_space=_param_space(spec),
-                tune_config=_tune_config(spec),
-                run_config=_run_config(spec, name, storage, tracking_uri, wait, verbose, host_cuts=host_cuts),
-            )
         with sigterm_stops_like_sigint(), recording() as record, tune_lines_told_here(verbose):
             results = tuner.fit()
         if not embedded:  # the cluster outlives this driver: its Prometheus endpoint gets the last counts

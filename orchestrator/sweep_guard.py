@@ -106,14 +106,15 @@ class SweepClaim:
 
     def release(self, refused: bool = False) -> None:
         """Give the folder back. ``refused``: the sweep never started, so a folder this claim made
-        goes again (a refused sweep leaves nothing behind)."""
+        goes again, with what this driver wrote in it (its config, Tune's ``tuner.pkl``): a
+        refused sweep leaves nothing behind."""
         if self.fd is None:
             return
         with contextlib.suppress(OSError):
             os.remove(os.path.join(self.folder, LOCK_FILE))
         os.close(self.fd)
         self.fd = None
-        if refused and self.made_folder and not os.listdir(self.folder):
+        if refused and self.made_folder:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 

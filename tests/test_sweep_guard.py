@@ -142,9 +142,21 @@ def test_a_sweep_kept_before_its_config_was_resumes_unchecked(tmp_path):
 
 
 def test_a_refused_claim_takes_back_the_folder_it_made(tmp_path):
+    """With what the driver wrote in it before the sweep started (stopped while Tune made its
+    Tuner: the config, ``tuner.pkl``); a folder that was there keeps what it held."""
     folder = tmp_path / "new"
     claim_sweep(str(folder), spec(), resuming=False).release(refused=True)
     assert not folder.exists()
+    claim = claim_sweep(str(folder), spec(), resuming=False)
+    claim.record(spec(), "sqlite:///mlflow.db")
+    (folder / "tuner.pkl").write_bytes(b"Tune's")
+    claim.release(refused=True)
+    assert not folder.exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "tuner.pkl").write_bytes(b"an earlier sweep's")
+    claim_sweep(str(kept), spec(), resuming=True).release(refused=True)
+    assert sorted(p.name for p in kept.iterdir()) == ["tuner.pkl"]
 
 
 # -- the installed command, from a user's folder ---------------------------------------------
