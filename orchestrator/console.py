@@ -21,6 +21,7 @@ import contextlib
 import logging
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -292,13 +293,24 @@ class Progress:
     ooms: int  # OOMs survived so far
 
 
-def format_progress(p: Progress) -> str:
+def format_progress(p: Progress, width: int | None = None) -> str:
+    """The line, within ``width`` columns where given: the parts that fit, in order. A line as wide
+    as the terminal or wider wraps, and ``\\r`` then goes back to the start of its last row only,
+    so each redraw left a fragment above the next on a narrow terminal."""
     parts = [f"{p.done} done, {p.running} running, {p.pending} pending", f"{_duration(p.elapsed_s)} elapsed"]
     if 0 < p.fraction < 1:
         parts.append(f"~{_duration(p.elapsed_s * (1 - p.fraction) / p.fraction)} left")
     if p.ooms:
         parts.append(f"{p.ooms} OOM(s) survived")
-    return " | ".join(parts)
+    if width is None:
+        return " | ".join(parts)
+    room = width - 1  # the last column would wrap on some terminals
+    line = parts[0][:room]
+    for part in parts[1:]:
+        if len(line) + 3 + len(part) > room:
+            break
+        line += " | " + part
+    return line
 
 
 def _duration(seconds: float) -> str:
@@ -416,7 +428,8 @@ class LiveView(tune.Callback):
         pending = max(self._total, len(trials)) - done - running
         fractions = [trial_fraction(t.status, t.last_result or {}, self.stop_epochs, self.stop_steps) for t in trials]
         fraction = sum(fractions) / max(self._total, len(trials), 1)
-        line = format_progress(Progress(done, running, pending, time.monotonic() - self._start, fraction, self._ooms))
+        progress = Progress(done, running, pending, time.monotonic() - self._start, fraction, self._ooms)
+        line = format_progress(progress, shutil.get_terminal_size().columns)
         sys.stdout.write(f"\r\x1b[K{line}")
         sys.stdout.flush()
         self._drawn = time.monotonic()

@@ -226,6 +226,13 @@ def test_the_progress_line_counts_trials_time_left_and_ooms():
     assert format_progress(Progress(3, 2, 3, 75, 0.5, 2)) == (
         "3 done, 2 running, 3 pending | 1:15 elapsed | ~1:15 left | 2 OOM(s) survived")
     assert format_progress(Progress(0, 2, 6, 4000, 0.0, 0)) == "0 done, 2 running, 6 pending | 1:06:40 elapsed"
+    # On a terminal, within its width (one column to spare): the parts that fit; a line that
+    # wrapped left a fragment of itself above each redraw.
+    progress = Progress(3, 2, 3, 75, 0.5, 2)
+    assert format_progress(progress, 80) == format_progress(progress)
+    assert format_progress(progress, 44) == "3 done, 2 running, 3 pending | 1:15 elapsed"
+    assert format_progress(progress, 30) == "3 done, 2 running, 3 pending"
+    assert format_progress(progress, 20) == "3 done, 2 running, "
     assert trial_fraction("RUNNING", {"epoch": 1, "step": 10}, 4, None) == 0.25
     assert trial_fraction("RUNNING", {"epoch": 0, "step": 300}, 4, 400) == 0.75  # the nearer budget
     assert trial_fraction("ERROR", {}, 4, None) == trial_fraction("TERMINATED", {}, 4, None) == 1.0
