@@ -286,10 +286,11 @@ def _estimate_while_ray_starts(spec: SweepSpec, connect: Callable[[], bool]):
     it is shut down again and the error is the estimate's one line.
 
     A Ctrl-C meanwhile waits for an estimate under way in the thread (two cores or fewer:
-    ``orchestrator.estimates``) to end, and no further one starts. Left to run on as a daemon, the thread was still in torch
-    when the interpreter shut down, which then aborted ("terminate called without an active
-    exception") or hung on a lock the interrupted main thread held. A Ctrl-C during Ray's own
-    start is held until that start ends (``stop_signal.ctrl_c_held``), and then Ray is shut down.
+    ``orchestrator.estimates``) to end, and no further one starts. Left to run on as a daemon, the
+    thread was still in torch when the interpreter shut down, which then aborted ("terminate called
+    without an active exception") or hung on a lock the interrupted main thread held. A Ctrl-C
+    during Ray's own start is held until that start ends (``stop_signal.ctrl_c_held``), and then
+    Ray is shut down.
     """
     import ray
 
