@@ -103,7 +103,6 @@ def sweep_host_plan(spec: SweepSpec, nodes: list[NodeMemory], device: str) -> tu
     """The plan ``run`` applies: the tightest node's, for the sweep's largest trial (the line
     why, where the trials' data could not be measured; None without a node to plan for)."""
     from orchestrator.preflight import distinct_configs
-    from orchestrator.space import trial_configs
 
     if not nodes:
         return None
@@ -113,7 +112,7 @@ def sweep_host_plan(spec: SweepSpec, nodes: list[NodeMemory], device: str) -> tu
         from orchestrator.memory.failure import summary
 
         return f"not planned, the trials' data could not be measured ({summary(exc)})"
-    return tightest_plan(spec, footprint, nodes, pins_host_memory(spec, device), len(trial_configs(spec)))
+    return tightest_plan(spec, footprint, nodes, pins_host_memory(spec, device), spec.trial_count())
 
 
 def fit_host_memory(spec: SweepSpec, nodes: list[NodeMemory], device: str) -> tuple[SweepSpec, list[str]]:
