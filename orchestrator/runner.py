@@ -259,8 +259,6 @@ class InterruptedBeforeStart(KeyboardInterrupt):
 def _before_start() -> Iterator[None]:
     try:
         yield
-    except InterruptedBeforeStart:
-        raise
     except KeyboardInterrupt:
         raise InterruptedBeforeStart from None
 
