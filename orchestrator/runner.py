@@ -408,11 +408,11 @@ def _experiment_name(spec: SweepSpec, storage: str, name: str | None, resume: bo
             print(f"Nothing to resume at {path}: starting the sweep")
         return name, None
     if resume:
-        candidates = sorted((p for p in sweeps_of(storage, spec.experiment) if restorable(p) or running(p)),
-                            key=os.path.getmtime)
+        resumable = {p: restorable(p) for p in sweeps_of(storage, spec.experiment)}
+        candidates = sorted((p for p, can in resumable.items() if can or running(p)), key=os.path.getmtime)
         if candidates:
             newest = candidates[-1]
-            return os.path.basename(newest), newest if restorable(newest) else None
+            return os.path.basename(newest), newest if resumable[newest] else None
         print(f"Nothing to resume under {storage} for {spec.experiment!r}: starting the sweep")
     return f"{spec.experiment}_{time.strftime('%Y%m%d-%H%M%S')}", None
 
