@@ -23,6 +23,12 @@ import requests
 from ports import free_ports
 
 START_TIMEOUT_S = 90
+#: The dashboard agent's HTTP port, which the job API submits through: 0, the port the agent
+#: binds, not one chosen here and free until ``ray start`` gets to it. A port another process took
+#: in those seconds (the other test process's sweeps make connections all the while) left the
+#: agent up without its HTTP service, and every job submission to the head answered "No available
+#: agent to submit job" (a CI run lost the two modules that submit jobs that way).
+AGENT_PORT = 0
 
 
 @dataclass
@@ -114,14 +120,14 @@ def start_head(temp_dir: Path, num_cpus: int = 2, node_name: str | None = None,
     token = subprocess.run(
         [ray, "get-auth-token", "--generate"], env=env, check=True, capture_output=True, text=True, timeout=60
     ).stdout.strip()
-    ports = dict(zip(("gcs", "dashboard", "metrics", "agent", "client"), free_ports(5)))
+    ports = dict(zip(("gcs", "dashboard", "metrics", "client"), free_ports(4)))
     temp_dir.mkdir(parents=True, exist_ok=True)
     log_path = temp_dir.parent / f"{temp_dir.name}-ray-start.log"
     command = [
         ray, "start", "--head", "--block", "--disable-usage-stats",
         f"--temp-dir={temp_dir}", f"--num-cpus={num_cpus}", "--num-gpus=0",
         f"--port={ports['gcs']}", "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dashboard']}",
-        f"--metrics-export-port={ports['metrics']}", f"--dashboard-agent-listen-port={ports['agent']}",
+        f"--metrics-export-port={ports['metrics']}", f"--dashboard-agent-listen-port={AGENT_PORT}",
         f"--ray-client-server-port={ports['client']}",
     ] + _node_options(node_name, labels)
     with open(log_path, "w") as log:
@@ -229,11 +235,11 @@ def start_worker(head: RayHead, temp_dir: Path, name: str, num_cpus: int = 1,
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true"}
     temp_dir.mkdir(parents=True, exist_ok=True)
     log_path = temp_dir.parent / f"{temp_dir.name}-ray-start.log"
-    metrics_port, agent_port = free_ports(2)
+    [metrics_port] = free_ports(1)
     command = [
         "ray", "start", f"--address={head.gcs_address}", "--block", "--disable-usage-stats",
         f"--temp-dir={temp_dir}", f"--num-cpus={num_cpus}", "--num-gpus=0",
-        f"--metrics-export-port={metrics_port}", f"--dashboard-agent-listen-port={agent_port}",
+        f"--metrics-export-port={metrics_port}", f"--dashboard-agent-listen-port={AGENT_PORT}",
     ] + _node_options(name, labels)
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
