@@ -288,7 +288,8 @@ def _estimate_while_ray_starts(spec: SweepSpec, connect: Callable[[], bool]):
     thread was still in torch when the interpreter shut down, which then aborted ("terminate called
     without an active exception") or hung on a lock the interrupted main thread held. A Ctrl-C
     during Ray's own start is held until that start ends (``stop_signal.ctrl_c_held``), and then
-    Ray is shut down.
+    Ray is shut down; no further estimate starts from the moment it came (a start slowed by a busy
+    machine outlasted a 5 s estimate, and the next one began).
     """
     import ray
 
@@ -297,7 +298,7 @@ def _estimate_while_ray_starts(spec: SweepSpec, connect: Callable[[], bool]):
         estimating = pool.submit(estimate_before_start, spec, stop)
         started_ray = False
         try:
-            with ctrl_c_held():
+            with ctrl_c_held(on_hold=stop.set):
                 started_ray = connect()
             return estimating.result(), started_ray
         except BaseException:

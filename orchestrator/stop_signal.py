@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 
@@ -53,9 +53,11 @@ def sigterm_stops_like_sigint() -> Iterator[None]:
 
 
 @contextmanager
-def ctrl_c_held() -> Iterator[None]:
+def ctrl_c_held(on_hold: Callable[[], None] = lambda: None) -> Iterator[None]:
     """Within the block, the first Ctrl-C (SIGINT) is held and delivered when the block ends; a
-    second one is delivered at once, as a second Ctrl-C stops Tune at once.
+    second one is delivered at once, as a second Ctrl-C stops Tune at once. ``on_hold`` is called
+    as the first one comes (in the signal handler: it must not wait on a lock), for what may stop
+    at once: the estimates beside Ray's start start no new one while the start ends.
 
     For Ray's start: ``ray.init`` starts its processes with a ``preexec_fn``, so each fork runs
     Python's fork handlers in the driver, logging's among them: it takes logging's module lock
@@ -74,7 +76,9 @@ def ctrl_c_held() -> Iterator[None]:
         nonlocal held
         if held:
             _deliver_sigint(before, frame)
+            return
         held = True
+        on_hold()
 
     signal.signal(signal.SIGINT, hold)
     try:

@@ -297,6 +297,34 @@ def test_a_ctrl_c_while_ray_starts_is_taken_once_the_start_has_ended(default_sig
     assert started == ["Ray up"]
 
 
+def test_a_ctrl_c_while_ray_starts_stops_further_estimates_at_once(default_sigint, monkeypatch):
+    """The estimates are told to start no new one as the held Ctrl-C comes, not once Ray's start
+    has ended: a start slowed by a busy machine outlasted an estimate, and the next one began."""
+    import signal
+    import threading
+
+    import orchestrator.runner as runner
+
+    given, stop_when_held = {}, []
+    asked = threading.Event()
+
+    def estimate_before_start(spec, stop):
+        given["stop"] = stop
+        asked.set()
+        return {}
+
+    def connect():
+        assert asked.wait(30)
+        signal.raise_signal(signal.SIGINT)
+        stop_when_held.append(given["stop"].is_set())
+        return False
+
+    monkeypatch.setattr(runner, "estimate_before_start", estimate_before_start)
+    with pytest.raises(KeyboardInterrupt):
+        runner._estimate_while_ray_starts(SPEC, connect)
+    assert stop_when_held == [True]
+
+
 IDLE_WORKERS_SEEN = """
 import os, sys, time, ray
 from orchestrator.runner import _connect_ray
