@@ -28,6 +28,7 @@ from orchestrator.atomic_file import atomic_write
 from orchestrator.contract import MEMORY_LABELS
 from orchestrator.errors import UserError
 from orchestrator.table import format_table
+from orchestrator.tracking.client import mlflow_client
 from orchestrator.tracking.reader import READERS, StoredRun, artifact_text, trial_runs
 from orchestrator.tracking.runs import ROLE_TAG, STEP_METRIC, SWEEP_ID_TAG, default_tracking_uri, sqlite_path
 from orchestrator.tracking.store import database_answers, reading
@@ -159,8 +160,8 @@ def report_command(args) -> int:
         png, parquet = out / "report.png", out / "results.parquet"
         write_whole({png: lambda f: plot_peaks(sweep, f), parquet: lambda f: write_parquet(sweep, f)})
     with reading(tracking_uri, STORE_ADVICE):
-        _client(tracking_uri).log_artifact(sweep.run_id, str(png), "report")
-        _client(tracking_uri).log_artifact(sweep.run_id, str(parquet), "report")
+        mlflow_client(tracking_uri).log_artifact(sweep.run_id, str(png), "report")
+        mlflow_client(tracking_uri).log_artifact(sweep.run_id, str(parquet), "report")
     print(f"\nWrote {png} and {parquet} (also logged to the sweep's run under report/)")
     return 0
 
@@ -183,12 +184,6 @@ def write_whole(files: dict[Path, Callable[[IO[bytes]], None]]) -> None:
 # -- reading MLflow -------------------------------------------------------------------------------
 
 
-def _client(tracking_uri: str):
-    from mlflow import MlflowClient
-
-    return MlflowClient(tracking_uri)
-
-
 def load_sweep(tracking_uri: str, experiment: str | None = None) -> SweepRecord:
     """The newest sweep of ``experiment`` (of any experiment if None), with every trial's history.
     ``experiment`` may also name one sweep (its results folder's name, which ``run`` prints and
@@ -204,7 +199,7 @@ def load_sweep(tracking_uri: str, experiment: str | None = None) -> SweepRecord:
     if database is not None and (why_not := _not_an_mlflow_database(database)):
         raise UserError(f"{database} is not an MLflow database ({why_not}); pass --tracking-uri (the sweep's tracking URI)")
     database_answers(tracking_uri)
-    client = _client(tracking_uri)
+    client = mlflow_client(tracking_uri)
     experiments = client.search_experiments()
     sweep_filter = f"tags.`{ROLE_TAG}` = 'sweep'"
     named = [e for e in experiments if e.name == experiment]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from orchestrator.errors import UserError
 from orchestrator.preflight import check_new_database
+from orchestrator.tracking.client import mlflow_client
 from orchestrator.tracking.runs import sqlite_path
 from orchestrator.tracking.store import database_answers, unusable
 from orchestrator.tracking.writer import fail_fast
@@ -17,12 +18,10 @@ def check_tracking(tracking_uri: str, experiment: str) -> None:
     if database is not None and not database.exists():
         check_new_database(database)
         return
-    from mlflow import MlflowClient
-
     fail_fast()
     try:
         database_answers(tracking_uri)
-        found = MlflowClient(tracking_uri).get_experiment_by_name(experiment)
+        found = mlflow_client(tracking_uri).get_experiment_by_name(experiment)
     except Exception as exc:  # noqa: BLE001 - whatever it is, the sweep cannot record there
         raise UserError("tracking_uri: " + unusable(
             tracking_uri, exc, "start it or fix the URI, or pass --offline-tracking to run anyway "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 
+from orchestrator.tracking.client import mlflow_client
 from orchestrator.tracking.runs import PARENT_TAG, ROLE_TAG, STEP_METRIC, SWEEP_ID_TAG, SweepIdentity, Target, sqlite_path
 
 logger = logging.getLogger(__name__)
@@ -45,9 +46,7 @@ class MlflowWriter:
         """Made on first use, in the outbox's thread: opening a store can fail like any request
         (a SQLite file that cannot be opened yet) and is then retried like one."""
         if self._client is None:
-            from mlflow import MlflowClient
-
-            self._client = MlflowClient(self.tracking_uri)
+            self._client = mlflow_client(self.tracking_uri)
         return self._client
 
     def forget(self) -> None:
