@@ -49,7 +49,10 @@ METRIC_ORDER = (
     "plan_reductions", "time_total_s",
 )
 #: Per-trial strings (params or tags) repeated on each of its rows.
-TRIAL_COLUMNS = ("estimator", "memory_source", "precision", "gpu_name", "refusal", "error", "node_name", "moves")
+TRIAL_COLUMNS = ("estimator", "memory_source", "precision", "gpu_name", "refusal", "diverged", "error", "node_name",
+                 "moves")
+#: The most trials the summary says why they did not finish; the Parquet file has every trial's reason.
+ENDING_LINES = 20
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,18 @@ class TrialRecord:
     @property
     def shown_status(self) -> str:
         return "REFUSED" if self.tags.get("refusal") else "DIVERGED" if self.tags.get("diverged") else self.status
+
+    def ending(self) -> str | None:
+        """Why the trial did not simply finish, in the words of ``run``'s line for it (``refused:
+        ...``, ``diverged: ...``, ``failed: <the exception line>``); None for a trial that did. The
+        error of a trial a resume then finished is history, not its ending."""
+        if self.tags.get("refusal"):
+            return f"refused: {self.tags['refusal']}"
+        if self.tags.get("diverged"):
+            return f"diverged: {self.tags['diverged']}"
+        if self.status == "FAILED" and self.tags.get("error"):
+            return f"failed: {self.tags['error']}"
+        return None
 
     def latest(self) -> TrialReport:
         """The trial's report as of its last result: each metric's value at the last step that has it."""
@@ -355,6 +370,11 @@ def summary(sweep: SweepRecord) -> str:
         )
     else:
         lines.append("Worst estimation error: - (no trial has both a prediction and a measurement)")
+    endings = [f"{trial.label} {why}" for trial in sweep.trials if (why := trial.ending())]
+    lines += endings[:ENDING_LINES]
+    if len(endings) > ENDING_LINES:
+        lines.append(f"... and {len(endings) - ENDING_LINES} more trials that did not finish "
+                     "(results.parquet's refusal, diverged and error columns have every trial's)")
     for trial in sweep.trials:
         if trial.tags.get("moves"):
             lines.append(f"{trial.label}: {trial.tags['moves']}")

@@ -74,7 +74,8 @@ def test_report_table_summary_parquet_and_png_match_mlflow(sqlite_sweep, tmp_pat
 
     # Each trial named as `run` names it: its Tune trial id (the MLflow run is Tune's str(trial)).
     trial_id = {name: run.data.tags["trial_id"] for name, run in (("plain", plain), ("retried", retried), ("refused", refused))}
-    lines = {line.split()[0]: line for line in text.splitlines() if line.split() and line.split()[0] in trial_id.values()}
+    heading, table_text, summary_text = text.split("\n\n")[:3]
+    lines = {line.split()[0]: line for line in table_text.splitlines() if line.split() and line.split()[0] in trial_id.values()}
     assert len(lines) == len(children) == 3
     assert all(run.info.run_name.endswith(run.data.tags["trial_id"]) for run in children.values())
     # trial, status, plan, predicted peak, measured peak, error, OOM retries, eval_loss
@@ -88,6 +89,9 @@ def test_report_table_summary_parquet_and_png_match_mlflow(sqlite_sweep, tmp_pat
     assert "OOMs survived: 1 (in 1 of 2 finished trials)" in text
     assert "Worst estimation error: +5.0%" in text
     assert "GPU hours: 0.000 (no trial had a GPU)" in text
+    # Why the refused trial did not run, as `run` said it: the one trial that did not simply finish.
+    assert [line for line in summary_text.splitlines() if line.split()[0] in trial_id.values()] == [
+        f"{trial_id['refused']} refused: {refused.data.tags['refusal']}"]
 
     table = pq.read_table(out / "results.parquet")
     rows = table.to_pylist()
@@ -402,6 +406,36 @@ def test_an_unfinished_sweep_says_that_trials_that_never_started_are_not_listed(
                                "listed; `orchestrator run CONFIG --resume` finishes it"]
     assert summary(dataclasses.replace(sweep, status="RUNNING")).splitlines()[1] == (
         "The sweep is running (or its driver was killed): only the trials that have started are listed")
+
+
+def test_the_summary_says_why_each_trial_did_not_finish_as_run_said_it():
+    """A failed trial's exception line, a refused trial's reason, a diverged trial's step: the
+    words of ``run``'s line for it (``<trial> failed: ...``), which a report read days later has
+    nowhere else; an error a resume then recovered from is not an ending. Past twenty such trials
+    a line points to the Parquet file's columns, which have every trial's."""
+    from orchestrator.report import ENDING_LINES, summary
+
+    def ended(index, status, **tags):
+        return dataclasses.replace(record(index, {"lr": "0.1"}, None, None), status=status, tags=tags)
+
+    sweep = sweep_of([
+        record(0, {"lr": "0.01"}, 1.7 * MiB, 1.8 * MiB),
+        ended(1, "FAILED", error="ValueError: Invalid learning rate: -0.1"),
+        ended(2, "FAILED", refusal="even micro-batch 1 needs 9 MiB, the budget is 8 MiB"),
+        ended(3, "FINISHED", diverged="loss not finite at step 37 (epoch 2); last finite loss 0.4123"),
+        ended(4, "FINISHED", error="RuntimeError: a node died"),  # then resumed to the end
+    ])
+    assert [line for line in summary(sweep).splitlines() if line.startswith("a1b2c_")] == [
+        "a1b2c_00001 failed: ValueError: Invalid learning rate: -0.1",
+        "a1b2c_00002 refused: even micro-batch 1 needs 9 MiB, the budget is 8 MiB",
+        "a1b2c_00003 diverged: loss not finite at step 37 (epoch 2); last finite loss 0.4123",
+    ]
+
+    many = sweep_of([ended(i, "FAILED", error=f"ValueError: {i}") for i in range(ENDING_LINES + 5)])
+    said = summary(many).splitlines()
+    assert sum(line.startswith("a1b2c_") for line in said) == ENDING_LINES
+    assert "... and 5 more trials that did not finish (results.parquet's refusal, diverged and error columns " \
+           "have every trial's)" in said
 
 
 def test_hyper_parameters_are_short_in_labels():
