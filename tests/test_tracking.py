@@ -368,6 +368,21 @@ def test_a_file_store_and_a_missing_database_driver_say_what_to_do(monkeypatch):
             raise ModuleNotFoundError("No module named 'MySQLdb'", name="MySQLdb")
 
 
+def test_a_uri_scheme_mlflow_has_no_store_for_names_the_schemes_it_has():
+    """MLflow's own words name its model registry, and its list of schemes was cut mid-way by the
+    first line's limit: the line names the URI and every scheme of MLflow's registry, in full."""
+    from orchestrator.tracking.client import mlflow_client
+
+    with pytest.raises(UserError) as refused, reading("foo://bar", "start it"):
+        mlflow_client("foo://bar")
+    said = str(refused.value)
+    assert said.startswith("foo://bar: MLflow has no tracking store for this URI's scheme; it takes ")
+    assert said.endswith("(e.g. sqlite:///mlflow.db, or http://HOST:5000 for a tracking server)")
+    for scheme in ("file://", "http://", "https://", "sqlite://", "postgresql://", "mysql://", "databricks://"):
+        assert scheme in said
+    assert "registry" not in said
+
+
 @pytest.mark.parametrize("verb", ["run", "report"])
 def test_a_database_store_that_does_not_answer_is_one_line_at_once(tmp_path, verb):
     """A PostgreSQL store whose server is down: the driver's refusal in one line, exit 2, not

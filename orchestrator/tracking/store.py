@@ -39,6 +39,13 @@ def unusable(tracking_uri: str, exc: BaseException, advice: str) -> str:
             "store, e.g. sqlite:///mlflow.db (`mlflow migrate-filestore` moves the runs already there into one), "
             "or set MLFLOW_ALLOW_FILE_STORE=true"
         )
+    from mlflow.tracking.registry import UnsupportedModelRegistryStoreURIException as UnknownScheme
+
+    unknown = next((e for e in causes(exc) if isinstance(e, UnknownScheme)), None)
+    if unknown is not None:  # MLflow's words name its model registry, and its list of schemes ran past a first line
+        known = [f"{scheme}://" for scheme in unknown.supported_uri_schemes if scheme]
+        return (f"{tracking_uri}: MLflow has no tracking store for this URI's scheme; it takes {', '.join(known)} "
+                "(e.g. sqlite:///mlflow.db, or http://HOST:5000 for a tracking server)")
     missing = next((e for e in causes(exc) if isinstance(e, ModuleNotFoundError)), None)
     if missing is not None:  # a database's driver
         package = DRIVER_PACKAGES.get(missing.name or "", missing.name)
