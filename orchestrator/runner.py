@@ -185,7 +185,7 @@ def run_sweep(
     claim = None
     try:
         with taken_back_if_refused(storage), _before_start():
-            name, restore_from = _experiment_name(spec, storage, name, resume)
+            name, restore_from, named = _experiment_name(spec, storage, name, resume)
             recorded_store = recorded_tracking_store(restore_from) if restore_from else None
             tracking_uri = resolve_tracking_uri(tracking_uri, spec, recorded_store)
             _check_before_ray(spec, storage, tracking_uri, offline_tracking)
@@ -194,7 +194,8 @@ def run_sweep(
             # The sweep's folder is this driver's before Ray starts: a second driver of it is
             # refused at once, and so is a resume whose config differs (orchestrator.sweep_guard).
             claim = claim_sweep(os.path.join(storage, name), spec, resuming=restore_from is not None, new=not resume,
-                                allow_config_change=allow_config_change)
+                                allow_config_change=allow_config_change, named=named)
+            name = os.path.basename(claim.folder)  # a name of our own may have become name_2: another sweep had it
             try:
                 from orchestrator.tune_state import restore_cut_off
 
@@ -391,8 +392,9 @@ def _refusal(exc: ConnectionError) -> str:
     return f"Ray could not join the cluster there ({str(exc).splitlines()[0]})"
 
 
-def _experiment_name(spec: SweepSpec, storage: str, name: str | None, resume: bool) -> tuple[str, str | None]:
-    """The sweep's folder, and the folder to restore from when resuming.
+def _experiment_name(spec: SweepSpec, storage: str, name: str | None, resume: bool) -> tuple[str, str | None, bool]:
+    """The sweep's folder, the folder to restore from when resuming, and whether the name is one
+    the claim must have (given, or the sweep to resume) rather than one of our own.
 
     Each run gets a fresh, timestamped folder unless ``--name`` fixes it (a SLURM job does, so
     its requeued attempts resume exactly their own sweep); ``--resume`` without a name picks
@@ -404,18 +406,18 @@ def _experiment_name(spec: SweepSpec, storage: str, name: str | None, resume: bo
     if name:
         path = os.path.join(storage, name)
         if resume and restorable(path):
-            return name, path
+            return name, path, True
         if resume:
             print(f"Nothing to resume at {path}: starting the sweep")
-        return name, None
+        return name, None, True
     if resume:
         resumable = {p: restorable(p) for p in sweeps_of(storage, spec.experiment)}
         candidates = sorted((p for p, can in resumable.items() if can or running(p)), key=os.path.getmtime)
         if candidates:
             newest = candidates[-1]
-            return os.path.basename(newest), newest if resumable[newest] else None
+            return os.path.basename(newest), newest if resumable[newest] else None, True
         print(f"Nothing to resume under {storage} for {spec.experiment!r}: starting the sweep")
-    return f"{spec.experiment}_{time.strftime('%Y%m%d-%H%M%S')}", None
+    return f"{spec.experiment}_{time.strftime('%Y%m%d-%H%M%S')}", None, False
 
 
 def estimate_before_start(spec: SweepSpec, stop: threading.Event | None = None):

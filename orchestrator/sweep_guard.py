@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
-import fcntl
 import json
 import os
 import shutil
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator import file_lock
 from orchestrator.atomic_file import atomic_write
 from orchestrator.config import SweepSpec
 from orchestrator.errors import UserError
@@ -110,24 +109,30 @@ class SweepClaim:
         refused sweep leaves nothing behind."""
         if self.fd is None:
             return
-        with contextlib.suppress(OSError):
-            os.remove(os.path.join(self.folder, LOCK_FILE))
-        os.close(self.fd)
+        file_lock.give_back(os.path.join(self.folder, LOCK_FILE), self.fd)
         self.fd = None
         if refused and self.made_folder:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def claim_sweep(folder: str, spec: SweepSpec, *, resuming: bool, new: bool = False,
-                allow_config_change: bool = False) -> SweepClaim:
+                allow_config_change: bool = False, named: bool = True) -> SweepClaim:
     """Claim ``folder`` for this driver, or refuse in one line: another driver runs it, (when
     ``resuming``) the config differs from the stored one in a key a resume may not change, or
     (when ``new``: the user did not ask to resume) a sweep already started there. A ``--resume``
     that finds nothing Tune can restore starts the sweep again in its folder (neither flag): a
-    SLURM job's attempt that ended before Tune saved any state is retried that way."""
-    made_folder = not os.path.isdir(folder)
+    SLURM job's attempt that ended before Tune saved any state is retried that way.
+
+    ``named=False``: the folder's name is the driver's own (the experiment and the second it
+    started), not one the user gave, so a folder that is there already is no refusal: the claim
+    makes the first of ``folder_2``, ``folder_3``, ... that is not (sweeps started together in a
+    shell loop, or a SLURM job array, start within one second)."""
     try:
-        os.makedirs(folder, exist_ok=True)
+        if named:
+            made_folder = not os.path.isdir(folder)
+            os.makedirs(folder, exist_ok=True)
+        else:
+            folder, made_folder = _new_folder(folder), True
         fd = _locked(os.path.join(folder, LOCK_FILE))
     except OSError as exc:
         raise UserError(f"cannot lock the sweep folder {folder}: {exc.strerror or exc}") from None
@@ -145,39 +150,39 @@ def claim_sweep(folder: str, spec: SweepSpec, *, resuming: bool, new: bool = Fal
     return claim
 
 
-def _locked(path: str) -> int:
-    """An open descriptor of ``path`` holding its exclusive lock. The lock file is removed when
-    its holder is done, so the lock is taken on the file that is at ``path`` once we hold it
-    (not an earlier one a finishing driver just removed)."""
+def _new_folder(folder: str) -> str:
+    """``folder``, or the first of ``folder_2``, ``folder_3``, ... not there yet, made (``mkdir``
+    makes it for one process only, where two ask at once)."""
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    candidate, number = folder, 1
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = _holder(fd)
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EACCES):
-                folder = os.path.dirname(path)
-                raise UserError(
-                    f"sweep {folder} is already running (driver{' pid ' + holder if holder else ''}); "
-                    f"wait for it to end, or stop it and continue it with --resume; "
-                    f"a new sweep needs another --name"
-                ) from None
-            raise
-        try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()}\n".encode())
-            return fd
-        os.close(fd)
+            os.mkdir(candidate)
+            return candidate
+        except FileExistsError:
+            number += 1
+            candidate = f"{folder}_{number}"
 
 
-def _holder(fd: int) -> str:
-    with contextlib.suppress(OSError):
-        return os.pread(fd, 32, 0).decode(errors="replace").strip()
+def _locked(path: str) -> int:
+    """An open descriptor of ``path`` holding its exclusive lock (``file_lock``), with this
+    driver's pid in it; or the refusal, naming the driver that holds it."""
+    fd = file_lock.take(path, wait=False)
+    if fd is None:
+        holder = _holder(path)
+        raise UserError(
+            f"sweep {os.path.dirname(path)} is already running (driver{' pid ' + holder if holder else ''}); "
+            f"wait for it to end, or stop it and continue it with --resume; "
+            f"a new sweep needs another --name"
+        )
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def _holder(path: str) -> str:
+    with contextlib.suppress(OSError), open(path, errors="replace") as f:
+        return f.read(32).strip()
     return ""
 
 
@@ -199,17 +204,7 @@ def _experiment_of(folder: str) -> str | None:
 
 def running(folder: str) -> bool:
     """Whether a driver runs the sweep in ``folder`` now: it holds the folder's lock."""
-    try:
-        fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        return True
-    finally:
-        os.close(fd)
-    return False
+    return file_lock.held_elsewhere(os.path.join(folder, LOCK_FILE))
 
 
 def recorded_tracking_store(folder: str) -> str | None:

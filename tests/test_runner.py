@@ -115,11 +115,11 @@ def test_the_best_trial_is_named_below_the_table(typed):
 
 
 def test_each_run_gets_its_own_folder_unless_named(tmp_path):
-    name, restore = _experiment_name(SPEC, str(tmp_path), None, resume=False)
-    assert name.startswith("exp_") and restore is None
-    assert _experiment_name(SPEC, str(tmp_path), "exp-job7", resume=False) == ("exp-job7", None)
+    name, restore, named = _experiment_name(SPEC, str(tmp_path), None, resume=False)
+    assert name.startswith("exp_") and restore is None and not named  # the claim may make it name_2
+    assert _experiment_name(SPEC, str(tmp_path), "exp-job7", resume=False) == ("exp-job7", None, True)
     # Nothing there to resume: a named run starts its sweep under that name.
-    assert _experiment_name(SPEC, str(tmp_path), "exp-job7", resume=True) == ("exp-job7", None)
+    assert _experiment_name(SPEC, str(tmp_path), "exp-job7", resume=True) == ("exp-job7", None, True)
     assert not os.listdir(tmp_path)
 
 
@@ -134,12 +134,12 @@ def test_a_resume_without_a_name_finds_the_experiments_running_sweep_and_is_refu
     claim = claim_sweep(str(folder), SPEC, resuming=False, new=True)
     try:
         claim.record(SPEC, "sqlite:///mlflow.db")
-        assert _experiment_name(SPEC, str(tmp_path), None, resume=True) == ("X1", None)
+        assert _experiment_name(SPEC, str(tmp_path), None, resume=True) == ("X1", None, True)
         with pytest.raises(UserError, match=f"^sweep {folder} is already running"):
             claim_sweep(str(folder), SPEC, resuming=False)
     finally:
         claim.release()
-    name, restore = _experiment_name(SPEC, str(tmp_path), None, resume=True)  # ended before Tune saved: a new sweep
+    name, restore, _ = _experiment_name(SPEC, str(tmp_path), None, resume=True)  # ended before Tune saved: a new sweep
     assert name.startswith("exp_") and restore is None
 
 
@@ -153,12 +153,12 @@ def test_a_sweep_stopped_before_tune_saved_its_state_is_started_again_not_resume
 
     tune.Tuner(trainable, run_config=tune.RunConfig(name="exp_1", storage_path=str(tmp_path)))
     assert tune.Tuner.can_restore(str(tmp_path / "exp_1"))
-    assert _experiment_name(SPEC, str(tmp_path), "exp_1", resume=True) == ("exp_1", None)
-    name, restore = _experiment_name(SPEC, str(tmp_path), None, resume=True)
+    assert _experiment_name(SPEC, str(tmp_path), "exp_1", resume=True) == ("exp_1", None, True)
+    name, restore, _ = _experiment_name(SPEC, str(tmp_path), None, resume=True)
     assert name != "exp_1" and restore is None
     (tmp_path / "exp_1" / "experiment_state-2026-12-05_16-00-00.json").write_text("{}")  # its first save
-    assert _experiment_name(SPEC, str(tmp_path), "exp_1", resume=True) == ("exp_1", str(tmp_path / "exp_1"))
-    assert _experiment_name(SPEC, str(tmp_path), None, resume=True) == ("exp_1", str(tmp_path / "exp_1"))
+    assert _experiment_name(SPEC, str(tmp_path), "exp_1", resume=True) == ("exp_1", str(tmp_path / "exp_1"), True)
+    assert _experiment_name(SPEC, str(tmp_path), None, resume=True) == ("exp_1", str(tmp_path / "exp_1"), True)
 
 
 def test_an_error_tune_could_not_store_is_shown_with_its_reason():

@@ -14,7 +14,9 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -159,6 +161,37 @@ def test_a_refused_claim_takes_back_the_folder_it_made(tmp_path):
     assert sorted(p.name for p in kept.iterdir()) == ["tuner.pkl"]
 
 
+def test_a_name_of_our_own_that_another_sweep_has_becomes_the_next_free_one(tmp_path):
+    """A default name (the experiment and the second): sweeps started in one second each get a
+    folder, ``name``, ``name_2``, ..., where a name the user gave would be refused."""
+    folder = str(tmp_path / "exp_20261206-011532")
+    first = claim_sweep(folder, spec(), resuming=False, new=True, named=False)
+    second = claim_sweep(folder, spec(), resuming=False, new=True, named=False)
+    assert (first.folder, second.folder) == (folder, f"{folder}_2")
+    first.record(spec(), STORE)
+    first.release()
+    third = claim_sweep(folder, spec(), resuming=False, new=True, named=False)  # a finished sweep has it too
+    assert third.folder == f"{folder}_3"
+    third.release(refused=True)  # refused: the folder it made goes
+    second.release(refused=True)
+    assert sorted(os.listdir(tmp_path)) == ["exp_20261206-011532"]
+
+
+def test_claims_of_one_name_of_our_own_at_once_each_get_a_folder(tmp_path):
+    folder = str(tmp_path / "exp_20261206-011532")
+    start = threading.Barrier(8)
+
+    def claim(_):
+        start.wait()
+        return claim_sweep(folder, spec(), resuming=False, new=True, named=False)
+
+    with ThreadPoolExecutor(8) as pool:
+        claims = list(pool.map(claim, range(8)))
+    assert sorted(c.folder for c in claims) == sorted([folder] + [f"{folder}_{n}" for n in range(2, 9)])
+    for c in claims:
+        c.release()
+
+
 # -- the installed command, from a user's folder ---------------------------------------------
 
 TINY_MODEL = '''
@@ -167,6 +200,7 @@ import multiprocessing
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F

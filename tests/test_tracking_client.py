@@ -6,12 +6,11 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import pytest
 
-from orchestrator.tracking.client import held, lock_path, mlflow_client
+from orchestrator.tracking.client import lock_path, mlflow_client
 
 # Each process imports MLflow first (a second or more), then waits for the others at the start
 # line, so that all of them open the new store within a few milliseconds of each other.
@@ -55,27 +54,6 @@ def test_processes_that_open_a_new_sqlite_store_at_once_all_find_it_whole(tmp_pa
     assert all(p.stdout.strip() == "opened" for p in done)
     assert not lock_path(database.resolve()).exists()
     assert [e.name for e in mlflow_client(f"sqlite:///{database}").search_experiments()] == ["Default"]
-
-
-def test_the_lock_is_one_holder_at_a_time_and_its_file_goes_with_the_last(tmp_path):
-    path = tmp_path / "store.lock"
-    order: list[str] = []
-    first_holds = threading.Event()
-
-    def second():
-        first_holds.wait()
-        with held(path):
-            order.append("second")
-
-    waiter = threading.Thread(target=second)
-    waiter.start()
-    with held(path):
-        first_holds.set()
-        time.sleep(0.3)  # the second is waiting on the lock's file, which the first removes as it lets go
-        order.append("first")
-    waiter.join(10)
-    assert order == ["first", "second"]
-    assert not path.exists()
 
 
 def test_the_lock_is_by_database_and_by_user(tmp_path):

@@ -12,14 +12,12 @@ no lock (its migrations run once, by whoever set it up, and the server serialise
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import os
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
+from orchestrator.file_lock import held
 from orchestrator.tracking.runs import sqlite_path
 
 
@@ -30,7 +28,7 @@ def mlflow_client(tracking_uri: str):
     database = sqlite_path(tracking_uri)
     if database is None:
         return MlflowClient(tracking_uri)
-    with held(lock_path(database)):
+    with held(str(lock_path(database))):
         return MlflowClient(tracking_uri)  # MLflow opens its store here, and keeps it for the URI
 
 
@@ -40,29 +38,3 @@ def lock_path(database: Path) -> Path:
     no user's lock file stands in another's way."""
     digest = hashlib.sha256(str(database).encode()).hexdigest()[:16]
     return Path(tempfile.gettempdir()) / f"orchestrator-mlflow-{os.getuid()}-{digest}.lock"
-
-
-@contextlib.contextmanager
-def held(path: Path) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path`` for the block, the file removed again before it is let go.
-
-    The file is taken anew if its holder removed it while this process waited for it (the lock
-    was then on a file no one else will open): the inode locked must be the one at ``path``."""
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            if os.fstat(fd).st_ino == os.stat(path).st_ino:
-                break
-        except FileNotFoundError:
-            pass
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        os.close(fd)
