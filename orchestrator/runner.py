@@ -119,7 +119,7 @@ def summary_lines(outcome: SweepOutcome, spec: SweepSpec, request: RunRequest) -
     best = best_row(rows, spec)
     if best is not None:
         lines.append(f"Best: {best.name}, {spec.metric} {best.final_metric:.4f} ({best.config})")
-    lines.append(f"MLflow: {outcome.tracking_uri} (experiment {spec.experiment!r}); see `{report_command(outcome, spec, request)}`")
+    lines.append(f"MLflow: {outcome.tracking_uri} (experiment {spec.experiment!r}); see `{report_command(outcome)}`")
     return lines
 
 
@@ -130,11 +130,14 @@ def resume_command(request: RunRequest, name: str | None = None) -> str:
     return request.replace(name=name or request.name, resume=True).command()
 
 
-def report_command(outcome: SweepOutcome, spec: SweepSpec, request: RunRequest) -> str:
-    """``orchestrator report EXPERIMENT``, with the tracking URI where it is not the one ``report``
-    reads by default (the working directory's ``mlflow.db``, which is also ``run``'s)."""
+def report_command(outcome: SweepOutcome) -> str:
+    """``orchestrator report SWEEP``, with the tracking URI where it is not the one ``report``
+    reads by default (the working directory's ``mlflow.db``, which is also ``run``'s). The sweep
+    by its name, not the experiment's: ``report EXPERIMENT`` is the experiment's newest sweep,
+    another one where sweeps of it overlap."""
     named = outcome.tracking_uri != default_tracking_uri()
-    return shell_command("report", spec.experiment, *(["--tracking-uri", outcome.tracking_uri] if named else []))
+    sweep = os.path.basename(outcome.experiment_path)
+    return shell_command("report", sweep, *(["--tracking-uri", outcome.tracking_uri] if named else []))
 
 
 def resolve_tracking_uri(flag: str | None, spec: SweepSpec, recorded: str | None = None) -> str:
@@ -181,73 +184,76 @@ def run_sweep(
         # Given to Ray: alone it would count the machine's CPUs, not the ones a taskset, SLURM step or container gives us.
         num_cpus = int(local["CPU"])
         check_local_node(trial_request(spec), spec.resources.workers, local)
-    started_ray = False
-    claim = None
-    try:
-        with taken_back_if_refused(storage), _before_start():
-            name, restore_from, named = _experiment_name(spec, storage, name, resume)
-            recorded_store = recorded_tracking_store(restore_from) if restore_from else None
-            tracking_uri = resolve_tracking_uri(tracking_uri, spec, recorded_store)
-            _check_before_ray(spec, storage, tracking_uri, offline_tracking)
-            if embedded:  # the trials' spec: data loading cut to what this machine holds (the user's is recorded)
-                trial_spec, host_cuts = _fit_host_memory(spec, node_memory, local=local)
-            # The sweep's folder is this driver's before Ray starts: a second driver of it is
-            # refused at once, and so is a resume whose config differs (orchestrator.sweep_guard).
-            claim = claim_sweep(os.path.join(storage, name), spec, resuming=restore_from is not None, new=not resume,
-                                allow_config_change=allow_config_change, named=named)
-            name = os.path.basename(claim.folder)  # a name of our own may have become name_2: another sweep had it
-            try:
-                from orchestrator.tune_state import restore_cut_off
+    # A Ctrl-C from the sweep's start to the end (Ray's shutdown too) is a StoppedAtOnce naming it.
+    with _StopsAtOnce() as stopping:
+        started_ray = False
+        claim = None
+        try:
+            with taken_back_if_refused(storage), _before_start():
+                name, restore_from, named = _experiment_name(spec, storage, name, resume)
+                recorded_store = recorded_tracking_store(restore_from) if restore_from else None
+                tracking_uri = resolve_tracking_uri(tracking_uri, spec, recorded_store)
+                _check_before_ray(spec, storage, tracking_uri, offline_tracking)
+                if embedded:  # the trials' spec: data loading cut to what this machine holds (the user's is recorded)
+                    trial_spec, host_cuts = _fit_host_memory(spec, node_memory, local=local)
+                # The sweep's folder is this driver's before Ray starts: a second driver of it is
+                # refused at once, and so is a resume whose config differs (orchestrator.sweep_guard).
+                claim = claim_sweep(os.path.join(storage, name), spec, resuming=restore_from is not None, new=not resume,
+                                    allow_config_change=allow_config_change, named=named)
+                name = os.path.basename(claim.folder)  # a name of our own may have become name_2: another sweep had it
+                try:
+                    from orchestrator.tune_state import restore_cut_off
 
-                put_back = restore_cut_off(restore_from) if restore_from else []
-                estimates, started_ray = _estimate_while_ray_starts(
-                    spec, lambda: _connect_ray(ray_address, num_cpus, num_gpus, dashboard, dashboard_host, verbose))
-                nodes = alive_nodes()
-                print(cluster_text(nodes))
-                check_shared_storage(storage_path or spec.storage_path, storage, len(nodes))
-                wait = check_schedulable(trial_request(spec), spec.resources.wait_minutes, spec.resources.workers)
-                if not embedded:
-                    trial_spec, host_cuts = _fit_host_memory(spec, node_memory, cluster=nodes)
-                # The sweep starts: its config kept, Tune's Tuner made (its tuner.pkl in the folder).
-                claim.record(spec, tracking_uri)
-                trainable = _trainable(trial_spec, estimates)
-                _tune_settings()
-                if restore_from:
-                    print(f"Resuming {restore_from}: finishing the trials that did not finish")
-                    for cut_off in put_back:
-                        print(f"{cut_off} was cut off (a full storage?): resuming from its last whole copy")
-                    tuner = tune.Tuner.restore(restore_from, trainable=trainable, resume_unfinished=True,
-                                               resume_errored=False)
-                    if recorded_store and recorded_store != tracking_uri:
-                        print(f"MLflow: this resume writes to {tracking_uri} (--tracking-uri); "
-                              f"the sweep so far is in {recorded_store}")
-                    _track_in(tuner, tracking_uri)
-                else:
-                    tuner = tune.Tuner(
-                        trainable,
-                        param_space=_param_space(spec),
-                        tune_config=_tune_config(spec),
-                        run_config=_run_config(spec, name, storage, tracking_uri, wait, verbose, host_cuts=host_cuts),
-                    )
-            # Refused, or stopped before it started: Ctrl-C, or SIGTERM once Ray's start has made it
-            # raise SystemExit (before that, the signal ends the process, and the claim's lock with it).
-            except (UserError, KeyboardInterrupt, SystemExit):
-                claim.release(refused=True)
-                raise
-        with sigterm_stops_like_sigint(), recording() as record, tune_lines_told_here(verbose):
-            results = tuner.fit()
-        if not embedded:  # the cluster outlives this driver: its Prometheus endpoint gets the last counts
-            from orchestrator.oom_counter import wait_for_export
+                    put_back = restore_cut_off(restore_from) if restore_from else []
+                    estimates, started_ray = _estimate_while_ray_starts(
+                        spec, lambda: _connect_ray(ray_address, num_cpus, num_gpus, dashboard, dashboard_host, verbose))
+                    nodes = alive_nodes()
+                    print(cluster_text(nodes))
+                    check_shared_storage(storage_path or spec.storage_path, storage, len(nodes))
+                    wait = check_schedulable(trial_request(spec), spec.resources.wait_minutes, spec.resources.workers)
+                    if not embedded:
+                        trial_spec, host_cuts = _fit_host_memory(spec, node_memory, cluster=nodes)
+                    # The sweep starts: its config kept, Tune's Tuner made (its tuner.pkl in the folder).
+                    claim.record(spec, tracking_uri)
+                    trainable = _trainable(trial_spec, estimates)
+                    _tune_settings()
+                    if restore_from:
+                        print(f"Resuming {restore_from}: finishing the trials that did not finish")
+                        for cut_off in put_back:
+                            print(f"{cut_off} was cut off (a full storage?): resuming from its last whole copy")
+                        tuner = tune.Tuner.restore(restore_from, trainable=trainable, resume_unfinished=True,
+                                                   resume_errored=False)
+                        if recorded_store and recorded_store != tracking_uri:
+                            print(f"MLflow: this resume writes to {tracking_uri} (--tracking-uri); "
+                                  f"the sweep so far is in {recorded_store}")
+                        _track_in(tuner, tracking_uri)
+                    else:
+                        tuner = tune.Tuner(
+                            trainable,
+                            param_space=_param_space(spec),
+                            tune_config=_tune_config(spec),
+                            run_config=_run_config(spec, name, storage, tracking_uri, wait, verbose, host_cuts=host_cuts),
+                        )
+                # Refused, or stopped before it started: Ctrl-C, or SIGTERM once Ray's start has made it
+                # raise SystemExit (before that, the signal ends the process, and the claim's lock with it).
+                except (UserError, KeyboardInterrupt, SystemExit):
+                    claim.release(refused=True)
+                    raise
+            stopping.started(name)
+            with sigterm_stops_like_sigint(), recording() as record, tune_lines_told_here(verbose):
+                results = tuner.fit()
+            if not embedded:  # the cluster outlives this driver: its Prometheus endpoint gets the last counts
+                from orchestrator.oom_counter import wait_for_export
 
-            wait_for_export()
-        # A restored sweep lists its trials in the order they were restored: the table keeps the sweep's.
-        rows = sorted((_row(result, spec, record) for result in results), key=lambda row: row.name)
-        return SweepOutcome(rows, os.path.join(storage, name), tracking_uri, record.tracking, record.stop_reason, spec.on_nan)
-    finally:
-        if claim is not None:
-            claim.release()
-        if started_ray:
-            ray.shutdown()
+                wait_for_export()
+            # A restored sweep lists its trials in the order they were restored: the table keeps the sweep's.
+            rows = sorted((_row(result, spec, record) for result in results), key=lambda row: row.name)
+            return SweepOutcome(rows, os.path.join(storage, name), tracking_uri, record.tracking, record.stop_reason, spec.on_nan)
+        finally:
+            if claim is not None:
+                claim.release()
+            if started_ray:
+                ray.shutdown()
 
 
 class InterruptedBeforeStart(KeyboardInterrupt):
@@ -262,6 +268,37 @@ def _before_start() -> Iterator[None]:
         yield
     except KeyboardInterrupt:
         raise InterruptedBeforeStart from None
+
+
+class StoppedAtOnce(KeyboardInterrupt):
+    """A second Ctrl-C (or SIGTERM) once the sweep started: Tune stopped at once (or its graceful
+    stop had just returned), with no table.
+    ``name``: the sweep's folder, which its resume command names (the experiment's newest sweep,
+    which a ``--resume`` without a name takes, may be another one started since)."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+
+class _StopsAtOnce:
+    """Once the sweep has started (:meth:`started`), a Ctrl-C that ends the command leaves it as a
+    :class:`StoppedAtOnce` naming the sweep: a second Ctrl-C in Tune, or one during Ray's shutdown
+    once Tune's graceful stop has returned (its table is then lost too)."""
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+
+    def started(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> _StopsAtOnce:
+        return self
+
+    def __exit__(self, kind, exc, traceback) -> None:
+        if self.name is not None and kind is not None and issubclass(kind, KeyboardInterrupt) \
+                and not issubclass(kind, StoppedAtOnce):
+            raise StoppedAtOnce(self.name) from None
 
 
 def _fit_host_memory(spec: SweepSpec, host_memory: int | None, *, local: dict[str, float] | None = None,

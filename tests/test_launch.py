@@ -178,6 +178,23 @@ def test_a_sweep_that_passes_reaches_the_backend(sweep_file, capsys):
     assert "Estimated the memory of 2 distinct trial configuration(s)" in err
 
 
+def test_a_sweep_stopped_at_once_prints_the_resume_command_of_its_own_folder(sweep_file, capsys, monkeypatch):
+    """A second Ctrl-C while the sweep runs: the resume command names the sweep's folder, as the
+    graceful stop's does; without it, ``--resume`` takes the experiment's newest sweep, which may
+    be another one started since."""
+    import orchestrator.launch.local as local
+    from orchestrator.runner import StoppedAtOnce
+
+    def stopped(*args, **kwargs):
+        raise StoppedAtOnce("launch_20261206-011532_2")
+
+    monkeypatch.setattr(local, "run_sweep", stopped)
+    assert main(["run", sweep_file, "--num-cpus", "2"]) == 130
+    said = capsys.readouterr().err.strip().splitlines()
+    [line] = [line for line in said if line.startswith("Interrupted. Continue the sweep with: ")]
+    assert line.endswith(" run sweep.yaml --num-cpus 2 --name launch_20261206-011532_2 --resume"), said
+
+
 def test_the_installed_command_refuses_alike_from_the_users_folder(own_model_project):
     """The README's own model, with a batch larger than its data, through each launcher with the
     installed command, from the folder that holds ``my_models/``."""

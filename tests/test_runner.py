@@ -223,14 +223,14 @@ def test_the_report_command_names_the_tracking_uri_the_user_chose(typed):
 
     rows = [_row(result({**METRICS, "done": True}), SPEC)]
     chosen = summary_lines(SweepOutcome(rows, "/r/exp_1", "http://127.0.0.1:5000"), SPEC, run_args())
-    assert chosen[-1].endswith(f"see `{TYPED} report exp --tracking-uri http://127.0.0.1:5000`")
+    assert chosen[-1].endswith(f"see `{TYPED} report exp_1 --tracking-uri http://127.0.0.1:5000`")  # this sweep
     # The default, the working directory's mlflow.db, is where `report` looks by itself.
     here = default_tracking_uri()
     default = summary_lines(SweepOutcome(rows, "/r/exp_1", here), SPEC, run_args(tracking_uri=None))
-    assert default[-1] == f"MLflow: {here} (experiment 'exp'); see `{TYPED} report exp`"
+    assert default[-1] == f"MLflow: {here} (experiment 'exp'); see `{TYPED} report exp_1`"
     # A resume that named no store wrote to the one its sweep recorded: the command names it.
     recorded = summary_lines(SweepOutcome(rows, "/r/exp_1", "sqlite:////w/other.db"), SPEC, run_args(tracking_uri=None))
-    assert recorded[-1].endswith(f"see `{TYPED} report exp --tracking-uri sqlite:////w/other.db`")
+    assert recorded[-1].endswith(f"see `{TYPED} report exp_1 --tracking-uri sqlite:////w/other.db`")
 
 
 def test_a_resume_writes_to_the_store_its_sweep_recorded_unless_told_another(tmp_path, monkeypatch):
@@ -323,6 +323,22 @@ def test_a_ctrl_c_while_ray_starts_stops_further_estimates_at_once(default_sigin
     with pytest.raises(KeyboardInterrupt):
         runner._estimate_while_ray_starts(SPEC, connect)
     assert stop_when_held == [True]
+
+
+def test_a_ctrl_c_that_ends_a_started_sweep_carries_its_name():
+    """From the sweep's start on (a second Ctrl-C in Tune, or one in Ray's shutdown after Tune's
+    graceful stop returned); before it, a Ctrl-C is what it was (``InterruptedBeforeStart``)."""
+    from orchestrator.runner import InterruptedBeforeStart, StoppedAtOnce, _StopsAtOnce
+
+    with pytest.raises(InterruptedBeforeStart), _StopsAtOnce():
+        raise InterruptedBeforeStart
+    with pytest.raises(StoppedAtOnce) as stopped, _StopsAtOnce() as stopping:
+        stopping.started("exp_1")
+        raise KeyboardInterrupt
+    assert stopped.value.name == "exp_1" and isinstance(stopped.value, KeyboardInterrupt)  # still exit 130
+    with pytest.raises(ValueError), _StopsAtOnce() as stopping:
+        stopping.started("exp_1")
+        raise ValueError("not a stop")
 
 
 IDLE_WORKERS_SEEN = """

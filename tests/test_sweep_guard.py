@@ -425,7 +425,7 @@ def test_a_resume_with_a_changed_config_is_refused_unless_allowed(user_folder):
     store = f"sqlite:///{user_folder / 'records.db'}"
     last = allowed.stdout.strip().splitlines()[-1]
     assert last.startswith(f"MLflow: {store} (experiment 'tiny'); see `"), last
-    assert last.endswith(f" report tiny --tracking-uri {store}`"), last
+    assert last.endswith(f" report s --tracking-uri {store}`"), last
     assert not (user_folder / "mlflow.db").exists()
 
     # A resume that names another store (a server that moved) writes there, and says so.

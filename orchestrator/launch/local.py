@@ -14,7 +14,7 @@ from orchestrator.config import SweepSpec
 from orchestrator.errors import UserError
 from orchestrator.launch.base import EMBEDDED_RAY_FLAGS, Launcher, refuse_flags
 from orchestrator.run_request import RunRequest
-from orchestrator.runner import InterruptedBeforeStart, resume_command, run_sweep, summary_lines, summary_table
+from orchestrator.runner import InterruptedBeforeStart, StoppedAtOnce, resume_command, run_sweep, summary_lines, summary_table
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,8 @@ class LocalLauncher(Launcher):
         except InterruptedBeforeStart:
             print(f"\nInterrupted before the sweep started. Run it again with: {request.command()}", file=sys.stderr)
             raise
-        except KeyboardInterrupt:
-            print(f"\nInterrupted. Continue the sweep with: {resume_command(request)}", file=sys.stderr)
+        except StoppedAtOnce as stopped:
+            print(f"\nInterrupted. Continue the sweep with: {resume_command(request, stopped.name)}", file=sys.stderr)
             raise
         print()
         print(summary_table(outcome.rows, spec))
