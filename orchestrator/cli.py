@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = commands.add_parser("report", help="summarise a finished sweep from MLflow: table, plot, Parquet")
     report.add_argument("experiment", nargs="?", help="MLflow experiment name (its newest sweep), or a sweep's name "
-                        "(its results folder's, as `run` prints it) for an older one (default: the most recent sweep)")
+                        "(its results folder's, as `run` prints it) or its MLflow run id for one sweep (default: the "
+                        "most recent sweep)")
     report.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default sqlite:///mlflow.db)")
     report.add_argument("--out", default="report", help="folder for report.png and results.parquet (default: report)")
     return parser

@@ -16,8 +16,10 @@ import functools
 import json
 import math
 import os
+import re
 import sqlite3
 import sys
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -202,7 +204,9 @@ def write_whole(files: dict[Path, Callable[[IO[bytes]], None]]) -> None:
 def load_sweep(tracking_uri: str, experiment: str | None = None) -> SweepRecord:
     """The newest sweep of ``experiment`` (of any experiment if None), with every trial's history.
     ``experiment`` may also name one sweep (its results folder's name, which ``run`` prints and
-    the sweep's MLflow run takes): an older sweep of an experiment is reported that way."""
+    the sweep's MLflow run takes): an older sweep of an experiment is reported that way. A name
+    that sweeps of two folders sharing one store both have (started in the same second) is
+    refused, listing them; the sweep's MLflow run id names one for certain."""
     for key, value in HTTP_DEFAULTS.items():
         os.environ.setdefault(key, value)
     database = sqlite_path(tracking_uri)
@@ -224,9 +228,17 @@ def load_sweep(tracking_uri: str, experiment: str | None = None) -> SweepRecord:
         sweep_filter += f" and tags.`mlflow.runName` = '{experiment}'"
     elif experiment is not None:
         experiments = []
+    by_name = experiment is not None and not named  # a sweep's name: told apart from another sweep's of that name
     parents = client.search_runs(
-        [e.experiment_id for e in experiments], sweep_filter, order_by=["attributes.start_time DESC"], max_results=1,
+        [e.experiment_id for e in experiments], sweep_filter, order_by=["attributes.start_time DESC"],
+        max_results=AMBIGUOUS_LISTED if by_name else 1,
     ) if experiments else []
+    if len(parents) > 1:
+        raise UserError(f"{len(parents)}{'+' if len(parents) == AMBIGUOUS_LISTED else ''} sweeps at {tracking_uri} are "
+                        f"named {experiment!r}: " + "; ".join(_sweep_text(p) for p in parents)
+                        + "; name one by its MLflow run id (orchestrator report RUN_ID)")
+    if not parents and by_name and RUN_ID.fullmatch(experiment):
+        parents = _sweep_of_run(client, experiment)
     if not parents and experiment is not None and not named:
         raise UserError(f"no MLflow experiment or sweep named {experiment!r} at {tracking_uri}; experiments with "
                         f"sweeps there: {_sweep_experiments(client)}")
@@ -247,6 +259,28 @@ def load_sweep(tracking_uri: str, experiment: str | None = None) -> SweepRecord:
         trials=trials,
         status=parent.info.status,
     )
+
+
+#: How many sweeps of one name a refusal lists.
+AMBIGUOUS_LISTED = 10
+#: An MLflow run id, which ``report`` takes for the sweep whose run it is.
+RUN_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def _sweep_text(run) -> str:
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.info.start_time / 1000))
+    return f"run {run.info.run_id} (started {started}, results {run.data.tags.get('tune.experiment_path', '-')})"
+
+
+def _sweep_of_run(client, run_id: str) -> list:
+    """The sweep whose MLflow run ``run_id`` is (none where no run, or not a sweep's, has it)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:
+        return []
+    return [run] if run.data.tags.get(ROLE_TAG) == "sweep" else []
 
 
 #: A table every MLflow database has (its experiments): a SQLite file without it holds no store.

@@ -229,6 +229,39 @@ def sweep_store(tmp_path_factory) -> Path:
     return database
 
 
+def test_a_sweep_name_two_sweeps_have_is_refused_listing_them_and_a_run_id_names_one(tmp_path, capsys):
+    """Two folders sharing one store, each with a sweep started in the same second: the name is
+    theirs both, so the report refuses it, listing each sweep's run, start and results folder,
+    rather than reporting one of them; the run id names either, and a trial's run id names none."""
+    from mlflow import MlflowClient
+
+    from orchestrator.tracking.writer import get_or_create_experiment
+
+    uri = f"sqlite:///{tmp_path / 'shared.db'}"
+    client = MlflowClient(uri)
+    experiment = get_or_create_experiment(client, "shared", uri)
+    name = "shared_20261206-012237"
+    parents = [client.create_run(experiment, run_name=name, tags={
+        "orchestrator.role": "sweep", "orchestrator.sweep_id": f"s{n}", "tune.experiment_path": f"/home/u{n}/results/{name}",
+    }) for n in (1, 2)]
+    trial = client.create_run(experiment, run_name="t0", tags={
+        "orchestrator.role": "trial", "orchestrator.sweep_id": "s1", "mlflow.parentRunId": parents[0].info.run_id})
+    capsys.readouterr()  # MLflow's lines as it made the store
+
+    code, _, err = report(capsys, name, "--tracking-uri", uri, "--out", str(tmp_path / "out"))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"error: 2 sweeps at {uri} are named {name!r}: run ")
+    for n, parent in zip((1, 2), parents):
+        assert f"run {parent.info.run_id} (started " in err and f"results /home/u{n}/results/{name})" in err
+    assert err.strip().endswith("name one by its MLflow run id (orchestrator report RUN_ID)")
+    assert not (tmp_path / "out").exists()
+
+    code, text, _ = report(capsys, parents[0].info.run_id, "--tracking-uri", uri, "--out", str(tmp_path / "out"))
+    assert code == 0 and text.startswith(f"Sweep {name} (experiment 'shared', MLflow run {parents[0].info.run_id}")
+    code, _, err = report(capsys, trial.info.run_id, "--tracking-uri", uri, "--out", str(tmp_path / "out2"))
+    assert code == 2 and f"no MLflow experiment or sweep named {trial.info.run_id!r}" in err
+
+
 def report_in(folder: Path, *args: str) -> subprocess.CompletedProcess:
     """``orchestrator report`` as a user runs it, from ``folder`` (its default store is ./mlflow.db there)."""
     return subprocess.run([installed_command(), "report", *args], cwd=folder, env=command_env(), capture_output=True,
