@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -52,11 +51,23 @@ def test_processes_that_open_a_new_sqlite_store_at_once_all_find_it_whole(tmp_pa
     done = open_together(f"sqlite:///{database}", tmp_path / "start", "ours")
     assert [p.returncode for p in done] == [0] * 4, [p.stderr[-2000:] for p in done]
     assert all(p.stdout.strip() == "opened" for p in done)
-    assert not lock_path(database.resolve()).exists()
+    assert not lock_path(database.resolve()).exists()  # gone with its last holder
     assert [e.name for e in mlflow_client(f"sqlite:///{database}").search_experiments()] == ["Default"]
 
 
-def test_the_lock_is_by_database_and_by_user(tmp_path):
-    one, other = lock_path(tmp_path / "a" / "mlflow.db"), lock_path(tmp_path / "b" / "mlflow.db")
-    assert one != other and one.parent == other.parent
-    assert f"-{os.getuid()}-" in one.name
+def test_the_lock_is_beside_the_database_and_a_folder_that_takes_no_file_is_read_without_it(tmp_path, monkeypatch):
+    """Beside it: SLURM jobs may each have a /tmp of their own, and share the database's folder. A
+    colleague's store in a folder this user cannot write is still read (the lock is for making
+    one); the lock's file refused as such a folder refuses it (as root, no folder does)."""
+    import orchestrator.tracking.client as client
+
+    database = tmp_path / "store" / "mlflow.db"
+    assert lock_path(database) == tmp_path / "store" / ".mlflow.db.lock"
+    mlflow_client(f"sqlite:///{database}").search_experiments()
+    assert sorted(p.name for p in database.parent.iterdir()) == ["mlflow.db"]
+
+    def refused(path):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(client, "held", refused)
+    assert [e.name for e in mlflow_client(f"sqlite:///{database}").search_experiments()] == ["Default"]
