@@ -373,7 +373,7 @@ def trial_table(sweep: SweepRecord) -> str:
             trial.latest().oom_retries,
             f"{final:.4f}" if _a_value(final) else "-",
         ))
-    headers = ["trial", "status", "plan", "predicted peak", "measured peak", "error", "OOM retries", sweep.metric]
+    headers = ["trial", "status", "plan", "predicted peak", "measured peak", "estimate error", "OOM retries", sweep.metric]
     nodes = [t.tags.get("node_name", "-") for t in sweep.trials]
     if len(set(nodes) - {"-"}) > 1:  # a cluster of several nodes: where each trial ran (last)
         headers.insert(1, "node")

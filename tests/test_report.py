@@ -78,7 +78,7 @@ def test_report_table_summary_parquet_and_png_match_mlflow(sqlite_sweep, tmp_pat
     lines = {line.split()[0]: line for line in table_text.splitlines() if line.split() and line.split()[0] in trial_id.values()}
     assert len(lines) == len(children) == 3
     assert all(run.info.run_name.endswith(run.data.tags["trial_id"]) for run in children.values())
-    # trial, status, plan, predicted peak, measured peak, error, OOM retries, eval_loss
+    # trial, status, plan, predicted peak, measured peak, estimate error, OOM retries, eval_loss
     assert lines[trial_id["plain"]].split() == [trial_id["plain"], "FINISHED", "32x2,", "eval", "64,", "fp32",
                                                 "4.0", "GiB", "4.2", "GiB", "+5.0%", "0", "0.5000"]
     assert lines[trial_id["retried"]].split()[1:5] == ["FINISHED", "16x4,", "eval", "64,"]
