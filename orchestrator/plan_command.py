@@ -70,7 +70,7 @@ def plan_command(args) -> int:
 
     rank_budgets = _rank_budgets(spec, planned, args.device_memory is not None)
     rank_batch = spec.effective_batch_size // spec.resources.workers
-    estimates = estimate_trials(configs, policy, target, budget, rank_batch, on_done=progress)
+    estimates = estimate_trials(configs, policy, target, budget, rank_batch, on_done=progress, epochs=spec.stop.epochs)
     results, caches = [], {}
     host = _HostMemory(spec, planned, host_memory, len(configs))
     for index, config in enumerate(configs):
@@ -80,7 +80,8 @@ def plan_command(args) -> int:
             continue
         workload = build_workload(config)
         if signature not in caches:  # the measured estimator probes here, once per signature too
-            caches[signature] = ProfileCache(workload, policy, target, known=estimates.by_signature.get(signature))
+            caches[signature] = ProfileCache(workload, policy, target, known=estimates.by_signature.get(signature),
+                                             epochs=spec.stop.epochs)
         try:
             if rank_budgets is None:
                 plan, profile = plan_with_profile(workload, policy, spec.effective_batch_size, budget, target=target,

@@ -9,9 +9,12 @@ estimates only what the driver could not.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from orchestrator.allocator_conf import effective_allocator_conf
 from orchestrator.config import MemoryPolicy
 from orchestrator.memory import EstimationError, MemoryProfile, Settings, estimate
+from orchestrator.memory.phases import stage_epoch
 
 
 class ProfileCache:
@@ -19,15 +22,30 @@ class ProfileCache:
 
     ``known`` holds profiles made elsewhere (the driver's); a setting that is not there is
     estimated here. ``None`` marks a setting whose estimation failed, with the reason in ``errors``.
+
+    ``epochs``: the epochs the trial trains (``stop.epochs``; None where a step budget alone
+    bounds it): the phases of a stage of the workload's module-activation schedule that starts
+    later are left out of what :meth:`get` gives the planner. A sweep of two epochs, run before
+    a module is switched on at the third, is not planned (or refused) for that module. They are
+    still estimated, and kept whole, so profiles made for one budget serve another.
     """
 
     def __init__(self, workload, policy: MemoryPolicy, target: str, device=None,
-                 known: dict[Settings, MemoryProfile | None] | None = None):
+                 known: dict[Settings, MemoryProfile | None] | None = None, epochs: int | None = None):
         self.workload, self.policy, self.target, self.device = workload, policy, target, device
         self.cache: dict[Settings, MemoryProfile | None] = dict(known or {})
         self.errors: dict[Settings, str] = {}
+        self.epochs = epochs
 
     def get(self, settings: Settings) -> MemoryProfile | None:
+        """The profile of ``settings``, its phases those of the stages the trial reaches."""
+        profile = self._whole(settings)
+        if profile is None or self.epochs is None:
+            return profile
+        reached = tuple(p for p in profile.phases if stage_epoch(p.name) < self.epochs)
+        return profile if len(reached) == len(profile.phases) else replace(profile, phases=reached)
+
+    def _whole(self, settings: Settings) -> MemoryProfile | None:
         if settings not in self.cache:
             try:
                 self.cache[settings] = estimate(

@@ -22,14 +22,23 @@ class Phase:
     epoch: int  # first epoch of the stage the phase belongs to, from 0 (the workload's ``set_epoch``)
 
 
-def phases_of(workload: Workload) -> list[Phase]:
-    """Train and eval phases of every stage, stage by stage in epoch order (as training meets them)."""
+def phases_of(workload: Workload, epochs: int | None = None) -> list[Phase]:
+    """Train and eval phases of every stage, stage by stage in epoch order (as training meets them);
+    of the stages that start within ``epochs`` where it is given (a trial's ``stop.epochs``)."""
     phases = []
     for epoch in workload.stage_epochs():
+        if epochs is not None and epoch >= epochs:
+            break
         suffix = "" if epoch == 0 else f"@epoch{epoch + 1}"
         phases.append(Phase(f"train{suffix}", "train", epoch))
         phases.append(Phase(f"eval{suffix}", "eval", epoch))
     return phases
+
+
+def stage_epoch(phase_name: str) -> int:
+    """The first epoch (from 0) of the stage a phase named by :func:`phases_of` belongs to."""
+    _, _, epoch = phase_name.partition("@epoch")
+    return int(epoch) - 1 if epoch else 0
 
 
 def enter_phase(workload: Workload, model: nn.Module, phase: Phase, settings: Settings) -> None:

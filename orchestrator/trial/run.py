@@ -212,7 +212,8 @@ class TrialRun:
             target = self.device.target
             known = self.estimates.known(self.config, target) if self.estimates else None
             self.estimated_by = "none" if self.policy.estimator == "none" else "driver" if known else "worker"
-            self.profiles = ProfileCache(self.workload, self.policy, target, self.device, known=known)
+            self.profiles = ProfileCache(self.workload, self.policy, target, self.device, known=known,
+                                         epochs=self.loop_settings.stop.epochs)
         return self.profiles
 
     # -- plan verification (orchestrator.trial.verify) -------------------------------------------
@@ -245,8 +246,8 @@ class TrialRun:
         overheads = {p.name: p.overhead for p in profile.phases} if profile is not None else {}
         limit = int(self.plan.budget_bytes * self.policy.safety_margin)
         fixed_size = not type(self.workload).overrides("largest_sample")  # else a step's batch may be a small one
-        return PlanVerification(phases_of(self.workload), self._corrected_plan, limit, overheads, self.plan_checks,
-                                grows=fixed_size)
+        reached = phases_of(self.workload, self.loop_settings.stop.epochs)
+        return PlanVerification(reached, self._corrected_plan, limit, overheads, self.plan_checks, grows=fixed_size)
 
     def _corrected_plan(self, corrections: dict, micro_cap: int | None) -> Plan:
         """The plan in force's settings and budget, planned with the verification's corrections."""

@@ -1,0 +1,45 @@
+"""``orchestrator.memory.cache``: profiles estimated once per setting, and planned for the stages
+of a module-activation schedule that the trial reaches."""
+
+from __future__ import annotations
+
+from orchestrator.config import MemoryPolicy
+from orchestrator.memory import Settings
+from orchestrator.memory.cache import ProfileCache
+from orchestrator.memory.phases import phases_of, stage_epoch
+from orchestrator.planner import make_plan
+from orchestrator.units import MiB
+from trainables.staged import StagedMLPWorkload
+
+# Its wide auxiliary block switches on at the third epoch (epoch 2, counted from 0).
+STAGED = StagedMLPWorkload(width=16, aux_width=4096, aux_start_epoch=2)
+POLICY = MemoryPolicy(estimator="trace")  # its stage 0 holds no gradient or optimizer state of the block
+
+
+def names(profile) -> list[str]:
+    return [p.name for p in profile.phases]
+
+
+def test_a_stage_that_starts_after_the_last_epoch_is_not_planned_for():
+    """A sweep of two epochs, run before the module that switches on at the third: its plan is
+    the one that fits without the module, where the module alone would refuse it (post-mortem
+    000's short sweep before the late modules). Its profile is estimated whole all the same."""
+    whole = ProfileCache(STAGED, POLICY, "emulated")
+    assert names(whole.get(Settings())) == ["train", "eval", "train@epoch3", "eval@epoch3"]
+    short = ProfileCache(STAGED, POLICY, "emulated", epochs=2, known=dict(whole.cache))
+    assert names(short.get(Settings())) == ["train", "eval"]
+    assert names(ProfileCache(STAGED, POLICY, "emulated", epochs=3, known=dict(whole.cache)).get(Settings())) == names(
+        whole.get(Settings()))
+    assert short.shareable() == whole.shareable()  # what a worker with another budget may use, unchanged
+
+    budget = 3 * MiB // 2  # the MLP fits; with the 4096-wide block (2 MiB of states), not even at micro-batch 1
+    assert make_plan(STAGED, POLICY, 64, budget, target="emulated", profiles=whole).refusal
+    planned = make_plan(STAGED, POLICY, 64, budget, target="emulated", profiles=short)
+    assert planned.refusal is None and planned.micro_batch * planned.accum_steps == 64
+
+
+def test_phases_are_those_of_the_stages_a_budget_of_epochs_reaches():
+    assert [p.name for p in phases_of(STAGED)] == ["train", "eval", "train@epoch3", "eval@epoch3"]
+    assert [p.name for p in phases_of(STAGED, 2)] == ["train", "eval"]
+    assert [p.name for p in phases_of(STAGED, 3)] == [p.name for p in phases_of(STAGED)]
+    assert [stage_epoch(p.name) for p in phases_of(STAGED)] == [0, 0, 2, 2]
