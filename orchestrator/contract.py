@@ -43,6 +43,10 @@ STATE_FILE = "state.pt"
 #: removed once the recovery reports; a worker that dies in between (a CUDA context an OOM left
 #: unusable) leaves it behind, which is how the driver knows that death was about memory.
 OOM_EVIDENCE_FILE = "oom_before_death.json"
+#: In the trial's folder on the storage path: every OOM event of a trial that gave up on them (no
+#: smaller plan, or ``memory.max_oom_retries`` reached), which its reports never carried: the
+#: driver logs them to the trial's MLflow run as the reports' ``oom_events.json`` is logged.
+OOM_GAVE_UP_FILE = "oom_events_gave_up.json"
 
 #: In the trial's folder on the storage path: the full traceback of the error that ended the
 #: trial where its one line names this file instead (a sample its data could not load).

@@ -32,7 +32,7 @@ from orchestrator.errors import UserError
 from orchestrator.table import format_table
 from orchestrator.tracking.client import mlflow_client
 from orchestrator.tracking.reader import READERS, StoredRun, artifact_text, trial_runs
-from orchestrator.tracking.runs import ROLE_TAG, STEP_METRIC, SWEEP_ID_TAG, default_tracking_uri, sqlite_path
+from orchestrator.tracking.runs import OOM_GAVE_UP_TAG, ROLE_TAG, STEP_METRIC, SWEEP_ID_TAG, default_tracking_uri, sqlite_path
 from orchestrator.tracking.store import database_answers, reading
 from orchestrator.trial_report import TrialReport
 from orchestrator.units import binary_unit, human
@@ -96,6 +96,13 @@ class TrialRecord:
     def latest(self) -> TrialReport:
         """The trial's report as of its last result: each metric's value at the last step that has it."""
         return self._latest
+
+    @property
+    def oom_retries(self) -> int:
+        """The OOMs the trial survived: as its last result counts them, or as its events do where
+        it gave up on them before a result could (the retries an eval at its first epoch made)."""
+        survived = sum(1 for e in self.oom_events if e.get("action") != "gave up")
+        return max(self.latest().oom_retries, survived)
 
     def peak(self) -> tuple[float | None, float | None, float | None]:
         """(predicted, measured, error) at the result whose measured peak was highest.
@@ -319,7 +326,7 @@ def _trial_record(client, run: StoredRun) -> TrialRecord:
         name=run.name, trial_id=run.tags.get("trial_id", ""), run_id=run.run_id, status=run.status,
         params=run.params, tags=run.tags, results=run.history, oom_events=[], duration_s=duration,
     )
-    if trial.latest().oom_retries <= 0:
+    if trial.latest().oom_retries <= 0 and not trial.tags.get(OOM_GAVE_UP_TAG):
         return trial
     try:
         events = json.loads(artifact_text(client, run.run_id, "oom_events.json"))
@@ -370,7 +377,7 @@ def trial_table(sweep: SweepRecord) -> str:
             trial.label, trial.shown_status, plan_text(trial),
             human(predicted) if predicted else "-", human(measured) if measured is not None else "-",
             f"{error:+.1%}" if error is not None else "-",
-            trial.latest().oom_retries,
+            trial.oom_retries,
             f"{final:.4f}" if _a_value(final) else "-",
         ))
     headers = ["trial", "status", "plan", "predicted peak", "measured peak", "estimate error", "OOM retries", sweep.metric]

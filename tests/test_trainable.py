@@ -95,12 +95,20 @@ def test_an_eval_oom_shrinks_only_the_eval_batch(tmp_path):
 
 
 def test_retries_are_bounded_and_the_events_are_in_the_error(tmp_path):
+    """The events are in MLflow too (``oom_events.json``, as a trial that survived has it), and in
+    the report, although the trial gave up before any report could carry them."""
+    from orchestrator.report import load_sweep
+
     outcome = sweep(tmp_path, {"name": "cnn", "params": {"width": 48}},
                     {"device": "emulated", "capacity": "8MiB", "estimator": "none", "max_oom_retries": 1}, epochs=1)
     (row,) = outcome.rows
     assert not outcome.ok and row.status == "ERROR"
     assert "memory.max_oom_retries=1 reached" in row.note
     assert row.epochs == 0 and row.final_metric is None
+
+    (trial,) = load_sweep(f"sqlite:///{tmp_path}/mlflow.db").trials
+    assert [e["action"] for e in trial.oom_events] == ["micro-batch 128->64 (accumulation 1->2)", "gave up"], trial.oom_events
+    assert trial.oom_retries == 1 and trial.status == "FAILED"
 
 
 def test_a_worker_that_dies_recovering_from_an_oom_is_restarted_by_tune_with_a_smaller_plan(tmp_path):

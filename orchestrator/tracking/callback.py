@@ -21,8 +21,9 @@ from orchestrator.outcome import DIVERGED, TrackingDelivery, current_record, fin
 from orchestrator.tracking.flatten import param_text, plan_params, result_metrics, spec_params
 from orchestrator.tracking.operations import AddParams, EndRun, LogArtifact, LogResult, Operation, SetTags, StartRun
 from orchestrator.tracking.outbox import Outbox
-from orchestrator.tracking.runs import SweepIdentity, TrialRef
+from orchestrator.tracking.runs import OOM_GAVE_UP_TAG, SweepIdentity, TrialRef
 from orchestrator.tracking.writer import MlflowWriter, fail_fast
+from orchestrator.trial.evidence import gave_up_events
 from orchestrator.trial_report import TrialReport
 
 logger = logging.getLogger(__name__)
@@ -160,7 +161,15 @@ class MlflowTracking(tune.Callback):
         self._end_trial(trial, "FAILED" if failed else "FINISHED")
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
-        self._put(SetTags(self._log(trial).ref, {"error": _error_summary(trial)}))
+        log = self._log(trial)
+        tags = {"error": _error_summary(trial)}
+        # A trial that gave up on OOMs: its events, which no report carried, from its folder.
+        events = gave_up_events(str(trial.path) if trial.path else None)
+        if len(events) > log.oom_events_logged:
+            self._put(LogArtifact(log.ref, "oom_events.json", events))
+            log.oom_events_logged = len(events)
+            tags[OOM_GAVE_UP_TAG] = str(len(events))
+        self._put(SetTags(log.ref, tags))
         self._end_trial(trial, "FAILED")
 
     def on_experiment_end(self, trials, **info) -> None:

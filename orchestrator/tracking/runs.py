@@ -15,6 +15,9 @@ PARENT_TAG = "mlflow.parentRunId"  # what makes a run nested in MLflow's UI
 DEFAULT_TRACKING_DB = "mlflow.db"
 #: Logged with every result at MLflow step = the trial's optimizer step: the record of which results a run has.
 STEP_METRIC = "step"
+#: On the run of a trial that gave up on OOMs: how many events its ``oom_events.json`` holds (no
+#: result counts them), which tells ``report`` to read that file.
+OOM_GAVE_UP_TAG = "oom_events_gave_up"
 
 
 @dataclass(frozen=True)

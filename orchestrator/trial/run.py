@@ -40,7 +40,7 @@ from orchestrator.planner import Plan, make_plan, next_reduction
 from orchestrator.ray_internals import trial_storage_folder
 from orchestrator.trial.checkpoint import LocalCheckpoints, hand_over_due
 from orchestrator.trial.errors import DataError, HostMemoryExhausted, OomRetriesExhausted
-from orchestrator.trial.evidence import clear_oom_evidence, write_oom_evidence
+from orchestrator.trial.evidence import clear_oom_evidence, write_gave_up_events, write_oom_evidence
 from orchestrator.trial.host_memory import fewer_workers, host_memory_failure
 from orchestrator.trial.metrics import TrialMetrics
 from orchestrator.trial.node import NodeInfo, current_node, left_its_node, restart_reason
@@ -339,6 +339,7 @@ class TrialRun:
         if smaller is None or len(self.events) >= self.policy.max_oom_retries:
             reason = "no smaller plan is left" if smaller is None else f"memory.max_oom_retries={self.policy.max_oom_retries} reached"
             self.events.append(OomEvent(**{**event.to_dict(), "action": "gave up"}))
+            write_gave_up_events(self.evidence_folder, self.events)  # no report carries them: MLflow gets them from there
             raise OomRetriesExhausted.from_events(self.events, f"out of memory in {event.phase} and {reason}")
         self.events.append(OomEvent(**{**event.to_dict(), "action": _describe_change(self.plan, smaller)}))
         self.plan = smaller
