@@ -147,9 +147,11 @@ def test_a_loss_that_turns_nan_ends_its_trial_as_diverged_in_one_line(tmp_path):
     shown = subprocess.run([installed_command(), "report", "unstable", "--out", str(tmp_path / "report")], cwd=tmp_path,
                            env=command_env(), capture_output=True, text=True, timeout=300, check=False)
     assert shown.returncode == 0, shown.stderr[-3000:]
-    [line] = [line for line in shown.stdout.splitlines() if line.startswith(diverged.data.tags["trial_id"] + " ")]
+    trial = diverged.data.tags["trial_id"]
+    [line, why] = [line for line in shown.stdout.splitlines() if line.startswith(trial + " ")]  # its row, then why
     assert line.split()[1] == "DIVERGED" and line.split()[-1] == "-", line
     assert "Trials: 2 (1 diverged, 1 finished)" in shown.stdout, shown.stdout
+    assert why == f"{trial} diverged: {diverged.data.tags['diverged']}", shown.stdout
 
 
 @pytest.mark.integration
