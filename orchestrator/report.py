@@ -32,7 +32,9 @@ from orchestrator.errors import UserError
 from orchestrator.table import format_table
 from orchestrator.tracking.client import mlflow_client
 from orchestrator.tracking.reader import READERS, StoredRun, artifact_text, trial_runs
-from orchestrator.tracking.runs import OOM_GAVE_UP_TAG, ROLE_TAG, STEP_METRIC, SWEEP_ID_TAG, default_tracking_uri, sqlite_path
+from orchestrator.tracking.runs import (
+    EXPERIMENT_PATH_TAG, OOM_GAVE_UP_TAG, ROLE_TAG, STEP_METRIC, SWEEP_ID_TAG, default_tracking_uri, sqlite_path,
+)
 from orchestrator.tracking.store import database_answers, reading
 from orchestrator.trial_report import TrialReport
 from orchestrator.units import binary_unit, human
@@ -184,8 +186,9 @@ def report_command(args) -> int:
         png, parquet = out / "report.png", out / "results.parquet"
         write_whole({png: lambda f: plot_peaks(sweep, f), parquet: lambda f: write_parquet(sweep, f)})
     with reading(tracking_uri, STORE_ADVICE):
-        mlflow_client(tracking_uri).log_artifact(sweep.run_id, str(png), "report")
-        mlflow_client(tracking_uri).log_artifact(sweep.run_id, str(parquet), "report")
+        client = mlflow_client(tracking_uri)
+        client.log_artifact(sweep.run_id, str(png), "report")
+        client.log_artifact(sweep.run_id, str(parquet), "report")
     print(f"\nWrote {png} and {parquet} (also logged to the sweep's run under report/)")
     return 0
 
@@ -276,7 +279,7 @@ RUN_ID = re.compile(r"[0-9a-f]{32}")
 
 def _sweep_text(run) -> str:
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.info.start_time / 1000))
-    return f"run {run.info.run_id} (started {started}, results {run.data.tags.get('tune.experiment_path', '-')})"
+    return f"run {run.info.run_id} (started {started}, results {run.data.tags.get(EXPERIMENT_PATH_TAG, '-')})"
 
 
 def _sweep_of_run(client, run_id: str) -> list:
@@ -393,8 +396,8 @@ def summary(sweep: SweepRecord) -> str:
     for trial in sweep.trials:
         counts[trial.shown_status.lower()] = counts.get(trial.shown_status.lower(), 0) + 1
     finished = [t for t in sweep.trials if t.status == "FINISHED"]
-    survived = sum(t.latest().oom_retries for t in finished)
-    with_ooms = sum(1 for t in finished if t.latest().oom_retries > 0)
+    survived = sum(t.oom_retries for t in finished)
+    with_ooms = sum(1 for t in finished if t.oom_retries > 0)
     lines = [
         f"Trials: {len(sweep.trials)} ({', '.join(f'{n} {s}' for s, n in sorted(counts.items()))})",
         f"OOMs survived: {survived} (in {with_ooms} of {len(finished)} finished trials)",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from orchestrator.config import MemoryPolicy
 from orchestrator.memory import Settings
 from orchestrator.memory.cache import ProfileCache
-from orchestrator.memory.phases import phases_of, stage_epoch
+from orchestrator.memory.phases import phases_of
 from orchestrator.planner import make_plan
 from orchestrator.units import MiB
 from trainables.staged import StagedMLPWorkload
@@ -42,4 +42,4 @@ def test_phases_are_those_of_the_stages_a_budget_of_epochs_reaches():
     assert [p.name for p in phases_of(STAGED)] == ["train", "eval", "train@epoch3", "eval@epoch3"]
     assert [p.name for p in phases_of(STAGED, 2)] == ["train", "eval"]
     assert [p.name for p in phases_of(STAGED, 3)] == [p.name for p in phases_of(STAGED)]
-    assert [stage_epoch(p.name) for p in phases_of(STAGED)] == [0, 0, 2, 2]
+    assert [p.epoch for p in phases_of(STAGED)] == [0, 0, 2, 2]

@@ -14,7 +14,7 @@ from dataclasses import replace
 from orchestrator.allocator_conf import effective_allocator_conf
 from orchestrator.config import MemoryPolicy
 from orchestrator.memory import EstimationError, MemoryProfile, Settings, estimate
-from orchestrator.memory.phases import stage_epoch
+from orchestrator.memory.phases import phases_of
 
 
 class ProfileCache:
@@ -42,7 +42,8 @@ class ProfileCache:
         profile = self._whole(settings)
         if profile is None or self.epochs is None:
             return profile
-        reached = tuple(p for p in profile.phases if stage_epoch(p.name) < self.epochs)
+        names = {phase.name for phase in phases_of(self.workload, self.epochs)}
+        reached = tuple(p for p in profile.phases if p.name in names)
         return profile if len(reached) == len(profile.phases) else replace(profile, phases=reached)
 
     def _whole(self, settings: Settings) -> MemoryProfile | None:

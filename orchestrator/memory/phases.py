@@ -35,12 +35,6 @@ def phases_of(workload: Workload, epochs: int | None = None) -> list[Phase]:
     return phases
 
 
-def stage_epoch(phase_name: str) -> int:
-    """The first epoch (from 0) of the stage a phase named by :func:`phases_of` belongs to."""
-    _, _, epoch = phase_name.partition("@epoch")
-    return int(epoch) - 1 if epoch else 0
-
-
 def enter_phase(workload: Workload, model: nn.Module, phase: Phase, settings: Settings) -> None:
     """Put ``model`` in the state the training loop has it in during ``phase``."""
     workload.set_epoch(model, phase.epoch)

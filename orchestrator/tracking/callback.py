@@ -21,7 +21,7 @@ from orchestrator.outcome import DIVERGED, TrackingDelivery, current_record, fin
 from orchestrator.tracking.flatten import param_text, plan_params, result_metrics, spec_params
 from orchestrator.tracking.operations import AddParams, EndRun, LogArtifact, LogResult, Operation, SetTags, StartRun
 from orchestrator.tracking.outbox import Outbox
-from orchestrator.tracking.runs import OOM_GAVE_UP_TAG, SweepIdentity, TrialRef
+from orchestrator.tracking.runs import EXPERIMENT_PATH_TAG, OOM_GAVE_UP_TAG, SweepIdentity, TrialRef
 from orchestrator.tracking.writer import MlflowWriter, fail_fast
 from orchestrator.trial.evidence import gave_up_events
 from orchestrator.trial_report import TrialReport
@@ -108,7 +108,7 @@ class MlflowTracking(tune.Callback):
         self._put(StartRun(log.ref, params=params, tags={"tune.trial_path": str(trial.path or "")}))
         if not self._sweep_named:
             # Named like Tune's experiment folder, so the sweep is found from Tune's output.
-            tags = {"mlflow.runName": trial.experiment_dir_name, "tune.experiment_path": str(trial.remote_experiment_path)}
+            tags = {"mlflow.runName": trial.experiment_dir_name, EXPERIMENT_PATH_TAG: str(trial.remote_experiment_path)}
             self._put(SetTags(None, tags))
             self._sweep_named = True
 

@@ -10,6 +10,7 @@ from pathlib import Path
 SWEEP_ID_TAG = "orchestrator.sweep_id"
 ROLE_TAG = "orchestrator.role"  # "sweep" (the parent run) or "trial"
 PARENT_TAG = "mlflow.parentRunId"  # what makes a run nested in MLflow's UI
+EXPERIMENT_PATH_TAG = "tune.experiment_path"  # on the sweep's run: Tune's folder of the sweep, which `report` names
 #: The store ``run`` writes to and ``report`` reads when neither is given one: MLflow's own default,
 #: a SQLite file in the working directory.
 DEFAULT_TRACKING_DB = "mlflow.db"
