@@ -31,6 +31,7 @@ from typing import Any
 from ray import tune
 
 from orchestrator.contract import (
+    GAVE_UP,
     MEMORY_LABELS,
     NOT_RETRIED_KEY,
     OOM_GAVE_UP_KEY,
@@ -153,7 +154,7 @@ def format_event(event: Event) -> str:
         else:
             where = f"train step {e.step} (epoch {e.epoch}) at micro-batch {e.micro_batch}"
         where += "" if e.rank is None else f" on rank {e.rank}"
-        if e.action == "gave up":
+        if e.action == GAVE_UP:
             return f"{name} OOM in {where}: gave up"
         return f"{name} OOM in {where}: resumed with {e.action}" + (f", plan {event.plan}" if event.plan else "")
     if isinstance(event, PlanCorrected):
@@ -242,10 +243,13 @@ def report_events(trial: str, report: TrialReport, seen: Seen) -> list[Event]:
     seen.moves = max(seen.moves, len(report.moves))
     if not seen.planned and report.micro_batch is not None:
         seen.planned = True
-        started_with = _plan_before(new_events[0], report) if new_events else plan
-        if report.plan_checks and not new_events:  # it ran its first steps before the checks changed it
+        started_with, estimate = plan, _estimate(report, report.predicted_peak_bytes, report.predicted_phase)
+        if new_events:  # the plan it ran out of memory with, and that plan's estimate
+            started_with = _plan_before(new_events[0], report)
+            estimate = _estimate(report, new_events[0].predicted_peak_bytes, None)
+        elif report.plan_checks:  # it ran its first steps before the checks changed it
             started_with = report.plan_checks[0].plan.split(" (")[0]
-        events.insert(0, Planned(trial, started_with, _estimate(report)))
+        events.insert(0, Planned(trial, started_with, estimate))
     if report.storage_fault:
         events.append(StorageFault(trial, report.storage_fault))
     return events
@@ -253,16 +257,17 @@ def report_events(trial: str, report: TrialReport, seen: Seen) -> list[Event]:
 
 def _plan_before(event: OomEvent, report: TrialReport) -> str:
     """The plan a trial ran before its first OOM: the event's micro-batch, at the same effective batch."""
-    accumulation = max((report.effective_batch or 0) // (event.micro_batch * report.ranks), 1)
+    accumulation = max(math.ceil((report.effective_batch or 0) // report.ranks / event.micro_batch), 1)
     return _plan(event.micro_batch, accumulation, report.ranks)
 
 
-def _estimate(report: TrialReport) -> str:
+def _estimate(report: TrialReport, peak: int | None, phase: str | None) -> str:
+    """The estimate of a plan of the trial: its predicted ``peak``, in ``phase`` where known."""
     estimator = report.estimator or "none"
-    if report.predicted_peak_bytes:
-        phase = f" in {report.predicted_phase}" if report.predicted_phase else ""
+    if peak:
+        phase = f" in {phase}" if phase else ""
         compiled = ", of the compiled model's eager modules" if (report.plan or {}).get("compiled") else ""
-        return f"estimated peak {human(report.predicted_peak_bytes)}{phase} ({estimator}{compiled})"
+        return f"estimated peak {human(peak)}{phase} ({estimator}{compiled})"
     return "no estimate (memory.estimator: none)" if estimator == "none" else f"no estimate ({estimator})"
 
 
@@ -370,7 +375,7 @@ class LiveView(tune.Callback):
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
         seen = self._seen.setdefault(trial.trial_id, Seen())
         for event in report_events(trial.trial_id, TrialReport.from_result(result), seen):
-            self._ooms += isinstance(event, OomSurvived) and event.event.action != "gave up"
+            self._ooms += isinstance(event, OomSurvived) and event.event.action != GAVE_UP
             self._say(event)
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:

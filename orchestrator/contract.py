@@ -75,6 +75,10 @@ OOM_MESSAGES = re.compile(
 )
 
 
+#: The action of the OOM (or lost loader worker) a trial did not survive: it failed there.
+GAVE_UP = "gave up"
+
+
 @dataclass(frozen=True)
 class OomEvent:
     """One out-of-memory failure and what was done about it. It travels with the trial: in its
@@ -93,9 +97,10 @@ class OomEvent:
     bytes_allocated: int
     bytes_reserved: int | None
     message: str
-    action: str = ""  # what was done about it: the reduction applied, or "gave up"
+    action: str = ""  # what was done about it: the reduction applied, or GAVE_UP
     rank: int | None = None  # in a data-parallel trial, the rank that ran out (the lowest, when several did)
     eval_batch_number: int | None = None  # eval: the batch of the evaluation that ran out (from 1)
+    predicted_peak_bytes: int | None = None  # the plan's predicted peak (its worst phase) as it ran out; None: no estimate
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -103,6 +108,12 @@ class OomEvent:
     @classmethod
     def from_dict(cls, data: dict) -> "OomEvent":
         return cls(**data)
+
+
+def survived_ooms(events: list[dict]) -> int:
+    """The OOMs a trial's events (as dicts: MLflow's ``oom_events.json``, a gave-up trial's file)
+    say it survived: each one but the one it gave up at."""
+    return sum(1 for e in events if e.get("action") != GAVE_UP)
 
 
 @dataclass(frozen=True)
@@ -116,11 +127,11 @@ class HostMemoryEvent:
     step: int  # train: the optimizer step whose data it was loading (from 1); eval: the step it followed
     num_workers: int  # data.num_workers when it happened
     message: str  # torch's line: "DataLoader worker (pid(s) 4242) exited unexpectedly"
-    action: str = ""  # "data.num_workers 2->1", or "gave up"
+    action: str = ""  # "data.num_workers 2->1", or GAVE_UP
 
     def describe(self) -> str:
         where = f"train step {self.step} (epoch {self.epoch})" if self.phase == "train" else f"eval after step {self.step}"
-        what = "gave up" if self.action == "gave up" else f"resumed from its last checkpoint with {self.action}"
+        what = GAVE_UP if self.action == GAVE_UP else f"resumed from its last checkpoint with {self.action}"
         return f"host memory: a DataLoader worker was lost in {where} ({self.message}): {what}"
 
     def to_dict(self) -> dict:

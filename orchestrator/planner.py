@@ -182,7 +182,8 @@ def next_reduction(
     """The plan to resume with after an out-of-memory error in ``phase_kind``, or None to give up.
 
     Pure: nothing is re-estimated, so the returned plan's predictions are cleared (None/empty)
-    rather than carried stale; the note says what was reduced.
+    rather than carried stale (:func:`predicted` puts them back from the trial's profile); the
+    note says what was reduced.
     """
     def reduced(note: str, **changes) -> Plan:
         return replace(plan, **changes, reductions=plan.reductions + 1, note=note,
@@ -207,6 +208,23 @@ def next_reduction(
     return None
 
 
+def predicted(plan: Plan, profile: MemoryProfile) -> Plan:
+    """``plan`` with its predictions at its own batch sizes, from ``profile`` (of ``plan.settings``).
+
+    What an OOM's reduction resumes with: the estimate, corrections and error bound the trial
+    planned with, at the smaller batches (a rank's with the exchange's bucket), so the trial's
+    reports, its live line and MLflow still compare a prediction with what the device measures.
+    """
+    limit = None
+    if plan.budget_bytes is not None and plan.safety_margin:
+        limit = int(_usable(plan.budget_bytes, plan.exchange_bytes, plan.safety_margin) * plan.safety_margin)
+    trust = _Trust(dict(plan.corrections), plan.error_bound)
+    fresh = _plan(profile, plan.micro_batch, plan.rank_batch, plan.eval_batch, plan.budget_bytes, "", limit, trust)
+    return replace(plan, predicted_peak_bytes=fresh.predicted_peak_bytes + plan.exchange_bytes,
+                   predicted_phase=fresh.predicted_phase,
+                   predicted_phases={name: peak + plan.exchange_bytes for name, peak in fresh.predicted_phases.items()})
+
+
 def plan_for_ranks(
     workload, policy, effective_batch: int, rank_budgets: list[int | None], *, target: str, device=None,
     profiles: ProfileCache | None = None,
@@ -226,8 +244,7 @@ def plan_for_ranks(
         exchange = strategy.extra_bytes(profiles.get(Settings(policy.precision, False)))
     by_budget: dict[int | None, Plan] = {}
     for budget in dict.fromkeys(rank_budgets):
-        # The plan fills usable x margin; the bucket comes on top: budget x margin in all.
-        usable = None if budget is None else max(budget - math.ceil(exchange / policy.safety_margin), 0)
+        usable = None if budget is None else _usable(budget, exchange, policy.safety_margin)
         plan = make_plan(workload, policy, rank_batch, usable, target=target, device=device, profiles=profiles)
         by_budget[budget] = replace(plan, budget_bytes=budget)
     plans = [by_budget[b] for b in rank_budgets]
@@ -252,6 +269,12 @@ def plan_for_ranks(
 def format_bytes(n: int) -> str:
     """GiB as every table shows them, or a smaller unit where GiB would read 0.00G."""
     return gib(n) if abs(n) >= GiB / 100 else human(n).replace(" ", "")
+
+
+def _usable(budget: int, exchange: int, margin: float) -> int:
+    """What a rank's plan may fill, x ``margin``: the gradient exchange's bucket comes on top,
+    so the plan and the bucket together fill ``budget`` x ``margin``."""
+    return max(budget - math.ceil(exchange / margin), 0)
 
 
 def _candidates(start: Settings, policy, supports_checkpointing: bool) -> list[Settings]:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from orchestrator.atomic_file import atomic_write
-from orchestrator.contract import MEMORY_LABELS
+from orchestrator.contract import MEMORY_LABELS, survived_ooms
 from orchestrator.errors import UserError
 from orchestrator.table import format_table
 from orchestrator.tracking.client import mlflow_client
@@ -103,8 +103,7 @@ class TrialRecord:
     def oom_retries(self) -> int:
         """The OOMs the trial survived: as its last result counts them, or as its events do where
         it gave up on them before a result could (the retries an eval at its first epoch made)."""
-        survived = sum(1 for e in self.oom_events if e.get("action") != "gave up")
-        return max(self.latest().oom_retries, survived)
+        return max(self.latest().oom_retries, survived_ooms(self.oom_events))
 
     def peak(self) -> tuple[float | None, float | None, float | None]:
         """(predicted, measured, error) at the result whose measured peak was highest.

@@ -30,7 +30,7 @@ from orchestrator.config import SweepSpec
 from orchestrator.console import (
     TUNE_QUIET, TUNE_VERBOSE, cluster_text, config_text, plan_text, quiet_libraries, ray_logging_config, tune_lines_told_here,
 )
-from orchestrator.contract import MEMORY_LABELS, describe_moves
+from orchestrator.contract import MEMORY_LABELS, describe_moves, survived_ooms
 from orchestrator.errors import UserError
 from orchestrator.failures import exception_line
 from orchestrator.invocation import shell_command
@@ -52,6 +52,7 @@ from orchestrator.stop_signal import ctrl_c_held, sigterm_stops_like_sigint
 from orchestrator.sweep_guard import claim_sweep, recorded_tracking_store, running, sweeps_of
 from orchestrator.table import format_table
 from orchestrator.tracking.runs import absolute_tracking_uri, default_tracking_uri
+from orchestrator.trial.evidence import gave_up_events
 from orchestrator.trial_report import TrialReport
 from orchestrator.units import human, size_flag
 from orchestrator.writable import taken_back_if_refused
@@ -631,7 +632,7 @@ def _row(result, spec: SweepSpec, record: SweepRecord | None = None) -> TrialRow
         plan=plan_text(report),
         peak_bytes=report.measured_peak,
         memory_source=report.memory_source or "",
-        oom_retries=report.oom_retries,
+        oom_retries=max(report.oom_retries, survived_ooms(gave_up_events(result.path)) if error and result.path else 0),
         note=note,
         node=report.node_name or "",
         moves=describe_moves(report.moves),

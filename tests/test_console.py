@@ -49,7 +49,7 @@ from tests.conftest import ROOT, command_env, installed_command
 
 TRAIN_OOM = OomEvent("train", 1, 1, micro_batch=128, eval_batch=128, bytes_requested=2**20, bytes_allocated=7 * 2**20,
                      bytes_reserved=None, message="emulated device out of memory",
-                     action="micro-batch 128->64 (accumulation 1->2)")
+                     action="micro-batch 128->64 (accumulation 1->2)", predicted_peak_bytes=6 * 2**20)
 EVAL_OOM = OomEvent("eval", 1, 8, micro_batch=64, eval_batch=128, bytes_requested=None, bytes_allocated=2**20,
                     bytes_reserved=None, message="out of memory", action="eval batch 128->64", eval_batch_number=1)
 PLANNED = TrialReport(micro_batch=64, accum_steps=2, effective_batch=128, estimator="trace",
@@ -98,9 +98,10 @@ def test_a_report_tells_the_plan_once_and_each_oom_and_move_once():
     seen = Seen()
     first = dataclasses.replace(PLANNED, oom_events=(TRAIN_OOM,))
     events = report_events("t", first, seen)
-    # The plan it started with (before the OOM in the same report), then the OOM with the plan now.
+    # The plan it started with (before the OOM in the same report) and that plan's estimate, then
+    # the OOM with the plan now.
     assert [format_event(e) for e in events] == [
-        "t plan: micro-batch x accumulation 128 x 1, estimated peak 5.0 MiB in train (trace)",
+        "t plan: micro-batch x accumulation 128 x 1, estimated peak 6.0 MiB (trace)",
         ("t OOM in train step 1 (epoch 1) at micro-batch 128: resumed with micro-batch 128->64 (accumulation 1->2), "
          "plan 64 x 2"),
     ]
@@ -111,6 +112,14 @@ def test_a_report_tells_the_plan_once_and_each_oom_and_move_once():
     # As Tune hands it over: the report's flat form, read back.
     assert report_events("t", TrialReport.from_result(later.to_metrics()), Seen())[1:] == [
         OomSurvived("t", TRAIN_OOM), OomSurvived("t", EVAL_OOM, "64 x 2"), Moved("t", move)]
+
+
+def test_the_plan_before_an_oom_keeps_the_accumulation_that_covers_the_effective_batch():
+    """54 x 2 covers 100 samples (54 + 46); 54 x 1 would not."""
+    oom = dataclasses.replace(TRAIN_OOM, micro_batch=54, action="micro-batch 54->27 (accumulation 2->4)")
+    report = dataclasses.replace(PLANNED, micro_batch=27, accum_steps=4, effective_batch=100, oom_events=(oom,))
+    planned = report_events("t", report, Seen())[0]
+    assert format_event(planned) == "t plan: micro-batch x accumulation 54 x 2, estimated peak 6.0 MiB (trace)"
 
 
 def test_a_plan_the_verification_changed_is_told_once_with_the_plan_it_started_with():

@@ -13,7 +13,7 @@ from orchestrator.device import EmulatedDevice
 from orchestrator.memory import MemoryProfile, PhaseProfile, Settings
 from orchestrator.memory.cache import ProfileCache
 from orchestrator.memory.sequence import TrialSequence, fit_log
-from orchestrator.planner import Plan, correction_at, make_plan, next_reduction, plan_for_ranks
+from orchestrator.planner import Plan, correction_at, make_plan, next_reduction, plan_for_ranks, predicted
 from trainables.cnn import CNNWorkload
 from trainables.loop import LoopPlan, LoopSettings, Trainer
 from trainables.mlp import MLPWorkload
@@ -336,6 +336,27 @@ def test_reductions_are_pure_and_clear_stale_predictions():
     assert "micro-batch 8 -> 4" in reduced.note
     one = Plan(1, 32, 32, 64, False, "bf16", "trace", 1000, None, None)
     assert next_reduction(one, policy(lower_precision="bf16"), "train", workload_supports_checkpointing=False) is None
+
+
+def test_a_reduction_is_predicted_again_at_its_smaller_batches_from_the_same_profile(profiles):
+    """After an OOM the trial still compares a prediction with what its device measures."""
+    profiles[FP32] = profile(FP32, phase("train", "train", 100, 10), phase("eval", "eval", 100, 1))
+    plan = make_plan(MLPWorkload(eval_samples=40), policy(), 80, 1000, target="emulated", profiles=profiles)
+    assert (plan.micro_batch, plan.predicted_phases) == (80, {"train": 900, "eval": 140})
+    reduced = predicted(next_reduction(plan, policy(), "train"), profiles[FP32])
+    assert (reduced.micro_batch, reduced.accum_steps, reduced.reductions) == (40, 2, 1)
+    assert reduced.predicted_phases == {"train": 500, "eval": 140}
+    assert (reduced.predicted_peak_bytes, reduced.predicted_phase) == (500, "train")
+
+
+def test_a_groups_reduction_is_predicted_with_the_exchange_s_bucket(profiles):
+    profiles[FP32] = profile(FP32, ranked_phase("train", "train", 100, 40, 10), ranked_phase("eval", "eval", 100, 0, 1))
+    plan = plan_for_ranks(MLPWorkload(), policy(), 64, [2000, 400], target="emulated", profiles=profiles)
+    reduced = predicted(next_reduction(plan, policy(), "train"), profiles[FP32])
+    alone = make_plan(MLPWorkload(), policy(), 32, 400 - 40, target="emulated", profiles=profiles)
+    at_half = predicted(replace(alone, micro_batch=reduced.micro_batch), profiles[FP32])
+    assert reduced.micro_batch == plan.micro_batch // 2
+    assert reduced.predicted_phases == {name: peak + 40 for name, peak in at_half.predicted_phases.items()}
 
 
 def test_eval_reductions_touch_only_the_eval_batch():

@@ -106,9 +106,32 @@ def test_retries_are_bounded_and_the_events_are_in_the_error(tmp_path):
     assert "memory.max_oom_retries=1 reached" in row.note
     assert row.epochs == 0 and row.final_metric is None
 
+    assert row.oom_retries == 1  # the final table counts the OOM it survived before giving up
+
     (trial,) = load_sweep(f"sqlite:///{tmp_path}/mlflow.db").trials
     assert [e["action"] for e in trial.oom_events] == ["micro-batch 128->64 (accumulation 1->2)", "gave up"], trial.oom_events
     assert trial.oom_retries == 1 and trial.status == "FAILED"
+
+
+def test_a_trial_whose_estimate_fell_short_is_still_compared_with_a_prediction_after_its_oom(tmp_path):
+    """The OOM's reduction is predicted from the same estimate at its smaller batches: the report
+    still has the trial's predicted peak and error (the one trial where they matter)."""
+    from orchestrator.report import load_sweep
+
+    outcome = sweep(tmp_path, {"name": "tests.workloads:HiddenScratchWorkload", "params": {"width": 64, "scratch": 8192}},
+                    {"device": "emulated", "capacity": "4MiB", "estimator": "trace", "max_oom_retries": 4}, epochs=1)
+    (row,) = outcome.rows
+    assert outcome.ok and row.oom_retries >= 1
+    state = final_weights(outcome)
+    first, *_ = state["oom_events"]
+    assert first["micro_batch"] == 128 and first["predicted_peak_bytes"] > 0  # the first plan's estimate
+    plan = state["plan"]
+    assert plan["micro_batch"] < 128 and plan["reductions"] == len(state["oom_events"])
+    assert plan["predicted_peak_bytes"] and set(plan["predicted_phases"]) == {"train", "eval"}
+
+    (trial,) = load_sweep(f"sqlite:///{tmp_path}/mlflow.db").trials
+    predicted, measured, error = trial.peak()
+    assert predicted == plan["predicted_peak_bytes"] and measured > predicted and error > 0
 
 
 def test_a_worker_that_dies_recovering_from_an_oom_is_restarted_by_tune_with_a_smaller_plan(tmp_path):

@@ -32,6 +32,21 @@ class HeavyEvalWorkload(MLPWorkload):
         return F.cross_entropy(logits, y)
 
 
+@dataclasses.dataclass
+class HiddenScratchWorkload(MLPWorkload):
+    """Its training loss makes a scratch buffer of ``scratch`` floats a sample on real tensors
+    only: the trace cannot see it, so the plan's estimate is short and the trial runs out of memory."""
+
+    scratch: int = 4096
+
+    def loss(self, model, batch):
+        x, y = batch
+        logits = model(x)
+        if model.training and not isinstance(x, torch._subclasses.FakeTensor):
+            logits = logits + 0 * x.new_ones(x.shape[0], self.scratch).mean(dim=1, keepdim=True)
+        return F.cross_entropy(logits, y)
+
+
 #: Set by :class:`DiesOnOomWorkload` when a training step of this process ran out of memory.
 _TRAIN_OOM_IN_THIS_PROCESS = False
 

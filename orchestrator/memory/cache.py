@@ -46,6 +46,11 @@ class ProfileCache:
         reached = tuple(p for p in profile.phases if p.name in names)
         return profile if len(reached) == len(profile.phases) else replace(profile, phases=reached)
 
+    def made(self, settings: Settings) -> MemoryProfile | None:
+        """:meth:`get` where ``settings`` was estimated already, else None: nothing is estimated
+        (a trial re-predicting after an OOM does not start an estimate on its device)."""
+        return self.get(settings) if self.cache.get(settings) is not None else None
+
     def _whole(self, settings: Settings) -> MemoryProfile | None:
         if settings not in self.cache:
             try:

@@ -6,6 +6,7 @@ Ray rebuilds an exception on the driver from its ``args``, so each takes one mes
 from __future__ import annotations
 
 from orchestrator.contract import OomEvent
+from orchestrator.units import human
 
 
 class OomRetriesExhausted(RuntimeError):
@@ -18,12 +19,18 @@ class OomRetriesExhausted(RuntimeError):
     @classmethod
     def from_events(cls, events: list[OomEvent], reason: str) -> "OomRetriesExhausted":
         lines = [f"{reason}; {len(events)} OOM event(s):"]
-        lines += [
-            f"  epoch {e.epoch} {e.phase} step {e.step}{'' if e.rank is None else f' on rank {e.rank}'}: micro-batch {e.micro_batch}, eval batch "
-            f"{e.eval_batch}, asked {e.bytes_requested} B with {e.bytes_allocated} B allocated -> {e.action}"
-            for e in events
-        ]
+        lines += [_event_line(e) for e in events]
         return cls("\n".join(lines))
+
+
+def _event_line(e: OomEvent) -> str:
+    """'epoch 1 train step 1: micro-batch 256, eval batch 512, asked 4.0 MiB with 196.6 KiB
+    allocated (predicted peak 403.6 KiB) -> micro-batch 256->128 (accumulation 1->2)'."""
+    rank = "" if e.rank is None else f" on rank {e.rank}"
+    asked = "?" if e.bytes_requested is None else human(e.bytes_requested)
+    predicted = f" (predicted peak {human(e.predicted_peak_bytes)})" if e.predicted_peak_bytes else ""
+    return (f"  epoch {e.epoch} {e.phase} step {e.step}{rank}: micro-batch {e.micro_batch}, eval batch {e.eval_batch}, "
+            f"asked {asked} with {human(e.bytes_allocated)} allocated{predicted} -> {e.action}")
 
 
 class NotRetriedError(RuntimeError):

@@ -19,6 +19,7 @@ from typing import Any
 
 from orchestrator.config import SweepSpec
 from orchestrator.contract import (
+    GAVE_UP,
     OOM_SHRINKS_KEY,
     RESTART_REASON_KEY,
     STATE_FILE,
@@ -36,7 +37,7 @@ from orchestrator.estimates import Estimates
 from orchestrator.estimator_registry import ESTIMATORS
 from orchestrator.memory.cache import ProfileCache
 from orchestrator.memory.phases import phases_of
-from orchestrator.planner import Plan, make_plan, next_reduction
+from orchestrator.planner import Plan, make_plan, next_reduction, predicted
 from orchestrator.ray_internals import trial_storage_folder
 from orchestrator.trial.checkpoint import LocalCheckpoints, hand_over_due
 from orchestrator.trial.errors import DataError, HostMemoryExhausted, OomRetriesExhausted
@@ -203,7 +204,7 @@ class TrialRun:
             smaller = next_reduction(plan, self.policy, "train", workload_supports_checkpointing=self.checkpointable)
             if smaller is None:
                 raise OomRetriesExhausted.from_events(self.events, "the worker died of OOM and no smaller plan is left")
-            plan, self.applied_shrinks = smaller, self.applied_shrinks + 1
+            plan, self.applied_shrinks = self._predicted(smaller), self.applied_shrinks + 1
         return plan
 
     def _profiles(self) -> ProfileCache:
@@ -220,9 +221,10 @@ class TrialRun:
     def _verifies(self, plan: Plan) -> bool:
         """Whether this trial checks ``plan`` on its device: ``memory.verify`` and the workload's
         ``verify_plan``, and an estimate against a budget to check (not ``estimator: none``, not
-        an unbounded CPU)."""
+        an unbounded CPU), of a plan no OOM reduced (the OOM measured it: verifying could grow it back)."""
         wanted = self.policy.verify and type(self.workload).verify_plan
-        return wanted and plan.refusal is None and plan.budget_bytes is not None and bool(plan.predicted_phases)
+        checkable = plan.refusal is None and plan.budget_bytes is not None and bool(plan.predicted_phases)
+        return wanted and checkable and plan.reductions == 0
 
     def _verified_start(self, plan: Plan) -> Plan:
         """The plan of the first steps of a verifying trial: with the settings ``plan`` chose, the
@@ -305,7 +307,7 @@ class TrialRun:
             micro_batch=self.plan.micro_batch, eval_batch=self.plan.eval_batch,
             bytes_requested=bytes_requested(str(exc)),
             bytes_allocated=self.device.allocated(), bytes_reserved=self.device.reserved(),
-            message=str(exc).splitlines()[0][:500],
+            message=str(exc).splitlines()[0][:500], predicted_peak_bytes=self.plan.predicted_peak_bytes,
         )
 
     def _host_memory_event(self, trainer: Trainer, line: str) -> HostMemoryEvent:
@@ -319,7 +321,7 @@ class TrialRun:
         workers, or give up in one line when the trial already loads in its own process."""
         data = self.loop_settings.data
         smaller = fewer_workers(data)
-        event = replace(event, action="gave up" if smaller is None else
+        event = replace(event, action=GAVE_UP if smaller is None else
                         f"data.num_workers {data.num_workers}->{smaller.num_workers}")
         if smaller is None:
             self.host_events.append(event)
@@ -330,7 +332,7 @@ class TrialRun:
         """Keep the event and the fewer workers it left (replayed from a checkpoint's events)."""
         self.host_events.append(event)
         smaller = fewer_workers(self.loop_settings.data)
-        if event.action != "gave up" and smaller is not None:
+        if event.action != GAVE_UP and smaller is not None:
             self.loop_settings = replace(self.loop_settings, data=smaller)
 
     def _shrink(self, event: OomEvent) -> None:
@@ -338,11 +340,19 @@ class TrialRun:
         smaller = next_reduction(self.plan, self.policy, event.phase, workload_supports_checkpointing=self.checkpointable)
         if smaller is None or len(self.events) >= self.policy.max_oom_retries:
             reason = "no smaller plan is left" if smaller is None else f"memory.max_oom_retries={self.policy.max_oom_retries} reached"
-            self.events.append(OomEvent(**{**event.to_dict(), "action": "gave up"}))
+            self.events.append(OomEvent(**{**event.to_dict(), "action": GAVE_UP}))
             write_gave_up_events(self.evidence_folder, self.events)  # no report carries them: MLflow gets them from there
             raise OomRetriesExhausted.from_events(self.events, f"out of memory in {event.phase} and {reason}")
         self.events.append(OomEvent(**{**event.to_dict(), "action": _describe_change(self.plan, smaller)}))
-        self.plan = smaller
+        self.plan = self._predicted(smaller)
+
+    def _predicted(self, reduced: Plan) -> Plan:
+        """An OOM's reduction with its predictions at its smaller batches, where the profile of
+        its settings was made already (none is estimated after an OOM: the plan says no estimate)."""
+        if reduced.estimator == "none":
+            return reduced
+        profile = self._profiles().made(reduced.settings)
+        return predicted(reduced, profile) if profile is not None else reduced
 
     def _report(self, trainer: Trainer, milestone: Milestone) -> None:
         """Report the milestone to Tune, with a checkpoint when one is due.
