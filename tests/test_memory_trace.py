@@ -148,6 +148,40 @@ def test_stages_and_eval_are_distinct_phases():
     assert profile.peak(32, 32)[1] == "train@epoch4"
 
 
+class _Tokens(Workload):
+    """Token sequences, 8 long in training and 128 in evaluation (a longer context)."""
+
+    def build_model(self):
+        return nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 64))
+
+    def train_data(self):
+        return [torch.ones(8, dtype=torch.long)] * 64
+
+    def eval_data(self):
+        return [torch.ones(128, dtype=torch.long)] * 16
+
+    def loss(self, model, batch):
+        return model(batch).logsumexp(-1).mean()
+
+
+class _LongerEval(_Tokens):
+    def largest_eval_sample(self):
+        return self.eval_data()[0]
+
+
+def test_the_eval_phases_are_planned_from_the_largest_eval_sample_the_workload_names():
+    undeclared = {p.name: p for p in estimate(_Tokens(), "trace", target="cpu").phases}
+    declared = {p.name: p for p in estimate(_LongerEval(), "trace", target="cpu").phases}
+    assert declared["train"].activations_per_sample == undeclared["train"].activations_per_sample
+
+    def growth(phase):  # what 16 more samples of an eval batch take
+        return phase.allocated_at(16) - phase.allocated_at(0)
+
+    # 16 times the tokens a sample: 16 times the eval step's logits.
+    assert growth(declared["eval"]) == pytest.approx(16 * growth(undeclared["eval"]), rel=0.1)
+    assert _LongerEval.varies_in_size() and not _Tokens.varies_in_size()  # its verification does not grow a plan
+
+
 @pytest.mark.parametrize("workload", [
     MLPWorkload(), CNNWorkload(), StagedMLPWorkload(aux_width=256),
     # torch.nn's own layers (bench.zoo's library zoo, small): the encoder's eval runs its fused fast path

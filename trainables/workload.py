@@ -115,6 +115,13 @@ class Workload:
         """
         return self.train_data()[0]
 
+    def largest_eval_sample(self) -> Any:
+        """One sample at least as large as any the eval data holds: the eval phases are planned
+        from it. :meth:`largest_sample` by default; override where evaluation sees larger samples
+        than training (a longer context, full-resolution validation images), or the eval batch is
+        planned too large and its first evaluation runs out of memory."""
+        return self.largest_sample()
+
     def eval_metrics(self, model: nn.Module, batch: Batch, samples: int) -> dict[str, torch.Tensor]:
         """Sums over the ``samples`` samples of an eval ``batch``, keyed by name.
 
@@ -188,6 +195,12 @@ class Workload:
     def overrides(cls, method: str) -> bool:
         """Whether this workload defines ``method`` itself rather than inheriting the base's."""
         return getattr(cls, method) is not getattr(Workload, method)
+
+    @classmethod
+    def varies_in_size(cls) -> bool:
+        """Whether its samples may differ in size: it names its largest (the estimators plan for
+        that one), so a measured batch may be smaller than the largest."""
+        return cls.overrides("largest_sample") or cls.overrides("largest_eval_sample")
 
     @classmethod
     def parameter_names(cls) -> list[str]:

@@ -49,25 +49,27 @@ class FakeSetup:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     workload: Workload
-    sample: object  # the workload's largest sample (real): every probe batch is copies of it
+    sample: object  # the workload's largest sample (real): every probe batch of training is copies of it
     round_to: int
     emulate_cuda: bool
     notes: tuple[str, ...] = ()  # what was built: the optimizer counted, a compiled model's eager modules
     compiled: bool = False  # the workload's model is torch.compile'd: its eager modules run here
-    _host_batches: dict = field(default_factory=dict)  # collated host batches by size
+    _host_batches: dict = field(default_factory=dict)  # collated host batches by (size, of training's sample)
     #: Real values of the small fake tensors whose values are knowable (the sample's, a causal
     #: mask's): a model's data-dependent checks read them (``memory.known_values``).
     values: KnownValues = field(default_factory=KnownValues)
+    #: The largest eval sample (real), where the workload names one larger than ``sample``.
+    eval_sample: object = None
 
     def tracker(self) -> StorageTracker:
         tracker = StorageTracker(self.device.type, self.round_to)
         tracker.track(list(model_tensors(self.model)))
         return tracker
 
-    def batch(self, size: int):
-        """A fake batch of ``size`` samples as the loop hands it to the steps: ``size`` copies of
-        the workload's largest sample, through its own ``collate``, on ``meta``, i.e. still on the
-        host. The steps copy it to the device, so the device copy is counted for its micro-batch's
+    def batch(self, size: int, kind: str = "train"):
+        """A fake batch of ``size`` samples as the loop hands it to the steps of ``kind``: ``size``
+        copies of the workload's largest sample (of its eval data for an eval step), through its
+        own ``collate``, on ``meta``, i.e. still on the host. The steps copy it to the device, so the device copy is counted for its micro-batch's
         lifetime and the host copy is not, as in the loop on every device.
 
         The collate runs on fake host tensors, which take no memory at any size; one that needs
@@ -75,15 +77,17 @@ class FakeSetup:
         its batch's tensors become fake host tensors of the same shapes. Either way the batch's
         small tensors keep their real values (``values``), for the checks a model makes on them.
         """
-        if size not in self._host_batches:
+        sample = self.eval_sample if kind == "eval" and self.eval_sample is not None else self.sample
+        key = (size, sample is self.sample)
+        if key not in self._host_batches:
             with disable_current_modes():  # the host's work, not the step's: no tracker sees it
                 try:
                     with self.mode, self.values:
-                        batch = self.workload.collate([_host_fakes(self.mode, self.sample, self.values)] * size)
+                        batch = self.workload.collate([_host_fakes(self.mode, sample, self.values)] * size)
                 except Exception:  # a collate that reads values: real samples, then shapes only
-                    batch = _host_fakes(self.mode, self.workload.collate([self.sample] * size), self.values)
-            self._host_batches[size] = batch
-        return self._host_batches[size]
+                    batch = _host_fakes(self.mode, self.workload.collate([sample] * size), self.values)
+            self._host_batches[key] = batch
+        return self._host_batches[key]
 
     def params_bytes(self, tracker: StorageTracker) -> int:
         return sum(tracker.size_of(p) for p in self.model.parameters())
@@ -120,8 +124,9 @@ def fake_setup(workload: Workload, target: str, trace_on: str | None = None) -> 
             optimizer = build_for_target(workload, model, target)
     notes = (describe_optimizer(optimizer, target), *((COMPILED_MODEL_NOTE,) if compiled else ()))
     sample = workload.largest_sample()
+    eval_sample = workload.largest_eval_sample() if type(workload).overrides("largest_eval_sample") else None
     return FakeSetup(mode, device, model, optimizer, workload, sample, CUDA_BLOCK if target == "cuda" else 1, emulate,
-                     notes, compiled, values=values)
+                     notes, compiled, values=values, eval_sample=eval_sample)
 
 
 def _host_fakes(mode: FakeTensorMode, tree, values: KnownValues):

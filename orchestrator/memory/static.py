@@ -66,7 +66,7 @@ def static_profile(workload: Workload, request: EstimateRequest) -> MemoryProfil
             bounds = {
                 phase.name: _forward_bounds(
                     workload, setup.model, phase, settings, setup.device, setup.round_to,
-                    lambda b: setup.batch(b), PROBE_BATCHES,
+                    lambda b, kind=phase.kind: setup.batch(b, kind), PROBE_BATCHES,
                 )
                 for phase in phases_of(workload)
             }

@@ -191,7 +191,7 @@ def _trace(setup: FakeSetup, workload, settings, phases, probes, logged: bool):
                 if phase.kind == "train":
                     train(b, MICRO_BATCHES_PER_STEP)
                 else:
-                    eval_step(workload, model, setup.batch(b), b, device, settings.precision)
+                    eval_step(workload, model, setup.batch(b, "eval"), b, device, settings.precision)
                 runs[phase.name][b] = _Run(
                     tracker.events, (tracker.round_to - 1) * tracker.most_live, setup.params_bytes(tracker), grads["bytes"],
                     setup.optimizer_bytes(tracker), setup.buffers_bytes(tracker),

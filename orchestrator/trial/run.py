@@ -247,7 +247,7 @@ class TrialRun:
         profile = self._profiles().get(self.plan.settings)
         overheads = {p.name: p.overhead for p in profile.phases} if profile is not None else {}
         limit = int(self.plan.budget_bytes * self.policy.safety_margin)
-        fixed_size = not type(self.workload).overrides("largest_sample")  # else a step's batch may be a small one
+        fixed_size = not type(self.workload).varies_in_size()  # else a step's batch may be a small one
         reached = phases_of(self.workload, self.loop_settings.stop.epochs)
         return PlanVerification(reached, self._corrected_plan, limit, overheads, self.plan_checks, grows=fixed_size)
 

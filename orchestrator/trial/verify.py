@@ -19,8 +19,8 @@ No estimate made away from the device is exact for every kernel, so a trial that
    that measured more is never planned again, and when a phase's checks run out above the
    limit the trial goes back to the largest micro-batch measured within it.
 
-A workload whose batches vary in size (it overrides ``largest_sample``, which the estimators plan
-for) is measured on batches that may be smaller than its largest: its measurements may raise a
+A workload whose batches vary in size (it overrides ``largest_sample`` or ``largest_eval_sample``,
+which the estimators plan for) is measured on batches that may be smaller than its largest: its measurements may raise a
 prediction, never lower it, so its plan shrinks where the estimate was low but does not grow.
 
 Each phase is verified when it first runs: the train phase over its first ``VERIFY_STEPS``
