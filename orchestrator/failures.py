@@ -17,7 +17,9 @@ memory monitor (which acts before the kernel) are what shrink plans.
 
 from __future__ import annotations
 
+import os
 import re
+import sysconfig
 
 from orchestrator.contract import OOM_MESSAGES
 
@@ -30,6 +32,16 @@ _NODE_DIED = re.compile(r"its node has died|node (?:was|has been) (?:terminated|
 _UNREACHABLE = re.compile(r"ActorUnavailableError|actor is temporarily unavailable")
 #: What Ray's memory monitor says when it kills workers (its error text has no exception name).
 _MEMORY_MONITOR = re.compile(r"killed due to the node running low on memory|ray\.exceptions\.OutOfMemoryError")
+
+#: A traceback's frame, and what separates the tracebacks of a chained exception.
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in ', re.MULTILINE)
+_CHAINED = re.compile(r"^(?:The above exception was the direct cause|During handling of the above exception)", re.MULTILINE)
+#: Folders of code that is not the user's: the standard library, the orchestrator's own packages.
+_NOT_USERS = {
+    *(sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib")),
+    *(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), package)
+      for package in ("orchestrator", "trainables")),
+}
 
 #: ``package.module.SomeError: message`` (the module path is dropped when shown)
 _EXCEPTION_LINE = re.compile(r"^(?:\w+\.)*(\w+(?:Error|Exception|Exhausted|Refused)\b.*: .*)$")
@@ -48,13 +60,35 @@ def last_failure(error_file: str | None) -> str:
 
 
 def exception_line(text: str) -> str:
-    """The line a person needs from a traceback: the innermost exception and its message."""
+    """The line a person needs from a traceback: the innermost exception and its message, and
+    where the user's own code raised it or called into what did (``(at my_models/wide.py:14)``)."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", text)
     raised = [m.group(1) for line in text.splitlines() if (m := _EXCEPTION_LINE.match(line))]
     if raised:
-        return raised[-1]
+        where = raised_at(text)
+        return f"{raised[-1]} (at {where})" if where and where not in raised[-1] else raised[-1]
     lines = [line for line in text.splitlines() if line.strip()]
     return lines[-1].strip() if lines else "unknown error"
+
+
+def raised_at(text: str) -> str | None:
+    """``FILE:LINE`` of the innermost frame of the user's own code in a traceback's text (its last
+    exception's: a chained one's cause is another story), relative to the working directory when
+    below it; None where no frame is the user's (installed packages, the standard library and
+    the orchestrator's own packages are not)."""
+    last = _CHAINED.split(text)[-1]
+    own = [(file, line) for file, line in _FRAME.findall(last) if _users(file)]
+    if not own:
+        return None
+    file, line = own[-1]
+    shown = os.path.relpath(file)
+    return f"{file if shown.startswith('..') else shown}:{line}"
+
+
+def _users(file: str) -> bool:
+    if file.startswith("<") or any(part in file for part in ("/site-packages/", "/dist-packages/")):
+        return False
+    return not any(file.startswith(root + os.sep) for root in _NOT_USERS)
 
 
 def pickled_failure(pickled_error_file: str | None, failure: str) -> BaseException | None:

@@ -1,5 +1,6 @@
 """The Tune-level failure handling: which failures shrink the plan, and which end the trial."""
 
+import os
 from types import SimpleNamespace
 
 import cloudpickle
@@ -170,6 +171,33 @@ def test_the_exception_line_is_the_innermost_without_its_module():
     )
     assert exception_line(text) == "OomRetriesExhausted: out of memory in train; 2 OOM event(s):"
     assert exception_line("Traceback\n  File x\nKeyboardInterrupt\n") == "KeyboardInterrupt"
+
+
+def test_the_exception_line_says_where_the_user_s_own_code_raised_it(tmp_path, monkeypatch):
+    """The innermost frame that is neither an installed package's, the standard library's nor
+    the orchestrator's own, relative to the working directory; a chained exception's cause is not it."""
+    from orchestrator import failures
+
+    ours = os.path.join(os.path.dirname(failures.__file__), "trial", "run.py")
+    user = tmp_path / "my_models" / "wide.py"
+    text = (
+        "ray::ImplicitFunc.train() (pid=1)\n"
+        '  File "/venv/lib/python3.11/site-packages/ray/tune/trainable/util.py", line 134, in inner\n'
+        f'  File "{ours}", line 116, in run\n'
+        f'  File "{user}", line 14, in loss\n'
+        "    return F.linear(x, self.w)\n"
+        '  File "/venv/lib/python3.11/site-packages/torch/nn/functional.py", line 9, in linear\n'
+        "RuntimeError: mat1 and mat2 shapes cannot be multiplied (64x32 and 16x8)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert exception_line(text) == "RuntimeError: mat1 and mat2 shapes cannot be multiplied (64x32 and 16x8) (at my_models/wide.py:14)"
+    chained = text + (
+        "\nThe above exception was the direct cause of the following exception:\n\n"
+        f'  File "{ours}", line 120, in run\n'
+        "orchestrator.trial.errors.DataError: sample 3 could not be loaded\n"
+    )
+    assert exception_line(chained) == "DataError: sample 3 could not be loaded"
+    assert exception_line(text.replace(str(user), ours)) == "RuntimeError: mat1 and mat2 shapes cannot be multiplied (64x32 and 16x8)"
 
 
 CORRUPT_DATA = """\
