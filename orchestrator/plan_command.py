@@ -230,8 +230,7 @@ def _as_text(policy, target: str, budget: int | None, results: list[dict]) -> st
         f"target {target}, budget {budget_text}{margin}, estimator {policy.estimator}; alloc@b and peak@b are "
         "allocated and reserved memory at the planned batch (micro-batch for train, eval batch for eval)",
         "",
-        format_table(headers, rows),
-        "",
+        *([format_table(headers, rows), ""] if rows else []),  # no header over nothing: every estimate failed
         *plans,
         "",
         f"{len(results)} trials, {refused} refused" + (f", {errors} could not be estimated" if errors else "")
