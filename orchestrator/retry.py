@@ -55,6 +55,15 @@ class OomAwareScheduler(TrialScheduler):
         self.max_failures = max_failures
         self.data_errors: set[str] = set()  # trials whose next failure is a data error
 
+    def state(self) -> dict:
+        """What a resume needs (``orchestrator.scheduler_state``): the wrapped scheduler's own
+        attributes (ASHA's rungs and the values recorded at them) and the data errors pending."""
+        return {"inner": dict(vars(self.inner)), "data_errors": set(self.data_errors)}
+
+    def put_back(self, state: dict) -> None:
+        vars(self.inner).update(state["inner"])
+        self.data_errors = set(state["data_errors"])
+
     def on_trial_error(self, tune_controller, trial) -> None:
         if trial.trial_id in self.data_errors:  # not retried (see the module): nothing to prepare
             self.inner.on_trial_error(tune_controller, trial)

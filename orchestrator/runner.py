@@ -229,11 +229,13 @@ def run_sweep(
                                   f"the sweep so far is in {recorded_store}")
                         _track_in(tuner, tracking_uri)
                     else:
+                        tune_config = _tune_config(spec)
                         tuner = tune.Tuner(
                             trainable,
                             param_space=_param_space(spec),
-                            tune_config=_tune_config(spec),
-                            run_config=_run_config(spec, name, storage, tracking_uri, wait, verbose, host_cuts=host_cuts),
+                            tune_config=tune_config,
+                            run_config=_run_config(spec, name, storage, tracking_uri, tune_config.scheduler, wait, verbose,
+                                                   host_cuts=host_cuts),
                         )
                 # Refused, or stopped before it started: Ctrl-C, or SIGTERM once Ray's start has made it
                 # raise SystemExit (before that, the signal ends the process, and the claim's lock with it).
@@ -548,14 +550,14 @@ def _tune_config(spec: SweepSpec):
     )
 
 
-def _run_config(spec: SweepSpec, name: str, storage: str, tracking_uri: str, wait: WaitForNodes | None = None,
+def _run_config(spec: SweepSpec, name: str, storage: str, tracking_uri: str, scheduler, wait: WaitForNodes | None = None,
                 verbose: bool = False, *, host_cuts: list[str] = ()):
     from ray import tune
 
     return tune.RunConfig(
         name=name,
         storage_path=storage,
-        callbacks=_callbacks(spec, os.path.join(storage, name), tracking_uri, host_cuts),
+        callbacks=_callbacks(spec, os.path.join(storage, name), tracking_uri, scheduler, host_cuts),
         verbose=TUNE_VERBOSE if verbose else TUNE_QUIET,  # quiet: orchestrator.console's LiveView tells
         stop=wait,
         # In-process OOMs are retried by the trainable; Tune restarts workers that died (of
@@ -566,9 +568,10 @@ def _run_config(spec: SweepSpec, name: str, storage: str, tracking_uri: str, wai
     )
 
 
-def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str, host_cuts: list[str] = ()) -> list:
+def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str, scheduler, host_cuts: list[str] = ()) -> list:
     """The driver's Tune callbacks: MLflow (with the data loading ``host_cuts`` made for the nodes'
-    memory), the final errors and configs Tune's results may lack (outcome.py),
+    memory), the final errors and configs Tune's results may lack (outcome.py), the scheduler's
+    state for a resume (scheduler_state.py),
     the live view of the trials' events (console.py), the OOM retries counted for Prometheus
     (oom_counter.py), the stop when the storage refuses a checkpoint
     (storage_fault.py), the last whole copy of Tune's state files (tune_state.py), Tune's TensorBoard
@@ -579,6 +582,7 @@ def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str, host_cu
     from orchestrator.driver_memory import EndedTrialsKeepLess
     from orchestrator.oom_counter import CountOomRetries
     from orchestrator.outcome import WhatResultsLack
+    from orchestrator.scheduler_state import SchedulerState
     from orchestrator.storage_fault import StopOnStorageFault
     from orchestrator.tensorboard import tensorboard_logger
     from orchestrator.tune_state import KeepWholeState
@@ -588,8 +592,8 @@ def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str, host_cu
     tracking = MlflowTracking(tracking_uri, spec, unsent_file=os.path.join(experiment_path, UNSENT_FILE),
                               host_cuts=list(host_cuts))
     tensorboard = tensorboard_logger()
-    return [tracking, WhatResultsLack(), view, CountOomRetries(spec.experiment), StopOnStorageFault(), KeepWholeState(), *([tensorboard] if tensorboard else []),
-            EndedTrialsKeepLess(spec.metric)]
+    return [tracking, WhatResultsLack(), SchedulerState(scheduler), view, CountOomRetries(spec.experiment), StopOnStorageFault(),
+            KeepWholeState(), *([tensorboard] if tensorboard else []), EndedTrialsKeepLess(spec.metric)]
 
 
 def _track_in(tuner, tracking_uri: str) -> None:
