@@ -66,6 +66,18 @@ class Started:
 
 
 @dataclass(frozen=True)
+class Resumed:
+    """A trial of a sweep that ``--resume`` continues, which had reported before: where it had got
+    to and the plan it ran (its events up to there were told by the run that started it)."""
+
+    trial: str
+    config: str
+    epoch: int
+    step: int
+    plan: str
+
+
+@dataclass(frozen=True)
 class Planned:
     """The plan a trial's first report carries (the worker makes it, for its own device)."""
 
@@ -144,6 +156,9 @@ def format_event(event: Event) -> str:
     name = event.trial
     if isinstance(event, Started):
         return f"{name} {'restarted' if event.restarted else 'started'}: {event.config or 'the base config'}"
+    if isinstance(event, Resumed):
+        return (f"{name} resumed: {event.config or 'the base config'} (reported up to epoch {event.epoch}, "
+                f"step {event.step}; plan {event.plan}), from its last checkpoint")
     if isinstance(event, Planned):
         return f"{name} plan: micro-batch x accumulation {event.plan}, {event.estimate}"
     if isinstance(event, OomSurvived):
@@ -216,6 +231,13 @@ class Seen:
     host_memory_events: int = 0
     moves: int = 0
     plan_checks: int = 0
+
+    @classmethod
+    def told_before(cls, report: TrialReport) -> "Seen":
+        """All that ``report`` holds, told by the run before a resume."""
+        return cls(planned=report.micro_batch is not None, refused=report.refused, oom_events=len(report.oom_events),
+                   host_memory_events=len(report.host_memory_events), moves=len(report.moves),
+                   plan_checks=len(report.plan_checks))
 
     def note_refusal(self) -> bool:
         """Notes the trial as refused; whether that is news (its last report and its end both carry it)."""
@@ -370,7 +392,16 @@ class LiveView(tune.Callback):
             return
         restarted = trial.trial_id in self._started
         self._started.add(trial.trial_id)
-        self._say(Started(trial.trial_id, config_text(trial.config, self.shown_keys), restarted))
+        config = config_text(trial.config, self.shown_keys)
+        earlier = None if restarted else TrialReport.from_result(trial.last_result or {})
+        if earlier is None or earlier.step is None:
+            self._say(Started(trial.trial_id, config, restarted))
+            return
+        # A trial of the sweep being resumed that had reported: the run before told its events.
+        self._seen[trial.trial_id] = Seen.told_before(earlier)
+        self._shrinks[trial.trial_id] = trial.config.get(OOM_SHRINKS_KEY, 0)
+        self._ooms += earlier.oom_retries or 0
+        self._say(Resumed(trial.trial_id, config, earlier.epoch or 0, earlier.step, plan_text(earlier)))
 
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
         seen = self._seen.setdefault(trial.trial_id, Seen())

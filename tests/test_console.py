@@ -162,6 +162,27 @@ def test_a_refused_trial_has_no_plan():
     assert plan_text(PLANNED) == "64 x 2"
 
 
+def test_a_resumed_trial_says_where_it_had_got_to_and_tells_only_its_new_events(monkeypatch):
+    """``--resume``: the run that started the sweep told its plan and OOMs; the resumed one does
+    not tell them again as if they had just happened."""
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", log)
+    view = LiveView(["lr"], "eval_loss", 3, None)
+    before = dataclasses.replace(PLANNED, epoch=1, step=18, oom_events=(TRAIN_OOM,), oom_retries=1)
+    trial = SimpleNamespace(trial_id="t", config={"lr": 0.1}, last_result=before.to_metrics())
+    view.on_trial_start(0, [trial], trial)
+    view.on_trial_result(0, [trial], trial, dataclasses.replace(before, step=24).to_metrics())
+    assert log.getvalue() == ("t resumed: lr=0.1 (reported up to epoch 1, step 18; plan 64 x 2), from its last checkpoint\n")
+    view.on_trial_result(0, [trial], trial, dataclasses.replace(before, step=30, oom_events=(TRAIN_OOM, EVAL_OOM)).to_metrics())
+    assert log.getvalue().splitlines()[1].startswith("t OOM in eval after step 8")
+    assert view._ooms == 2  # the one survived before the resume, and the new one
+    # A trial that had not reported before the resume starts as any other.
+    log.seek(0), log.truncate()
+    fresh = SimpleNamespace(trial_id="u", config={"lr": 0.2}, last_result={})
+    view.on_trial_start(0, [fresh], fresh)
+    assert log.getvalue() == "u started: lr=0.2\n"
+
+
 def test_a_refused_trial_is_told_once_though_its_last_report_and_its_end_both_say_it(monkeypatch):
     log = io.StringIO()
     monkeypatch.setattr(sys, "stdout", log)
@@ -265,7 +286,7 @@ def test_on_a_terminal_the_progress_line_is_redrawn_in_place_and_cleared_for_eac
     view.setup(total_num_samples=4)
     view.on_step_end(0, _trials())
     assert screen.getvalue().startswith("\r\x1b[K1 done, 1 running, 2 pending | 0:00 elapsed | ~")
-    view.on_trial_start(0, _trials(), SimpleNamespace(trial_id="t", config={"lr": 0.1}))
+    view.on_trial_start(0, _trials(), SimpleNamespace(trial_id="t", config={"lr": 0.1}, last_result={}))
     assert screen.getvalue().endswith("\r\x1b[Kt started: lr=0.1\n")  # the progress line made way
     view.on_experiment_end(_trials())
     assert screen.getvalue().endswith("\n")
@@ -290,7 +311,7 @@ def test_each_event_line_is_written_whole_so_a_signal_cannot_split_it(monkeypatc
     out = Writes()
     monkeypatch.setattr(sys, "stdout", out)
     view = LiveView(["lr"], "eval_loss", 3, None)
-    view.on_trial_start(0, _trials(), SimpleNamespace(trial_id="t", config={"lr": 0.1}))
+    view.on_trial_start(0, _trials(), SimpleNamespace(trial_id="t", config={"lr": 0.1}, last_result={}))
     view.on_trial_result(0, _trials(), SimpleNamespace(trial_id="t"), PLANNED.to_metrics())
     assert out.writes == ["t started: lr=0.1\n",
                           "t plan: micro-batch x accumulation 64 x 2, estimated peak 5.0 MiB in train (trace)\n"]
@@ -339,7 +360,7 @@ def test_into_a_file_there_is_no_progress_line(monkeypatch):
     monkeypatch.setattr(sys, "stdout", log)
     view = LiveView(["lr"], "eval_loss", 3, None)
     view.on_step_end(0, _trials())
-    view.on_trial_start(0, _trials(), SimpleNamespace(trial_id="t", config={"lr": 0.1}))
+    view.on_trial_start(0, _trials(), SimpleNamespace(trial_id="t", config={"lr": 0.1}, last_result={}))
     view.on_experiment_end(_trials())
     assert log.getvalue() == "t started: lr=0.1\n"
 
