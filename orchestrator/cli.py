@@ -13,7 +13,7 @@ import os
 import stat
 import sys
 
-from orchestrator.errors import UserError
+from orchestrator.errors import ToldInterrupt, UserError
 from orchestrator.estimator_registry import names as estimator_names
 from orchestrator.garbage import collect_less, skip_last_collection
 
@@ -268,8 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        if not isinstance(exc, ToldInterrupt):
+            print("interrupted", file=sys.stderr)
         return 130
 
 

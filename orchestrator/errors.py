@@ -7,5 +7,10 @@ class UserError(Exception):
     exit_code = 2
 
 
+class ToldInterrupt(KeyboardInterrupt):
+    """A Ctrl-C whose line (what stopped, and the command that goes on) the command has printed:
+    the CLI adds nothing to it but the exit status, 130."""
+
+
 class ConfigError(UserError):
     """A config value is wrong; the message starts with its key path (``search_space.lr: ...``)."""

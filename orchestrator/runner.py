@@ -31,7 +31,7 @@ from orchestrator.console import (
     TUNE_QUIET, TUNE_VERBOSE, cluster_text, config_text, plan_text, quiet_libraries, ray_logging_config, tune_lines_told_here,
 )
 from orchestrator.contract import MEMORY_LABELS, describe_moves, survived_ooms
-from orchestrator.errors import UserError
+from orchestrator.errors import ToldInterrupt, UserError
 from orchestrator.failures import exception_line
 from orchestrator.invocation import shell_command
 from orchestrator.outcome import (
@@ -244,7 +244,11 @@ def run_sweep(
                     raise
             stopping.started(name)
             with sigterm_stops_like_sigint(), recording() as record, tune_lines_told_here(verbose):
-                results = tuner.fit()
+                try:
+                    results = tuner.fit()
+                except KeyboardInterrupt:  # a second Ctrl-C: Tune stopped at once, its callbacks not ended
+                    _end_tracking_at_once(tuner)
+                    raise
             if not embedded:  # the cluster outlives this driver: its Prometheus endpoint gets the last counts
                 from orchestrator.oom_counter import wait_for_export
 
@@ -259,7 +263,7 @@ def run_sweep(
                 ray.shutdown()
 
 
-class InterruptedBeforeStart(KeyboardInterrupt):
+class InterruptedBeforeStart(ToldInterrupt):
     """A Ctrl-C before the sweep started (its checks, the estimates, Ray's start): no trial ran,
     ``taken_back_if_refused`` has removed what the run made, and the same command starts it again
     (a ``--resume`` without a name would take the experiment's newest sweep instead)."""
@@ -273,7 +277,7 @@ def _before_start() -> Iterator[None]:
         raise InterruptedBeforeStart from None
 
 
-class StoppedAtOnce(KeyboardInterrupt):
+class StoppedAtOnce(ToldInterrupt):
     """A second Ctrl-C (or SIGTERM) once the sweep started: Tune stopped at once (or its graceful
     stop had just returned), with no table.
     ``name``: the sweep's folder, which its resume command names (the experiment's newest sweep,
@@ -596,6 +600,16 @@ def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str, schedul
             KeepWholeState(), *([tensorboard] if tensorboard else []), EndedTrialsKeepLess(spec.metric)]
 
 
+def _end_tracking_at_once(tuner) -> None:
+    """The sweep's MLflow runs end KILLED when Tune stopped at once (``MlflowTracking.stopped_at_once``)."""
+    from orchestrator.ray_internals import callbacks_of
+    from orchestrator.tracking.callback import MlflowTracking
+
+    for callback in callbacks_of(tuner):
+        if isinstance(callback, MlflowTracking):
+            callback.stopped_at_once()
+
+
 def _track_in(tuner, tracking_uri: str) -> None:
     """A restored sweep's MLflow callback writes to ``tracking_uri``. Tune restores the callbacks
     the sweep started with (``Tuner.restore`` takes no run config), and so the store they
@@ -621,6 +635,8 @@ def _row(result, spec: SweepSpec, record: SweepRecord | None = None) -> TrialRow
     error = exception_line(str(result.error)) if result.error is not None else record.errors.get(str(result.path))
     status = trial_status(error is not None, report)
     value = report.metric(spec.metric)
+    if value is None:  # its last report was a checkpoint's, without an evaluation: its last evaluation's
+        value = _last_evaluated(result, spec.metric)
     note = report.refusal or error or report.diverged or ""  # in full: the reason is what a person reads the row for
     if status == INTERRUPTED and record.stop_reason:
         note = record.stop_reason
@@ -673,6 +689,15 @@ def summary_table(rows: list[TrialRow], spec: SweepSpec) -> str:
                      "that did not simply finish")
     return (f"{_table(shown, spec)}\n({len(shown)} of {len(rows)} trials: {' and '.join(parts)}; "
             "`orchestrator report` lists every trial)")
+
+
+def _last_evaluated(result, metric: str):
+    """The trial's last reported value of ``metric`` (Tune's table of its results), or None."""
+    frame = getattr(result, "metrics_dataframe", None)
+    if frame is None or metric not in frame:
+        return None
+    values = frame[metric].dropna()
+    return float(values.iloc[-1]) if len(values) else None
 
 
 def best_row(rows: list[TrialRow], spec: SweepSpec) -> TrialRow | None:

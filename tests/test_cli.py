@@ -306,6 +306,46 @@ def test_ctrl_c_then_the_printed_command_resumes_where_the_trials_were(own_model
         assert "moves" not in r.data.tags
 
 
+def test_a_second_ctrl_c_stops_at_once_with_the_resume_command_last_and_the_runs_killed(own_model_project):
+    """Two Ctrl-Cs, half a second apart, once the trials train: Tune stops at once. The last line
+    is the command that continues this sweep, nothing after it; MLflow's runs end KILLED, as one
+    Ctrl-C leaves them, not RUNNING (which ``report`` reads as a sweep still running)."""
+    import mlflow
+
+    from orchestrator.tracking.runs import EXPERIMENT_PATH_TAG, PARENT_TAG
+
+    folder = own_model_project.folder
+    (folder / "my_models" / "paced.py").write_text(PACED)
+    command = [*own_model_project.command("run"), "--set", "workload.name=my_models.paced:PacedWideNet",
+               "--set", "stop.epochs=40", "--num-cpus", "2"]
+    sweep = subprocess.Popen(command, cwd=folder, env=command_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        lines = []
+        for line in sweep.stdout:
+            lines.append(line)
+            if " plan: " in line:
+                break
+        os.killpg(sweep.pid, signal.SIGINT)
+        time.sleep(0.5)
+        os.killpg(sweep.pid, signal.SIGINT)
+        rest, _ = sweep.communicate(timeout=120)
+    finally:
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)
+    out = "".join(lines) + rest
+    assert sweep.returncode == 130, out[-3000:]
+    last = out.rstrip().splitlines()[-1]
+    assert last.startswith("Interrupted. Continue the sweep with: "), out[-3000:]
+    name = shlex.split(last)[shlex.split(last).index("--name") + 1]
+
+    client = mlflow.MlflowClient(f"sqlite:///{folder}/mlflow.db")
+    [parent] = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])
+                if r.data.tags.get(EXPERIMENT_PATH_TAG, "").endswith(name)]
+    trials = [r for r in client.search_runs([parent.info.experiment_id]) if r.data.tags.get(PARENT_TAG) == parent.info.run_id]
+    assert trials and {r.info.status for r in [parent, *trials]} == {"KILLED"}, [r.info.status for r in [parent, *trials]]
+
+
 # -- stopped or killed, then resumed: sweeps whose evaluations and checkpoints count steps -------
 
 # Evaluations every 50 steps, checkpoints every 20 (so most reports are checkpoint-only ones,

@@ -2,6 +2,7 @@
 driver joins a cluster."""
 
 import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -40,6 +41,22 @@ def test_an_interrupted_trial_is_not_finished_and_fails_the_sweep():
     assert not SweepOutcome(rows, "/x", "sqlite:///m.db").ok
     # The budget spent, interrupted before Tune saw it return: finished.
     assert _row(result({**METRICS, "epoch": 3, "done": False, "training_done": 1}), SPEC).status == "TERMINATED"
+
+
+def test_a_trial_whose_last_report_was_a_checkpoint_s_shows_its_last_evaluation():
+    """``checkpoint.every`` apart from ``eval_every``: an interrupted trial's last report may hold
+    no evaluation; the table shows the last one it reported, as MLflow has it."""
+    import pandas as pd
+
+    last = {key: value for key, value in METRICS.items() if key != "eval_loss"}
+    interrupted = result({**last, "epoch": 1, "done": False})
+    interrupted.metrics_dataframe = pd.DataFrame({"step": [6, 10, 12, 15], "eval_loss": [0.9, None, 0.7, None]})
+    assert _row(interrupted, SPEC).final_metric == 0.7
+    assert _row(result({**last, "epoch": 1, "done": False}), SPEC).final_metric is None  # none reported
+    # A NaN reached (on_nan: continue) is the trial's value, not a missing one.
+    diverging = result({**METRICS, "eval_loss": float("nan"), "done": True})
+    diverging.metrics_dataframe = pd.DataFrame({"eval_loss": [0.9, float("nan")]})
+    assert math.isnan(_row(diverging, SPEC).final_metric)
 
 
 def test_refused_and_errored_trials():

@@ -33,6 +33,8 @@ MAX_TAG_CHARS = 8000
 HOST_MEMORY_TAG = "orchestrator.host_memory"
 #: In the sweep's folder: the writes a sweep could not send, for ``run --resume`` to send.
 UNSENT_FILE = "mlflow_unsent.pkl"
+#: How long a sweep stopped at once (a second Ctrl-C) waits for MLflow to take its runs' ends.
+STOPPED_AT_ONCE_FLUSH_S = 5.0
 #: This driver process, as opposed to one whose pickled callback ``Tuner.restore`` brings back.
 _THIS_PROCESS = uuid.uuid4().hex
 
@@ -175,14 +177,24 @@ class MlflowTracking(tune.Callback):
     def on_experiment_end(self, trials, **info) -> None:
         if self._outbox is None:
             return
+        statuses = [trial_status(t.status == "ERROR", TrialReport.from_result(t.last_result)) for t in trials]
+        self._end(sweep_run_status(statuses, self.spec.on_nan), self.flush_timeout_s)
+
+    def stopped_at_once(self) -> None:
+        """A second Ctrl-C stopped Tune at once, with no ``on_experiment_end``: the sweep's runs
+        end KILLED, as one Ctrl-C leaves them, not RUNNING (which ``report`` reads as a sweep still
+        running); MLflow is given a few seconds, and what it has not taken by then is kept for the resume."""
+        if self._outbox is not None:
+            self._end("KILLED", min(self.flush_timeout_s, STOPPED_AT_ONCE_FLUSH_S))
+
+    def _end(self, sweep_status: str, flush_timeout_s: float) -> None:
         # Interrupted (Ctrl-C, SIGUSR1 before a SLURM requeue): Tune stops these trials as TERMINATED
         # although they did not finish. A resumed sweep marks them RUNNING again.
         for log in self._trials.values():
             if not log.ended:
                 self._put(EndRun(log.ref, "KILLED"))
-        statuses = [trial_status(t.status == "ERROR", TrialReport.from_result(t.last_result)) for t in trials]
-        self._put(EndRun(None, sweep_run_status(statuses, self.spec.on_nan)))
-        self._outbox.drain(self.flush_timeout_s)
+        self._put(EndRun(None, sweep_status))
+        self._outbox.drain(flush_timeout_s)
         self._outbox.close()
         unsent, dropped = self._outbox.pending(), list(self._outbox.dropped)
         self._outbox = None
@@ -190,7 +202,7 @@ class MlflowTracking(tune.Callback):
         if unsent:
             logger.warning(
                 "MLflow at %s: %d write(s) still unsent after %.0f s; %s", self.tracking_uri, len(unsent),
-                self.flush_timeout_s, f"kept in {kept_at} for `run --resume` to send" if kept_at else "they are lost",
+                flush_timeout_s, f"kept in {kept_at} for `run --resume` to send" if kept_at else "they are lost",
             )
         record = current_record()
         if record is not None:
