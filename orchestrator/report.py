@@ -1,6 +1,6 @@
 """``orchestrator report``: what a sweep did, read back from MLflow.
 
-Prints one line per trial (status, plan, predicted and measured peak, estimation error, OOM
+Prints one line per trial (status, epochs trained of the budget, plan, predicted and measured peak, estimation error, OOM
 retries, final metric) and a short summary; writes ``report.png`` (predicted vs measured peak
 per trial, the budget, the OOM events) and ``results.parquet`` (one row per trial per result);
 logs both to the sweep's parent run. Everything comes from MLflow rather than Tune's folders,
@@ -150,6 +150,8 @@ class SweepRecord:
     metric: str
     trials: list[TrialRecord]
     status: str = "FINISHED"  # the sweep run's: KILLED while a resume can still finish it, RUNNING while it runs
+    stop_epochs: int | None = None  # the budget a trial trains to (a trial ASHA stopped trained less)
+    stop_steps: int | None = None
 
 
 #: What the sweep run's status says of the trials a report lists (a trial that never started has no run).
@@ -267,7 +269,14 @@ def load_sweep(tracking_uri: str, experiment: str | None = None) -> SweepRecord:
         metric=parent.data.params.get("metric", "eval_loss"),
         trials=trials,
         status=parent.info.status,
+        stop_epochs=_count(parent.data.params.get("stop.epochs")),
+        stop_steps=_count(parent.data.params.get("stop.steps")),
     )
+
+
+def _count(param: str | None) -> int | None:
+    """A budget as the sweep's run has it as a param (``3``, or ``None`` where none was set)."""
+    return int(param) if param is not None and param.isdigit() else None
 
 
 #: How many sweeps of one name a refusal lists.
@@ -376,18 +385,27 @@ def trial_table(sweep: SweepRecord) -> str:
         predicted, measured, error = trial.peak()
         final = trial.latest().metric(sweep.metric)
         rows.append((
-            trial.label, trial.shown_status, plan_text(trial),
+            trial.label, trial.shown_status, _trained(trial.latest(), sweep), plan_text(trial),
             human(predicted) if predicted else "-", human(measured) if measured is not None else "-",
             f"{error:+.1%}" if error is not None else "-",
             trial.oom_retries,
             f"{final:.4f}" if _a_value(final) else "-",
         ))
-    headers = ["trial", "status", "plan", "predicted peak", "measured peak", "estimate error", "OOM retries", sweep.metric]
+    headers = ["trial", "status", "trained", "plan", "predicted peak", "measured peak", "estimate error", "OOM retries",
+               sweep.metric]
     nodes = [t.tags.get("node_name", "-") for t in sweep.trials]
     if len(set(nodes) - {"-"}) > 1:  # a cluster of several nodes: where each trial ran (last)
         headers.insert(1, "node")
         rows = [(row[0], node, *row[1:]) for row, node in zip(rows, nodes)]
     return format_table(headers, rows)
+
+
+def _trained(latest: TrialReport, sweep: SweepRecord) -> str:
+    """Epochs (and steps, where the budget counts them) of the budget: ``1/3 ep`` for a trial the
+    scheduler stopped early, which is FINISHED as one that trained to the end is."""
+    epochs = latest.epoch or 0
+    text = f"{epochs}/{sweep.stop_epochs} ep" if sweep.stop_epochs else f"{epochs} ep"
+    return text if sweep.stop_steps is None else f"{text}, {latest.step or 0}/{sweep.stop_steps} steps"
 
 
 def summary(sweep: SweepRecord) -> str:

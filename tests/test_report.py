@@ -32,6 +32,7 @@ from orchestrator.report import (
     peak_chart,
     plot_peaks,
     short_value,
+    trial_table,
     write_parquet,
 )
 from orchestrator.tracking.reader import artifact_text
@@ -78,13 +79,14 @@ def test_report_table_summary_parquet_and_png_match_mlflow(sqlite_sweep, tmp_pat
     lines = {line.split()[0]: line for line in table_text.splitlines() if line.split() and line.split()[0] in trial_id.values()}
     assert len(lines) == len(children) == 3
     assert all(run.info.run_name.endswith(run.data.tags["trial_id"]) for run in children.values())
-    # trial, status, plan, predicted peak, measured peak, estimate error, OOM retries, eval_loss
-    assert lines[trial_id["plain"]].split() == [trial_id["plain"], "FINISHED", "32x2,", "eval", "64,", "fp32",
+    # trial, status, trained, plan, predicted peak, measured peak, estimate error, OOM retries, eval_loss
+    assert lines[trial_id["plain"]].split() == [trial_id["plain"], "FINISHED", "3/3", "ep", "32x2,", "eval", "64,", "fp32",
                                                 "4.0", "GiB", "4.2", "GiB", "+5.0%", "0", "0.5000"]
-    assert lines[trial_id["retried"]].split()[1:5] == ["FINISHED", "16x4,", "eval", "64,"]
+    assert lines[trial_id["retried"]].split()[1:7] == ["FINISHED", "3/3", "ep", "16x4,", "eval", "64,"]
     assert lines[trial_id["retried"]].split()[-2:] == ["1", "0.5000"]
     # Its prediction (above the 6 GiB budget) and nothing measured.
-    assert lines[trial_id["refused"]].split()[1:] == ["REFUSED", "64x1,", "eval", "64,", "fp32", "8.0", "GiB", "-", "-", "0", "-"]
+    assert lines[trial_id["refused"]].split()[1:] == ["REFUSED", "0/3", "ep", "64x1,", "eval", "64,", "fp32", "8.0", "GiB",
+                                                      "-", "-", "0", "-"]
     assert "Trials: 3 (2 finished, 1 refused)" in text
     assert "OOMs survived: 1 (in 1 of 2 finished trials)" in text
     assert "Worst estimation error: +5.0%" in text
@@ -407,6 +409,17 @@ def record(index: int, config: dict[str, str], predicted: float | None, measured
 
 def sweep_of(trials: list[TrialRecord]) -> SweepRecord:
     return SweepRecord("demo_cpu", "demo_cpu_2026", "r0", "eval_loss", trials)
+
+
+def test_a_trial_the_scheduler_stopped_early_shows_what_it_trained_of_the_budget():
+    """ASHA's stopped trials end FINISHED in MLflow, as those that trained to the end do."""
+    stopped, whole = record(0, {"lr": "0.1"}, None, None), record(1, {"lr": "0.01"}, None, None)
+    stopped.results[8].update(epoch=1, step=120)
+    whole.results[8]["epoch"] = 3
+    table = trial_table(dataclasses.replace(sweep_of([stopped, whole]), stop_epochs=3))
+    assert [line.split()[2] for line in table.splitlines()[2:]] == ["1/3", "3/3"]
+    steps = dataclasses.replace(sweep_of([stopped]), stop_epochs=None, stop_steps=500)
+    assert "1 ep, 120/500 steps" in trial_table(steps)
 
 
 def test_every_parquet_file_has_the_orchestrators_columns_of_the_same_types(tmp_path):
