@@ -1,7 +1,7 @@
 """``orchestrator report``: what a sweep did, read back from MLflow.
 
-Prints one line per trial (status, epochs trained of the budget, plan, predicted and measured peak, estimation error, OOM
-retries, final metric) and a short summary; writes ``report.png`` (predicted vs measured peak
+Prints one line per trial (status, epochs trained of the budget, plan, predicted and measured
+peak, estimation error, OOM retries, final metric) and a short summary; writes ``report.png`` (predicted vs measured peak
 per trial, the budget, the OOM events) and ``results.parquet`` (one row per trial per result);
 logs both to the sweep's parent run. Everything comes from MLflow rather than Tune's folders,
 so a report can be made wherever the tracking store can be reached, also for a sweep that is
