@@ -58,7 +58,7 @@ class FakeSetup:
     #: Real values of the small fake tensors whose values are knowable (the sample's, a causal
     #: mask's): a model's data-dependent checks read them (``memory.known_values``).
     values: KnownValues = field(default_factory=KnownValues)
-    #: The largest eval sample (real), where the workload names one larger than ``sample``.
+    #: The largest eval sample (real), where the workload names one (``largest_eval_sample``).
     eval_sample: object = None
 
     def tracker(self) -> StorageTracker:
@@ -69,8 +69,9 @@ class FakeSetup:
     def batch(self, size: int, kind: str = "train"):
         """A fake batch of ``size`` samples as the loop hands it to the steps of ``kind``: ``size``
         copies of the workload's largest sample (of its eval data for an eval step), through its
-        own ``collate``, on ``meta``, i.e. still on the host. The steps copy it to the device, so the device copy is counted for its micro-batch's
-        lifetime and the host copy is not, as in the loop on every device.
+        own ``collate``, on ``meta``, i.e. still on the host. The steps copy it to the device, so
+        the device copy is counted for its micro-batch's lifetime and the host copy is not, as in
+        the loop on every device.
 
         The collate runs on fake host tensors, which take no memory at any size; one that needs
         values (a graph batch's node offsets, say) runs on real copies of the sample instead, and
