@@ -31,6 +31,7 @@ from orchestrator.contract import MEMORY_LABELS, survived_ooms
 from orchestrator.errors import UserError
 from orchestrator.table import format_table
 from orchestrator.tracking.client import mlflow_client
+from orchestrator.tracking.artifacts import log_files, read_text
 from orchestrator.tracking.reader import READERS, StoredRun, artifact_text, trial_runs
 from orchestrator.tracking.runs import (
     EXPERIMENT_PATH_TAG, OOM_GAVE_UP_TAG, ROLE_TAG, STEP_METRIC, SWEEP_ID_TAG, default_tracking_uri, sqlite_path,
@@ -187,9 +188,7 @@ def report_command(args) -> int:
         png, parquet = out / "report.png", out / "results.parquet"
         write_whole({png: lambda f: plot_peaks(sweep, f), parquet: lambda f: write_parquet(sweep, f)})
     with reading(tracking_uri, STORE_ADVICE):
-        client = mlflow_client(tracking_uri)
-        client.log_artifact(sweep.run_id, str(png), "report")
-        client.log_artifact(sweep.run_id, str(parquet), "report")
+        log_files(mlflow_client(tracking_uri), tracking_uri, sweep.run_id, [png, parquet], "report")
     print(f"\nWrote {png} and {parquet} (also logged to the sweep's run under report/)")
     return 0
 
@@ -261,7 +260,7 @@ def load_sweep(tracking_uri: str, experiment: str | None = None) -> SweepRecord:
     runs = trial_runs(client, parent.info.experiment_id, parent.data.tags[SWEEP_ID_TAG])
     # A trial that ran out of memory also has its events to download: a request each, several at a time.
     with ThreadPoolExecutor(READERS, thread_name_prefix="mlflow-artifacts") as pool:
-        trials = sorted(pool.map(lambda run: _trial_record(client, run), runs), key=lambda t: t.name)
+        trials = sorted(pool.map(lambda run: _trial_record(client, tracking_uri, run), runs), key=lambda t: t.name)
     return SweepRecord(
         experiment=client.get_experiment(parent.info.experiment_id).name,
         name=parent.info.run_name,
@@ -331,7 +330,7 @@ def _sweep_experiments(client) -> str:
     return ", ".join(names) or "none"
 
 
-def _trial_record(client, run: StoredRun) -> TrialRecord:
+def _trial_record(client, tracking_uri: str, run: StoredRun) -> TrialRecord:
     duration = (run.end_time - run.start_time) / 1000 if run.end_time and run.start_time else None
     trial = TrialRecord(
         name=run.name, trial_id=run.tags.get("trial_id", ""), run_id=run.run_id, status=run.status,
@@ -340,7 +339,7 @@ def _trial_record(client, run: StoredRun) -> TrialRecord:
     if trial.latest().oom_retries <= 0 and not trial.tags.get(OOM_GAVE_UP_TAG):
         return trial
     try:
-        events = json.loads(artifact_text(client, run.run_id, "oom_events.json"))
+        events = json.loads(read_text(client, tracking_uri, run.run_id, "oom_events.json", artifact_text))
     except Exception:  # noqa: BLE001 - the count is still in the metrics
         return trial
     return dataclasses.replace(trial, oom_events=events)

@@ -21,7 +21,8 @@ from ports import free_port
 
 
 class MlflowServer:
-    """``mlflow server`` with served artifacts under ``root`` and a SQLite store there, or the
+    """``mlflow server`` with served artifacts in ``root/mlartifacts`` (as a SLURM job's server keeps
+    them, and MLflow's default beside where it runs) and a SQLite store in ``root``, or the
     database at ``backend_store_uri`` (``postgres_server.PostgresServer``)."""
 
     def __init__(self, root: Path, port: int | None = None, backend_store_uri: str | None = None):
@@ -40,7 +41,7 @@ class MlflowServer:
         command = [
             str(mlflow), "server",
             "--backend-store-uri", self.backend_store_uri,
-            "--artifacts-destination", str(self.root / "artifacts"),
+            "--artifacts-destination", str(self.root / "mlartifacts"),
             "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
         ]
         log = open(self.root / "server.log", "ab")

@@ -29,6 +29,7 @@ from orchestrator.report import (
     SweepRecord,
     TrialRecord,
     config_labels,
+    load_sweep,
     peak_chart,
     plot_peaks,
     short_value,
@@ -157,6 +158,19 @@ def test_report_against_a_tracking_server(local_ray, tmp_path, capsys):
         assert code == 0
         assert "Trials: 2 (2 finished)" in text and "OOMs survived: 1" in text
         assert len(pq.read_table(tmp_path / "out" / "results.parquet")) == 4
+        client, parents, _ = runs_of(server.uri)
+        logged = {a.path for a in client.list_artifacts(parents[0].info.run_id, "report")}
+        assert logged == {"report/report.png", "report/results.parquet"}
+        (tmp_path / "out" / "report.png").unlink()
+
+    # After the server (a SLURM job's, torn down with its job): its SQLite store read directly.
+    # The runs' artifacts are the server's (mlflow-artifacts:/...): read and logged where it kept them.
+    stored = f"sqlite:///{tmp_path / 'server' / 'mlflow.db'}"
+    code, text, _ = report(capsys, "tracking_test", "--tracking-uri", stored, "--out", str(tmp_path / "out"))
+    assert code == 0, text
+    assert "OOMs survived: 1" in text
+    assert [len(t.oom_events) for t in load_sweep(stored).trials] == [0, 1]  # its OOM events, read there too
+    with MlflowServer(tmp_path / "server") as server:  # the files are where a server serves them from
         client, parents, _ = runs_of(server.uri)
         logged = {a.path for a in client.list_artifacts(parents[0].info.run_id, "report")}
         assert logged == {"report/report.png", "report/results.parquet"}
