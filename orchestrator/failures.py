@@ -24,6 +24,8 @@ import sysconfig
 from orchestrator.contract import OOM_MESSAGES
 
 _GAVE_UP = ("OomRetriesExhausted",)
+#: ``orchestrator.trial.errors.NotRetriedError``'s name, before the earlier error its message holds.
+_NOT_RETRIED = "NotRetriedError: "
 _WORKER_DIED = ("RayActorError", "actor died unexpectedly", "ActorDiedError")
 #: What Ray says of an actor whose node was lost (its raylet gone: a machine down, preempted, drained).
 _NODE_DIED = re.compile(r"its node has died|node (?:was|has been) (?:terminated|marked dead)|NodeDiedError|raylet (?:has )?died")
@@ -65,8 +67,9 @@ def exception_line(text: str) -> str:
     text = re.sub(r"\x1b\[[0-9;]*m", "", text)
     raised = [m.group(1) for line in text.splitlines() if (m := _EXCEPTION_LINE.match(line))]
     if raised:
+        line = raised[-1].removeprefix(_NOT_RETRIED)  # the restart that fails at once: the earlier error is the news
         where = raised_at(text)
-        return f"{raised[-1]} (at {where})" if where and where not in raised[-1] else raised[-1]
+        return f"{line} (at {where})" if where and where not in line else line
     lines = [line for line in text.splitlines() if line.strip()]
     return lines[-1].strip() if lines else "unknown error"
 

@@ -171,6 +171,9 @@ def test_the_exception_line_is_the_innermost_without_its_module():
     )
     assert exception_line(text) == "OomRetriesExhausted: out of memory in train; 2 OOM event(s):"
     assert exception_line("Traceback\n  File x\nKeyboardInterrupt\n") == "KeyboardInterrupt"
+    # A restart that fails at once names the earlier error; our wrapper's name is not news.
+    assert exception_line("orchestrator.trial.errors.NotRetriedError: ValueError: bad (failed 2 time(s))\n") == (
+        "ValueError: bad (failed 2 time(s))")
 
 
 def test_the_exception_line_says_where_the_user_s_own_code_raised_it(tmp_path, monkeypatch):
