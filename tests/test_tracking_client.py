@@ -71,3 +71,18 @@ def test_the_lock_is_beside_the_database_and_a_folder_that_takes_no_file_is_read
 
     monkeypatch.setattr(client, "held", refused)
     assert [e.name for e in mlflow_client(f"sqlite:///{database}").search_experiments()] == ["Default"]
+
+
+@pytest.mark.integration  # a real MLflow server
+def test_a_run_ended_on_a_server_prints_no_link(tmp_path, monkeypatch, capfd):
+    """MLflow's client prints two lines per run it ends on a server (a SLURM job's log had 16 for
+    8 trials, linking to a server gone with the job); ours print none."""
+    from mlflow_server import MlflowServer
+
+    monkeypatch.delenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", raising=False)
+    with MlflowServer(tmp_path / "server") as server:
+        client = mlflow_client(server.uri)
+        run = client.create_run(client.create_experiment("links"))
+        client.set_terminated(run.info.run_id)
+        assert client.get_run(run.info.run_id).info.status == "FINISHED"
+    assert "View run" not in capfd.readouterr().out

@@ -11,11 +11,17 @@ SLURM jobs may each have a /tmp of their own (``job_container/tmpfs``, or a TMPD
 and jobs on several nodes share the database's folder, not a /tmp. The lock's file goes with its
 last holder. A server or another database needs no lock (its migrations run once, by whoever set
 it up, and the server serialises the rest).
+
+Our clients print no links: MLflow's client writes two lines (``View run ... at: <server URL>``)
+to standard output for each run it ends on a tracking server, and asks the server for the run
+to make them: 16 lines among a sweep of 8 trials' own, in a SLURM job's log pointing at a server
+that is gone once the job ends. ``run`` and ``report`` say where the sweep is instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 from orchestrator.file_lock import held
@@ -27,6 +33,7 @@ def mlflow_client(tracking_uri: str):
     without it where the database's folder takes no file (a store to read, not to make)."""
     from mlflow import MlflowClient
 
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # read by MLflow as each run ends
     database = sqlite_path(tracking_uri)
     if database is None:
         return MlflowClient(tracking_uri)
