@@ -149,7 +149,11 @@ class RayJobLauncher(Launcher):
         return cls(address=args.address)
 
     def check(self, request: RunRequest, spec: SweepSpec) -> None:
-        build_job_request(request, spec, Path.cwd())  # the config must travel with the working_dir
+        """The config travels with the working_dir; the dashboard answers, and takes our token:
+        each a line before the sweep's model is checked and estimated here, and nothing else said."""
+        build_job_request(request, spec, Path.cwd())
+        _quiet_job_client(request)
+        connect(self.address)
 
     def submit(self, request: RunRequest, spec: SweepSpec) -> int:
         """Submit, say where to watch and how to stop it, follow the logs; exit 0 iff the job succeeded."""
@@ -158,12 +162,10 @@ class RayJobLauncher(Launcher):
         from orchestrator.dashboard import how_to_open, job_page, token_required
 
         job = build_job_request(request, spec, Path.cwd())
+        _quiet_job_client(request)  # again: importing Ray's Tune for the pre-flight reset its loggers
+        client = connect(self.address)
         for note in results_notes(request, spec):
             print(f"note: {note}")
-        if not request.verbose:  # their upload and WebSocket notices say again what our lines say
-            for logger in JOB_CLIENT_LOGGERS:
-                logging.getLogger(logger).setLevel(logging.WARNING)
-        client = connect(self.address)
         commands = JobCommands(self.address, new_submission_id(), token_required(self.address))
         try:
             print(f"Uploading {job.runtime_env['working_dir']} and submitting job {commands.submission_id}...",
@@ -192,6 +194,14 @@ class RayJobLauncher(Launcher):
         if info.status != JobStatus.SUCCEEDED and (hint := not_installed_hint(info.message or "")):
             print(hint)
         return 0 if info.status == JobStatus.SUCCEEDED else 1
+
+
+def _quiet_job_client(request: RunRequest) -> None:
+    """Ray's job client's upload and WebSocket notices say again what our lines say: warnings only,
+    unless ``--verbose``."""
+    if not request.verbose:
+        for logger in JOB_CLIENT_LOGGERS:
+            logging.getLogger(logger).setLevel(logging.WARNING)
 
 
 def not_installed_hint(job_message: str) -> str | None:
