@@ -15,6 +15,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from orchestrator import follow_up
+
 PROGRAM = "orchestrator"
 _MAIN = Path(__file__).resolve().with_name("__main__.py")
 
@@ -35,8 +37,9 @@ def command_prefix(argv: list[str] | None = None, orig_argv: list[str] | None = 
 
 
 def shell_command(*words: str) -> str:
-    """``orchestrator`` (as the user can run it) followed by ``words``, quoted for a POSIX shell."""
-    return shlex.join([*command_prefix(), *words])
+    """``orchestrator`` (as the user can run it) followed by ``words``, quoted for a POSIX shell; in
+    a driver a launcher started elsewhere, as the user ran the launcher (``follow_up.prefix``)."""
+    return shlex.join([*(follow_up.prefix() or command_prefix()), *words])
 
 
 def tool(name: str) -> str:

@@ -13,6 +13,7 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from orchestrator import follow_up
 from orchestrator.invocation import shell_command
 
 
@@ -78,8 +79,10 @@ class RunRequest:
     def command(self, program: Sequence[str] | None = None) -> str:
         """The command line for a POSIX shell. ``program`` starts it (``python -m orchestrator``
         on a cluster); by default it starts as the user started this command
-        (``orchestrator.invocation``), so a printed command runs as printed."""
+        (``orchestrator.invocation``), so a printed command runs as printed, with the flags a
+        launcher adds to it (``follow_up.run_flags``: a Ray Job's ``--address``)."""
         if program is None:
-            return shell_command(*self.arguments())
+            words = self.arguments()
+            return shell_command(*words[:2], *follow_up.run_flags(), *words[2:])
         return " ".join(word if isinstance(word, Expanded) else shlex.quote(word)
                         for word in (*program, *self.arguments()))

@@ -31,6 +31,7 @@ from orchestrator.console import (
     TUNE_QUIET, TUNE_VERBOSE, cluster_text, config_text, plan_text, quiet_libraries, ray_logging_config, tune_lines_told_here,
 )
 from orchestrator.contract import MEMORY_LABELS, describe_moves, survived_ooms
+from orchestrator import follow_up
 from orchestrator.errors import ToldInterrupt, UserError
 from orchestrator.failures import exception_line
 from orchestrator.invocation import shell_command
@@ -120,15 +121,17 @@ def summary_lines(outcome: SweepOutcome, spec: SweepSpec, request: RunRequest) -
     best = best_row(rows, spec)
     if best is not None:
         lines.append(f"Best: {best.name}, {spec.metric} {best.final_metric:.4f} ({best.config})")
-    lines.append(f"MLflow: {outcome.tracking_uri} (experiment {spec.experiment!r}); see `{report_command(outcome)}`")
+    store = follow_up.tracking_uri() or outcome.tracking_uri  # a SLURM job's store, not its server gone with it
+    lines.append(f"MLflow: {store} (experiment {spec.experiment!r}); see `{report_command(outcome)}`")
     return lines
 
 
 def resume_command(request: RunRequest, name: str | None = None) -> str:
     """The command that continues this sweep (``--resume`` without a name takes the newest of the
     experiment), on the same resources: the embedded Ray's CPUs and GPUs decide how many trials
-    run at once."""
-    return request.replace(name=name or request.name, resume=True).command()
+    run at once; or what the launcher that started this driver says continues it (``follow_up``:
+    a SLURM job's ``sbatch`` of its script)."""
+    return follow_up.resume() or request.replace(name=name or request.name, resume=True).command()
 
 
 def report_command(outcome: SweepOutcome) -> str:
@@ -136,9 +139,10 @@ def report_command(outcome: SweepOutcome) -> str:
     reads by default (the working directory's ``mlflow.db``, which is also ``run``'s). The sweep
     by its name, not the experiment's: ``report EXPERIMENT`` is the experiment's newest sweep,
     another one where sweeps of it overlap."""
-    named = outcome.tracking_uri != default_tracking_uri()
+    tracking_uri = follow_up.tracking_uri() or outcome.tracking_uri  # a SLURM job's store, its server gone
+    named = tracking_uri != default_tracking_uri()
     sweep = os.path.basename(outcome.experiment_path)
-    return shell_command("report", sweep, *(["--tracking-uri", outcome.tracking_uri] if named else []))
+    return shell_command("report", sweep, *(["--tracking-uri", tracking_uri] if named else []))
 
 
 def resolve_tracking_uri(flag: str | None, spec: SweepSpec, recorded: str | None = None) -> str:
@@ -224,7 +228,8 @@ def run_sweep(
                             print(f"{cut_off} was cut off (a full storage?): resuming from its last whole copy")
                         tuner = tune.Tuner.restore(restore_from, trainable=trainable, resume_unfinished=True,
                                                    resume_errored=False)
-                        if recorded_store and recorded_store != tracking_uri:
+                        # (A SLURM job's own server fronts its job's one store, on each attempt's port.)
+                        if recorded_store and recorded_store != tracking_uri and not follow_up.tracking_uri():
                             print(f"MLflow: this resume writes to {tracking_uri} (--tracking-uri); "
                                   f"the sweep so far is in {recorded_store}")
                         _track_in(tuner, tracking_uri)

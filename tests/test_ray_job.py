@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from orchestrator.cli import build_parser, main
 from orchestrator.config import load_spec
 from orchestrator.errors import UserError
+from orchestrator.invocation import shell_command
 from orchestrator.launch.ray_job import (
     JobCommands,
     build_job_request,
@@ -66,6 +68,25 @@ def test_job_runs_the_same_command_without_address(monkeypatch):
     assert request.runtime_env["working_dir"] == str(ROOT)
     assert "/orchestrator_results" in request.runtime_env["excludes"]  # earlier results stay home
     assert request.metadata["job_name"] == "orchestrator demo_cpu"
+
+
+def test_the_commands_the_jobs_driver_prints_are_the_users_and_go_back_to_the_cluster(monkeypatch):
+    """In the job, the driver runs as ``python -m orchestrator`` without ``--address``: the resume
+    and report commands it prints start as the user ran ``run --address`` and resume there."""
+    from orchestrator.invocation import command_prefix
+    from orchestrator.runner import resume_command
+
+    monkeypatch.chdir(ROOT)
+    args = build_parser().parse_args(["run", DEMO, "--address", "http://head:8265"])
+    request = RunRequest.from_args(args)
+    job = build_job_request(request, load_spec(args.config), ROOT, "http://head:8265")
+    user = command_prefix()
+    for name, value in job.runtime_env["env_vars"].items():  # what the job's driver has
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", ["/tmp/ray/session/runtime_resources/orchestrator/__main__.py"])
+    words = shlex.split(resume_command(request, "demo_cpu_1"))
+    assert words == [*user, "run", DEMO, "--address", "http://head:8265", "--name", "demo_cpu_1", "--resume"]
+    assert shlex.split(shell_command("report", "demo_cpu_1"))[:len(user) + 1] == [*user, "report"]
 
 
 def test_config_outside_the_working_dir_is_refused(tmp_path, monkeypatch):

@@ -650,6 +650,10 @@ def test_submit_runs_the_readmes_own_model_on_slurm(slurm, own_model_project, tm
     text = log.read_text()
     assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", text[-6000:]
     assert "2/2 trials finished" in text
+    # What it prints to read the sweep afterwards names the job's store, not its server (gone now).
+    store = f"sqlite:///{job_dir}/mlflow.db"
+    assert f"MLflow: {store} (experiment 'wide')" in text and f"--tracking-uri {store}`" in text, text[-3000:]
+    assert "View run" not in text  # MLflow's own links to the server
     if slurm.has_gpus:
         assert re.search(r"Ray: 1 node\(s\), 2 CPUs, 2 GPUs", text), text[-3000:]  # gres -> ray start --num-gpus
     assert "ssh -N -L 8265:" in text
@@ -766,6 +770,10 @@ def test_time_limit_requeues_and_resumes_only_unfinished_trials(slurm, tmp_path)
     text = log.read_text()
     assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", text[-6000:]
     assert "time limit near" in text and "attempt 2" in text and "Resuming " in text
+    # The interrupted attempt names the command that continues the sweep: this script again, not its
+    # driver's command line (the job's Ray and MLflow server); the resume writes where it did.
+    assert f"Interrupted trials continue from their last checkpoints with: sbatch {job_dir}/job.sbatch" in text, text[-6000:]
+    assert "this resume writes to" not in text
     # Each trial completed exactly once across both attempts: the resumed one ran only the rest.
     assert text.count(" finished: 4/4 epochs") == 3
     assert " finished: 4/4 epochs" in text[text.index("attempt 2"):]

@@ -34,10 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from orchestrator import follow_up
 from orchestrator.config import SweepSpec
 from orchestrator.errors import UserError
 from orchestrator.failures import exception_line
-from orchestrator.invocation import tool
+from orchestrator.invocation import command_prefix, tool
 from orchestrator.launch.base import EMBEDDED_RAY_FLAGS, Launcher, refuse_flags
 from orchestrator.run_request import RunRequest
 from orchestrator.tracking.runs import is_relative_sqlite
@@ -58,8 +59,10 @@ class JobRequest:
     metadata: dict[str, str]
 
 
-def build_job_request(request: RunRequest, spec: SweepSpec, cwd: Path) -> JobRequest:
-    """The job that runs ``request`` on the cluster, with ``cwd`` as its working_dir."""
+def build_job_request(request: RunRequest, spec: SweepSpec, cwd: Path, address: str | None = None) -> JobRequest:
+    """The job that runs ``request`` on the cluster, with ``cwd`` as its working_dir. The commands
+    its driver prints (resume, report) start as the user started this one, and a ``run`` goes back
+    to the cluster at ``address`` (``follow_up``)."""
     config = Path(request.config).resolve()
     cwd = cwd.resolve()
     if not config.is_relative_to(cwd):
@@ -75,7 +78,10 @@ def build_job_request(request: RunRequest, spec: SweepSpec, cwd: Path) -> JobReq
         excludes.append("/" + storage.relative_to(cwd).as_posix())  # earlier sweeps' results
     return JobRequest(
         entrypoint=entrypoint,
-        runtime_env={"working_dir": str(cwd), "excludes": excludes},
+        runtime_env={"working_dir": str(cwd), "excludes": excludes, "env_vars": {
+            follow_up.PREFIX: shlex.join(command_prefix()),
+            follow_up.RUN_FLAGS: shlex.join(["--address", address] if address else []),
+        }},
         # `job_name` is what the dashboard's job list shows in its Name column.
         metadata={"job_name": f"orchestrator {spec.experiment}", "experiment": spec.experiment,
                   "config": config.relative_to(cwd).as_posix()},
@@ -151,7 +157,7 @@ class RayJobLauncher(Launcher):
     def check(self, request: RunRequest, spec: SweepSpec) -> None:
         """The config travels with the working_dir; the dashboard answers, and takes our token:
         each a line before the sweep's model is checked and estimated here, and nothing else said."""
-        build_job_request(request, spec, Path.cwd())
+        build_job_request(request, spec, Path.cwd(), self.address)
         _quiet_job_client(request)
         connect(self.address)
 
@@ -161,7 +167,7 @@ class RayJobLauncher(Launcher):
 
         from orchestrator.dashboard import how_to_open, job_page, token_required
 
-        job = build_job_request(request, spec, Path.cwd())
+        job = build_job_request(request, spec, Path.cwd(), self.address)
         _quiet_job_client(request)  # again: importing Ray's Tune for the pre-flight reset its loggers
         client = connect(self.address)
         for note in results_notes(request, spec):
