@@ -708,7 +708,7 @@ def test_ctrl_c_during_sbatch_says_whether_slurm_took_the_job(slurm, tmp_path, s
                               text=True, check=True).stdout
         if submitted:
             assert out.startswith("Interrupted, but SLURM had taken the job:\nSubmitted SLURM job "), out + err
-            assert f"scancel {job_id}" in out
+            assert f"scancel --batch --signal=TERM {job_id}" in out
             assert job_id in ours.split()
             assert (tmp_path / "store" / "slurm").exists()
         else:
@@ -781,6 +781,30 @@ def test_time_limit_requeues_and_resumes_only_unfinished_trials(slurm, tmp_path)
     assert not re.search(r"moved \S+->", text[text.index("attempt 2"):]), text[-3000:]
     runs = trial_runs(f"sqlite:///{job_dir}/mlflow.db", config.stem)
     assert len(runs) == 3 and {r.info.status for r in runs} == {"FINISHED"}, [(r.info.run_name, r.info.status) for r in runs]
+    assert processes_left(job_id, job_dir) == []
+
+
+@pytest.mark.integration
+def test_the_printed_stop_command_stops_the_sweep_and_tears_the_job_down_in_order(slurm, tmp_path):
+    """``scancel --batch --signal=TERM`` (what ``submit`` prints): the batch shell alone gets it, stops
+    the driver, which prints its table and the line that continues the sweep, then the job's Ray
+    and MLflow server. A plain ``scancel`` signals every process of the job at once, the Ray head too,
+    and kills them all after KillWait: the job's log ended mid-stop, and Ray's temp dir stayed."""
+    config = small_sweep(tmp_path, epochs=40, train_samples=[16384, 16384 + 64])
+    job_id, job_dir = orchestrator_submit(
+        slurm, tmp_path, str(config), "--cpus-per-node", "2", "--time", "00:15:00",
+        "--storage-path", str(tmp_path / "store"), "--log-dir", str(tmp_path / "logs"),
+    )
+    log = tmp_path / "logs" / f"orch-{config.stem}-{job_id}.out"
+    wait_for(lambda: log.exists() and log.read_text().count(" plan: ") == 2, 400, "both trials to train", slurm, log)
+    subprocess.run(["scancel", "--batch", "--signal=TERM", job_id], env=slurm.env(), check=True)
+    state = wait_for(lambda: (s := job_state(slurm, job_id)).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED")
+                     and s, 300, "the job to end", slurm, log)
+    text = log.read_text()
+    assert "SIGTERM: stopping the sweep" in text and "INTERRUPTED" in text, text[-6000:]
+    assert f"Interrupted trials continue from their last checkpoints with: sbatch {job_dir}/job.sbatch" in text
+    assert text.rstrip().endswith("torn down"), text[-3000:]
+    assert state["JobState"] == "FAILED"  # the driver's exit 1: its sweep did not finish
     assert processes_left(job_id, job_dir) == []
 
 

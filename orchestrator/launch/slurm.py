@@ -444,6 +444,7 @@ def _print_submitted(job: SlurmJob, spec: SweepSpec, job_id: str, notes: list[st
     tunnel = f"ssh -N -L 8265:<head node>:{expected_dashboard_port(job_id)} {getpass.getuser()}@{socket.gethostname()}"
     print(f"  dashboard:  {tunnel}   then open http://localhost:8265")
     print(f"              (once it runs; the log has the exact line: grep 'ssh -N' {log})")
-    print(f"  status:     squeue -j {job_id}    stop: scancel {job_id}")
+    # The batch shell alone: it stops the driver, then the job's Ray and MLflow server, in that order.
+    print(f"  status:     squeue -j {job_id}    stop: scancel --batch --signal=TERM {job_id}")
     for note in notes:
         print(f"note: {note}")
