@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -398,7 +400,8 @@ def _init_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashboar
             raise UserError("--ray-address: give the head's HOST:PORT; 'auto' can attach to another user's cluster")
         _check_gcs_answers(address)
         try:
-            ray.init(address=address, logging_config=logging_config)
+            with _native_errors_held(verbose):
+                ray.init(address=address, logging_config=logging_config)
         except ConnectionError as exc:
             raise UserError(f"--ray-address {address}: {_refusal(exc)}") from None
     else:
@@ -415,6 +418,32 @@ def _init_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashboar
             url = f"http://{context.dashboard_url}"
             print(how_to_open(url, token_required(url)))
     return True
+
+
+@contextmanager
+def _native_errors_held(verbose: bool) -> Iterator[None]:
+    """Standard error held in a file while the driver joins a cluster, written out after a join
+    that succeeded. Ray's C++ client writes each try to reach a GCS that refuses our token there
+    (``Failed to get cluster ID from GCS server: Unauthenticated``: 20 lines over 25 s) before
+    ``ray.init`` raises, and the one line :func:`_refusal` makes says why; ``--verbose`` shows them."""
+    if verbose:
+        yield
+        return
+    with tempfile.TemporaryFile() as held:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(held.fileno(), 2)
+        joined = False
+        try:
+            yield
+            joined = True
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if joined:
+                held.seek(0)
+                sys.stderr.write(held.read().decode(errors="replace"))
 
 
 def _check_gcs_answers(address: str) -> None:

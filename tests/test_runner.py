@@ -440,6 +440,7 @@ def test_a_driver_joins_a_token_cluster_from_a_users_shell_or_says_in_a_line_why
     (tmp_path / "empty-home").mkdir()
     no_token = run(ray_head.gcs_address, HOME=str(tmp_path / "empty-home"))
     assert no_token.returncode == 2 and "Traceback" not in no_token.stderr
+    assert len(no_token.stderr.splitlines()) == 1, no_token.stderr  # not Ray's native client's every try first
     assert no_token.stderr.splitlines()[-1] == (
         f"error: --ray-address {ray_head.gcs_address}: the cluster needs a token and none was found. Put the "
         "cluster's token (`ray get-auth-token` where it was started) in RAY_AUTH_TOKEN, the file named by "
