@@ -439,7 +439,7 @@ def _print_submitted(job: SlurmJob, spec: SweepSpec, job_id: str, notes: list[st
     print(f"Submitted SLURM job {job_id}: sweep {spec.experiment} on {job.nodes} node{where}")
     print(f"  logs:       {log}")
     print(f"  job folder: {job.job_dir}")
-    print(f"  results:    {job.storage_path}/{spec.experiment}_<start time>/")
+    print(f"  results:    {job.storage_path}/{os.path.basename(job.job_dir)}/")  # the sweep is named as its job folder
     print(f"  MLflow:     {mlflow}")
     tunnel = f"ssh -N -L 8265:<head node>:{expected_dashboard_port(job_id)} {getpass.getuser()}@{socket.gethostname()}"
     print(f"  dashboard:  {tunnel}   then open http://localhost:8265")
