@@ -89,6 +89,16 @@ def test_the_commands_the_jobs_driver_prints_are_the_users_and_go_back_to_the_cl
     assert shlex.split(shell_command("report", "demo_cpu_1"))[:len(user) + 1] == [*user, "report"]
 
 
+def test_the_jobs_outcome_is_one_whole_line():
+    """Ray's message of a failed job repeats its log tail after a colon: the line ended on it."""
+    from orchestrator.launch.ray_job import outcome_line
+
+    failed = ("Job entrypoint command failed with exit code 1, last available logs (truncated to 20,000 chars):\n"
+              "2/3 trials finished\n")
+    assert outcome_line("raysubmit_x", "FAILED", failed) == "Job raysubmit_x FAILED: Job entrypoint command failed with exit code 1"
+    assert outcome_line("raysubmit_x", "SUCCEEDED", "") == "Job raysubmit_x SUCCEEDED"
+
+
 def test_config_outside_the_working_dir_is_refused(tmp_path, monkeypatch):
     config = tmp_path / "mine.yaml"
     config.write_text((ROOT / DEMO).read_text())

@@ -195,11 +195,17 @@ class RayJobLauncher(Launcher):
             print(f"\nStopped following. {commands.still_running()}")
             return 130
         info = client.get_job_info(commands.submission_id)
-        message = (info.message or "").splitlines()[:1]  # a failure's message repeats the log tail
-        print(f"Job {commands.submission_id} {info.status.value}: {' '.join(message)}".rstrip(": "))
+        print(outcome_line(commands.submission_id, info.status.value, info.message or ""))
         if info.status != JobStatus.SUCCEEDED and (hint := not_installed_hint(info.message or "")):
             print(hint)
         return 0 if info.status == JobStatus.SUCCEEDED else 1
+
+
+def outcome_line(submission_id: str, status: str, message: str) -> str:
+    """``Job raysubmit_... FAILED: Job entrypoint command failed with exit code 1``: the first line
+    of Ray's message, without the log tail it repeats (which the followed logs showed)."""
+    first = message.splitlines()[0].split(", last available logs")[0] if message.strip() else ""
+    return f"Job {submission_id} {status}: {first}".rstrip(": ")
 
 
 def _quiet_job_client(request: RunRequest) -> None:
