@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from orchestrator import follow_up
 from orchestrator.capacity import (
     WaitForNodes,
     alive_nodes,
@@ -33,7 +34,6 @@ from orchestrator.console import (
     TUNE_QUIET, TUNE_VERBOSE, cluster_text, config_text, plan_text, quiet_libraries, ray_logging_config, tune_lines_told_here,
 )
 from orchestrator.contract import MEMORY_LABELS, describe_moves, survived_ooms
-from orchestrator import follow_up
 from orchestrator.errors import ToldInterrupt, UserError
 from orchestrator.failures import exception_line
 from orchestrator.invocation import shell_command
