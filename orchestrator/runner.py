@@ -121,8 +121,9 @@ def summary_lines(outcome: SweepOutcome, spec: SweepSpec, request: RunRequest) -
         if delivery.kept_at:
             lines.append(f"  Send them once MLflow is back with: {resume_command(request, name)}")
     best = best_row(rows, spec)
-    if best is not None:
-        lines.append(f"Best: {best.name}, {spec.metric} {best.final_metric:.4f} ({best.config})")
+    if best is not None:  # of the finished trials: an interrupted one may be better so far
+        so_far = " of the finished trials" if any(r.status == INTERRUPTED for r in rows) else ""
+        lines.append(f"Best{so_far}: {best.name}, {spec.metric} {best.final_metric:.4f} ({best.config})")
     store = follow_up.tracking_uri() or outcome.tracking_uri  # a SLURM job's store, not its server gone with it
     lines.append(f"MLflow: {store} (experiment {spec.experiment!r}); see `{report_command(outcome)}`")
     return lines

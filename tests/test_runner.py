@@ -129,6 +129,10 @@ def test_the_best_trial_is_named_below_the_table(typed):
     assert lines[-2] == "Best: t_00001, eval_loss 0.2500 (lr=1)"
     assert not any(line.startswith("Best:") for line in summary_lines(
         SweepOutcome(rows[2:], "/r/exp_1", "sqlite:///m.db"), SPEC, run_args()))  # no finished trial has a value
+    # Interrupted: a running trial may be better so far; the line says whose best it is.
+    interrupted = [*rows, finished_row(4, loss=0.01, status="INTERRUPTED")]
+    lines = summary_lines(SweepOutcome(interrupted, "/r/exp_1", "sqlite:///m.db"), SPEC, run_args())
+    assert "Best of the finished trials: t_00001, eval_loss 0.2500 (lr=1)" in lines
 
 
 def test_each_run_gets_its_own_folder_unless_named(tmp_path):
