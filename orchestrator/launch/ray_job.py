@@ -155,11 +155,7 @@ class RayJobLauncher(Launcher):
         return cls(address=args.address)
 
     def check(self, request: RunRequest, spec: SweepSpec) -> None:
-        """The config travels with the working_dir; the dashboard answers, and takes our token:
-        each a line before the sweep's model is checked and estimated here, and nothing else said."""
-        build_job_request(request, spec, Path.cwd(), self.address)
-        _quiet_job_client(request)
-        connect(self.address)
+        build_job_request(request, spec, Path.cwd(), self.address)  # the config must travel with the working_dir
 
     def submit(self, request: RunRequest, spec: SweepSpec) -> int:
         """Submit, say where to watch and how to stop it, follow the logs; exit 0 iff the job succeeded."""
@@ -168,7 +164,11 @@ class RayJobLauncher(Launcher):
         from orchestrator.dashboard import how_to_open, job_page, token_required
 
         job = build_job_request(request, spec, Path.cwd(), self.address)
-        _quiet_job_client(request)  # again: importing Ray's Tune for the pre-flight reset its loggers
+        if not request.verbose:  # their upload and WebSocket notices say again what our lines say
+            for logger in JOB_CLIENT_LOGGERS:
+                logging.getLogger(logger).setLevel(logging.WARNING)
+        # The dashboard answers and takes our token, or its one line before anything else is said.
+        # (After the pre-flight, as every launcher's: a sweep any launcher refuses is refused alike.)
         client = connect(self.address)
         for note in results_notes(request, spec):
             print(f"note: {note}")
@@ -206,14 +206,6 @@ def outcome_line(submission_id: str, status: str, message: str) -> str:
     of Ray's message, without the log tail it repeats (which the followed logs showed)."""
     first = message.splitlines()[0].split(", last available logs")[0] if message.strip() else ""
     return f"Job {submission_id} {status}: {first}".rstrip(": ")
-
-
-def _quiet_job_client(request: RunRequest) -> None:
-    """Ray's job client's upload and WebSocket notices say again what our lines say: warnings only,
-    unless ``--verbose``."""
-    if not request.verbose:
-        for logger in JOB_CLIENT_LOGGERS:
-            logging.getLogger(logger).setLevel(logging.WARNING)
 
 
 def not_installed_hint(job_message: str) -> str | None:
