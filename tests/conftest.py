@@ -234,6 +234,16 @@ def installed_command() -> str:
     return str(script)
 
 
+def lines_until(run: subprocess.Popen, marker: str) -> list[str]:
+    """What ``run`` printed up to its first line holding ``marker`` (all of it, if none does)."""
+    lines = []
+    for line in run.stdout:
+        lines.append(line)
+        if marker in line:
+            break
+    return lines
+
+
 def interrupted_at(run: subprocess.Popen, prefix: str) -> tuple[str, str]:
     """Ctrl-C to ``run`` as soon as it prints a line starting with ``prefix``: that line, and all it printed."""
     lines = []

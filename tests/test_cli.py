@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, command_env, installed_command, interrupted_at, trial_results
+from tests.conftest import ROOT, command_env, installed_command, interrupted_at, lines_until, trial_results
 
 # The README's WideNet at a pace a test can interrupt (about half a second an epoch on one core),
 # in a module of the user's package beside it.
@@ -321,11 +321,7 @@ def test_a_second_ctrl_c_stops_at_once_with_the_resume_command_last_and_the_runs
     sweep = subprocess.Popen(command, cwd=folder, env=command_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        lines = []
-        for line in sweep.stdout:
-            lines.append(line)
-            if " plan: " in line:
-                break
+        lines = lines_until(sweep, " plan: ")
         os.killpg(sweep.pid, signal.SIGINT)
         time.sleep(0.5)
         os.killpg(sweep.pid, signal.SIGINT)

@@ -45,7 +45,7 @@ from orchestrator.console import (
 )
 from orchestrator.contract import Move, OomEvent
 from orchestrator.trial_report import TrialReport
-from tests.conftest import ROOT, command_env, installed_command
+from tests.conftest import ROOT, command_env, installed_command, lines_until
 
 TRAIN_OOM = OomEvent("train", 1, 1, micro_batch=128, eval_batch=128, bytes_requested=2**20, bytes_allocated=7 * 2**20,
                      bytes_reserved=None, message="emulated device out of memory",
@@ -433,11 +433,7 @@ def test_ctrl_c_is_one_line_of_ours_then_the_table_of_every_trial_with_its_confi
                            env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            start_new_session=True)
     try:
-        seen = []
-        for line in run.stdout:
-            seen.append(line)
-            if " plan: " in line:
-                break
+        seen = lines_until(run, " plan: ")
         os.killpg(run.pid, signal.SIGINT)
         out = "".join(seen) + run.communicate(timeout=300)[0]
     finally:
