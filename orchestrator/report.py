@@ -29,7 +29,7 @@ from typing import IO, Any
 from orchestrator.atomic_file import atomic_write
 from orchestrator.contract import MEMORY_LABELS, survived_ooms
 from orchestrator.errors import UserError
-from orchestrator.table import format_table
+from orchestrator.table import format_table, trained_text
 from orchestrator.tracking.client import mlflow_client
 from orchestrator.tracking.artifacts import log_files, read_text
 from orchestrator.tracking.reader import READERS, StoredRun, artifact_text, trial_runs
@@ -382,9 +382,11 @@ def trial_table(sweep: SweepRecord) -> str:
     rows = []
     for trial in sweep.trials:
         predicted, measured, error = trial.peak()
-        final = trial.latest().metric(sweep.metric)
+        latest = trial.latest()
+        final = latest.metric(sweep.metric)
+        trained = trained_text(latest.epoch or 0, latest.step or 0, sweep.stop_epochs, sweep.stop_steps)
         rows.append((
-            trial.label, trial.shown_status, _trained(trial.latest(), sweep), plan_text(trial),
+            trial.label, trial.shown_status, trained, plan_text(trial),
             human(predicted) if predicted else "-", human(measured) if measured is not None else "-",
             f"{error:+.1%}" if error is not None else "-",
             trial.oom_retries,
@@ -397,14 +399,6 @@ def trial_table(sweep: SweepRecord) -> str:
         headers.insert(1, "node")
         rows = [(row[0], node, *row[1:]) for row, node in zip(rows, nodes)]
     return format_table(headers, rows)
-
-
-def _trained(latest: TrialReport, sweep: SweepRecord) -> str:
-    """Epochs (and steps, where the budget counts them) of the budget: ``1/3 ep`` for a trial the
-    scheduler stopped early, which is FINISHED as one that trained to the end is."""
-    epochs = latest.epoch or 0
-    text = f"{epochs}/{sweep.stop_epochs} ep" if sweep.stop_epochs else f"{epochs} ep"
-    return text if sweep.stop_steps is None else f"{text}, {latest.step or 0}/{sweep.stop_steps} steps"
 
 
 def summary(sweep: SweepRecord) -> str:

@@ -53,7 +53,7 @@ from orchestrator.ray_token import secure_token_files
 from orchestrator.run_request import RunRequest
 from orchestrator.stop_signal import ctrl_c_held, sigterm_stops_like_sigint
 from orchestrator.sweep_guard import claim_sweep, recorded_tracking_store, running, sweeps_of
-from orchestrator.table import format_table
+from orchestrator.table import format_table, trained_text
 from orchestrator.tracking.runs import absolute_tracking_uri, default_tracking_uri
 from orchestrator.trial.evidence import gave_up_events
 from orchestrator.trial_report import TrialReport
@@ -753,7 +753,7 @@ def _table(rows: list[TrialRow], spec: SweepSpec) -> str:
         (
             r.name,
             r.config,
-            _progress(r, spec),
+            trained_text(r.epochs, r.steps, spec.stop.epochs, spec.stop.steps),
             f"{r.final_metric:.4f}" if r.final_metric is not None else "-",
             r.plan,
             f"{human(r.peak_bytes)} ({MEMORY_LABELS.get(r.memory_source, r.memory_source)})" if r.peak_bytes else "-",
@@ -773,9 +773,3 @@ def _status(row: TrialRow) -> str:
     """The status, with why it did not finish, or the moves of a trial that finished on another node."""
     notes = [n for n in (row.note if row.status != TERMINATED else "", row.moves) if n]
     return row.status + (f": {'; '.join(notes)}" if notes else "")
-
-
-def _progress(row: TrialRow, spec: SweepSpec) -> str:
-    """Epochs (and steps, where the budget counts them) run of the budget: '3/3 ep', '1 ep, 500/500 steps'."""
-    epochs = f"{row.epochs}/{spec.stop.epochs} ep" if spec.stop.epochs else f"{row.epochs} ep"
-    return epochs if spec.stop.steps is None else f"{epochs}, {row.steps}/{spec.stop.steps} steps"

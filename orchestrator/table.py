@@ -13,6 +13,14 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
     return "\n".join(lines)
 
 
+def trained_text(epochs: int, steps: int, stop_epochs: int | None, stop_steps: int | None) -> str:
+    """What a trial trained of the sweep's budget, as ``run``'s table and ``report``'s show it:
+    ``3/3 ep``, ``1/3 ep`` for one the scheduler stopped early, ``1 ep, 500/500 steps`` where the
+    budget counts steps."""
+    text = f"{epochs}/{stop_epochs} ep" if stop_epochs else f"{epochs} ep"
+    return text if stop_steps is None else f"{text}, {steps}/{stop_steps} steps"
+
+
 def value_text(value: Any) -> str:
     """A config value as ``run`` and ``plan`` print it: a float to 4 significant digits (a sampled
     ``lr=0.0018789852661499496`` reads ``lr=0.001879`` in both), the rest as ``str``; MLflow's
