@@ -32,7 +32,7 @@ from orchestrator.errors import UserError
 from orchestrator.table import format_table, trained_text
 from orchestrator.tracking.client import mlflow_client
 from orchestrator.tracking.artifacts import log_files, read_text
-from orchestrator.tracking.reader import READERS, StoredRun, artifact_text, trial_runs
+from orchestrator.tracking.reader import READERS, StoredRun, trial_runs
 from orchestrator.tracking.runs import (
     EXPERIMENT_PATH_TAG, OOM_GAVE_UP_TAG, ROLE_TAG, STEP_METRIC, SWEEP_ID_TAG, default_tracking_uri, sqlite_path,
 )
@@ -339,7 +339,7 @@ def _trial_record(client, tracking_uri: str, run: StoredRun) -> TrialRecord:
     if trial.latest().oom_retries <= 0 and not trial.tags.get(OOM_GAVE_UP_TAG):
         return trial
     try:
-        events = json.loads(read_text(client, tracking_uri, run.run_id, "oom_events.json", artifact_text))
+        events = json.loads(read_text(client, tracking_uri, run.run_id, "oom_events.json"))
     except Exception:  # noqa: BLE001 - the count is still in the metrics
         return trial
     return dataclasses.replace(trial, oom_events=events)

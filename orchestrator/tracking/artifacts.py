@@ -14,6 +14,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from orchestrator.tracking.reader import artifact_text
 from orchestrator.tracking.runs import sqlite_path
 
 SERVED = "mlflow-artifacts:"
@@ -21,24 +22,27 @@ SERVED = "mlflow-artifacts:"
 SERVED_FOLDER = "mlartifacts"
 
 
-def served_folder(tracking_uri: str, artifact_uri: str) -> Path | None:
-    """The folder a server-proxied artifact URI names, for a SQLite store read directly; else None
-    (the client reaches the artifacts itself)."""
+def served_folder(client, tracking_uri: str, run_id: str) -> Path | None:
+    """The folder of a run's artifacts a server kept, for a SQLite store read directly; else None
+    (the client reaches them itself). Only a SQLite store costs the run's lookup."""
     database = sqlite_path(tracking_uri)
-    if database is None or not artifact_uri.startswith(SERVED):
+    if database is None:
+        return None
+    artifact_uri = client.get_run(run_id).info.artifact_uri
+    if not artifact_uri.startswith(SERVED):
         return None
     return database.parent / SERVED_FOLDER / artifact_uri[len(SERVED):].lstrip("/")
 
 
-def read_text(client, tracking_uri: str, run_id: str, path: str, download) -> str:
-    """A run's artifact as text: from the served folder where it is one, else ``download``'s."""
-    folder = served_folder(tracking_uri, client.get_run(run_id).info.artifact_uri)
-    return (folder / path).read_text() if folder is not None else download(client, run_id, path)
+def read_text(client, tracking_uri: str, run_id: str, path: str) -> str:
+    """A run's artifact as text: from the folder a server kept it in, else as the client downloads it."""
+    folder = served_folder(client, tracking_uri, run_id)
+    return (folder / path).read_text() if folder is not None else artifact_text(client, run_id, path)
 
 
 def log_files(client, tracking_uri: str, run_id: str, files: list[Path], under: str) -> None:
-    """``files`` as the run's artifacts under ``under``: into the served folder where it is one."""
-    folder = served_folder(tracking_uri, client.get_run(run_id).info.artifact_uri)
+    """``files`` as the run's artifacts under ``under``: into the folder a server kept them in, where one did."""
+    folder = served_folder(client, tracking_uri, run_id)
     for file in files:
         if folder is None:
             client.log_artifact(run_id, str(file), under)
