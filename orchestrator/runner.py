@@ -637,12 +637,8 @@ def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str, schedul
 
 def _end_tracking_at_once(tuner) -> None:
     """The sweep's MLflow runs end KILLED when Tune stopped at once (``MlflowTracking.stopped_at_once``)."""
-    from orchestrator.ray_internals import callbacks_of
-    from orchestrator.tracking.callback import MlflowTracking
-
-    for callback in callbacks_of(tuner):
-        if isinstance(callback, MlflowTracking):
-            callback.stopped_at_once()
+    for callback in _tracking_of(tuner):
+        callback.stopped_at_once()
 
 
 def _track_in(tuner, tracking_uri: str) -> None:
@@ -650,12 +646,16 @@ def _track_in(tuner, tracking_uri: str) -> None:
     the sweep started with (``Tuner.restore`` takes no run config), and so the store they
     named: a resume that names another (an MLflow server that moved, a requeued SLURM job's new
     server port) would otherwise print one store and write to the other."""
+    for callback in _tracking_of(tuner):
+        callback.tracking_uri = tracking_uri
+
+
+def _tracking_of(tuner) -> list:
+    """The MLflow callback ``tuner`` runs with (Tune's own objects: a restored sweep's unpickled)."""
     from orchestrator.ray_internals import callbacks_of
     from orchestrator.tracking.callback import MlflowTracking
 
-    for callback in callbacks_of(tuner):
-        if isinstance(callback, MlflowTracking):
-            callback.tracking_uri = tracking_uri
+    return [callback for callback in callbacks_of(tuner) if isinstance(callback, MlflowTracking)]
 
 
 # -- the final table ---------------------------------------------------------------------------
