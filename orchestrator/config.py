@@ -994,6 +994,7 @@ def _check_workload_parameters(spec: SweepSpec) -> None:
     sweep's metric must be one that every workload reports."""
     from trainables.workload import WorkloadNotFound, resolve_workload
 
+    _check_searched_workloads(spec.search_space.get("workload"))
     classes = {}
     for name in spec.workload_names():
         try:
@@ -1018,6 +1019,23 @@ def _check_workload_parameters(spec: SweepSpec) -> None:
                 f"schedule: workload {name} builds its own scheduler (build_scheduler); "
                 "remove schedule from the sweep or build_scheduler from the workload"
             )
+
+
+def _check_searched_workloads(searched: Domain | Any) -> None:
+    """A searched workload is a name, or a grid or choice of names: a trial cannot draw its
+    workload from a distribution, and a name is the only thing a workload is found by."""
+    if searched is None:
+        return
+    expected = "expected a workload name, or {grid: [...]} or {choice: [...]} of names"
+    if isinstance(searched, Domain):
+        if searched.kind not in ("choice", "grid"):
+            raise ConfigError(f"search_space.workload: {expected}, got {{{searched.kind}: ...}}")
+        names = searched.args[0]
+    else:
+        names = (searched,)
+    for name in names:
+        if not isinstance(name, str):
+            raise ConfigError(f"search_space.workload: {expected}, got {name!r}")
 
 
 def _check_parameter_values(classes: dict, path: str, key: str, value: Domain | Any) -> None:

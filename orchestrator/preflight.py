@@ -75,8 +75,9 @@ def check_workloads(spec: SweepSpec, build_models: bool = True) -> None:
     from trainables.workload import build_workload
 
     for config in distinct_configs(spec):
-        workload = build_workload(config)
-        check_workload(workload, spec, _label(config, spec), build_model=build_models)
+        label = _label(config, spec)
+        workload = _call(lambda: build_workload(config), label, "its constructor")  # a dataclass's __post_init__, say
+        check_workload(workload, spec, label, build_model=build_models)
 
 
 def distinct_configs(spec: SweepSpec) -> list[dict[str, Any]]:

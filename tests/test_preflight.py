@@ -131,7 +131,8 @@ def test_run_stops_before_ray_starts(sweep_file, tmp_path, capsys, monkeypatch, 
 
 
 # A user's package, beside the sweep file in a folder outside the repository: one workload whose
-# constructor has a typo, one that needs a library that is not installed.
+# constructor has a typo, one that needs a library that is not installed, one whose own
+# constructor refuses its parameters.
 BROKEN_MODELS = """\
 import dataclasses
 
@@ -150,6 +151,12 @@ class NeedsALibrary(MLPWorkload):
         from transformers_of_nowhere import AutoModel
 
         return AutoModel()
+
+
+@dataclasses.dataclass
+class OddWidth(MLPWorkload):
+    def __post_init__(self):
+        raise ValueError("width must be even")
 """
 
 
@@ -164,8 +171,10 @@ class NeedsALibrary(MLPWorkload):
         ("broken_import:ImportsALibrary", "error: workload.name: workload 'my_models.broken_import:ImportsALibrary': "
                                           "cannot import module 'my_models.broken_import' (my_models/broken_import.py:1: No "
                                           "module named 'transformers_of_nowhere'); install it in this environment: pip install transformers_of_nowhere"),
+        ("broken:OddWidth", "error: workload my_models.broken:OddWidth (width=16): its constructor failed "
+                            "(my_models/broken.py:23: ValueError: width must be even)"),
     ],
-    ids=["constructor typo", "missing library", "missing library at import"],
+    ids=["constructor typo", "missing library", "missing library at import", "the workload's own constructor"],
 )
 def test_the_installed_run_refuses_a_model_that_does_not_build_before_ray_starts(tmp_path, workload, message):
     """``orchestrator run`` from the user's folder: one line, exit 2, nothing of Ray's printed."""
