@@ -17,11 +17,10 @@ memory monitor (which acts before the kernel) are what shrink plans.
 
 from __future__ import annotations
 
-import os
 import re
-import sysconfig
 
 from orchestrator.contract import OOM_MESSAGES
+from orchestrator.users_code import shown, users
 
 _GAVE_UP = ("OomRetriesExhausted",)
 #: ``orchestrator.trial.errors.NotRetriedError``'s name, before the earlier error its message holds.
@@ -38,13 +37,6 @@ _MEMORY_MONITOR = re.compile(r"killed due to the node running low on memory|ray\
 #: A traceback's frame, and what separates the tracebacks of a chained exception.
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in ', re.MULTILINE)
 _CHAINED = re.compile(r"^(?:The above exception was the direct cause|During handling of the above exception)", re.MULTILINE)
-#: Folders of code that is not the user's: the standard library, the orchestrator's own packages.
-_NOT_USERS = {
-    *(sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib")),
-    *(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), package)
-      for package in ("orchestrator", "trainables")),
-}
-
 #: ``package.module.SomeError: message`` (the module path is dropped when shown)
 _EXCEPTION_LINE = re.compile(r"^(?:\w+\.)*(\w+(?:Error|Exception|Exhausted|Refused)\b.*: .*)$")
 
@@ -80,18 +72,8 @@ def raised_at(text: str) -> str | None:
     below it; None where no frame is the user's (installed packages, the standard library and
     the orchestrator's own packages are not)."""
     last = _CHAINED.split(text)[-1]
-    own = [(file, line) for file, line in _FRAME.findall(last) if _users(file)]
-    if not own:
-        return None
-    file, line = own[-1]
-    shown = os.path.relpath(file)
-    return f"{file if shown.startswith('..') else shown}:{line}"
-
-
-def _users(file: str) -> bool:
-    if file.startswith("<") or any(part in file for part in ("/site-packages/", "/dist-packages/")):
-        return False
-    return not any(file.startswith(root + os.sep) for root in _NOT_USERS)
+    own = [(file, line) for file, line in _FRAME.findall(last) if users(file)]
+    return shown(*own[-1]) if own else None
 
 
 def pickled_failure(pickled_error_file: str | None, failure: str) -> BaseException | None:

@@ -132,7 +132,7 @@ def test_run_stops_before_ray_starts(sweep_file, tmp_path, capsys, monkeypatch, 
 
 # A user's package, beside the sweep file in a folder outside the repository: one workload whose
 # constructor has a typo, one that needs a library that is not installed, one whose own
-# constructor refuses its parameters.
+# constructor refuses its parameters, one whose model torch refuses.
 BROKEN_MODELS = """\
 import dataclasses
 
@@ -157,6 +157,14 @@ class NeedsALibrary(MLPWorkload):
 class OddWidth(MLPWorkload):
     def __post_init__(self):
         raise ValueError("width must be even")
+
+
+@dataclasses.dataclass
+class NegativeWidth(MLPWorkload):
+    def build_model(self):
+        from torch import nn
+
+        return nn.Linear(4, -self.width)
 """
 
 
@@ -173,8 +181,12 @@ class OddWidth(MLPWorkload):
                                           "module named 'transformers_of_nowhere'); install it in this environment: pip install transformers_of_nowhere"),
         ("broken:OddWidth", "error: workload my_models.broken:OddWidth (width=16): its constructor failed "
                             "(my_models/broken.py:23: ValueError: width must be even)"),
+        # Raised inside torch, through the pre-flight's meta-device hook: the user's line, not the hook's.
+        ("broken:NegativeWidth", "error: workload my_models.broken:NegativeWidth (width=16): build_model() failed "
+                                 "(my_models/broken.py:31: RuntimeError: Trying to create tensor with negative dimension -16"),
     ],
-    ids=["constructor typo", "missing library", "missing library at import", "the workload's own constructor"],
+    ids=["constructor typo", "missing library", "missing library at import", "the workload's own constructor",
+         "an error inside torch"],
 )
 def test_the_installed_run_refuses_a_model_that_does_not_build_before_ray_starts(tmp_path, workload, message):
     """``orchestrator run`` from the user's folder: one line, exit 2, nothing of Ray's printed."""

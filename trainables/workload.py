@@ -13,9 +13,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-import os
-import site
-import sysconfig
 import traceback
 import types
 import typing
@@ -24,6 +21,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
+
+from orchestrator.users_code import installed, shown, standard_library, users
 
 #: A batch is whatever :meth:`Workload.collate` makes of a list of samples: usually a tuple or
 #: dict of tensors, but anything the workload's ``loss`` understands (a graph batch, say).
@@ -326,27 +325,15 @@ def failure_line(exc: BaseException, skip: int = 0) -> str:
 
 def failure_location(exc: BaseException, skip: int = 0) -> str | None:
     """``FILE:LINE`` of the innermost line of the user's own code that ``exc`` passed through
-    (installed packages' lines are passed over, so an error raised inside torch points at the
-    user's call into it), relative to the working directory when it is below it."""
+    (:func:`orchestrator.users_code.users`: an error raised inside torch, or passed through the
+    orchestrator's hooks, points at the user's call into it); failing that, of the orchestrator's,
+    then of any package's."""
     if isinstance(exc, SyntaxError):
-        file, line = exc.filename, exc.lineno
-    else:
-        ran = [f for f in traceback.extract_tb(exc.__traceback__)[skip:]
-               if not f.filename.startswith("<") and not _under(f.filename, _STDLIB)]
-        own = [f for f in ran if not _under(f.filename, _SITE_PACKAGES)] or ran
-        file, line = (own[-1].filename, own[-1].lineno) if own else (None, None)
-    if file is None:
-        return None
-    shown = os.path.relpath(file)
-    return f"{file if shown.startswith('..') else shown}:{line}"
-
-
-_STDLIB = {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib")}
-_SITE_PACKAGES = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")} | set(site.getsitepackages())
-
-
-def _under(path: str, roots: set[str]) -> bool:
-    return any(os.path.abspath(path).startswith(os.path.join(root, "")) for root in roots)
+        return shown(exc.filename, exc.lineno) if exc.filename else None
+    ran = [f for f in traceback.extract_tb(exc.__traceback__)[skip:]
+           if not f.filename.startswith("<") and not standard_library(f.filename)]
+    own = [f for f in ran if users(f.filename)] or [f for f in ran if not installed(f.filename)] or ran
+    return shown(own[-1].filename, own[-1].lineno) if own else None
 
 
 def build_workload(config: dict[str, Any]) -> Workload:
