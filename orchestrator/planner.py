@@ -267,8 +267,9 @@ def plan_for_ranks(
 
 
 def format_bytes(n: int) -> str:
-    """GiB as every table shows them, or a smaller unit where GiB would read 0.00G."""
-    return gib(n) if abs(n) >= GiB / 100 else human(n).replace(" ", "")
+    """GiB as every table shows them from 1 GiB up; below, the unit the size reaches (``64.0MiB``,
+    not ``0.06G``), as the sizes beside it in the same line are."""
+    return gib(n) if abs(n) >= GiB else human(n).replace(" ", "")
 
 
 def _usable(budget: int, exchange: int, margin: float) -> int:

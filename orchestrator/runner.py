@@ -524,8 +524,8 @@ def estimate_before_start(spec: SweepSpec, stop: threading.Event | None = None):
         raise UserError(f"workload {describe_signature(signature, spec.search_space)}: the {policy.estimator} estimate failed "
                         f"({error}); {_estimate_advice(error)}")
     if estimates.by_signature:
-        print(f"Estimated the memory of {len(estimates.by_signature)} distinct trial configuration(s) for a "
-              f"{target} device in {time.perf_counter() - started:.1f}s ({policy.estimator})", flush=True)
+        print(f"Estimated the memory of {len(estimates.by_signature)} distinct trial configuration(s) for "
+              f"{'an' if target[0] in 'aeiou' else 'a'} {target} device in {time.perf_counter() - started:.1f}s ({policy.estimator})", flush=True)
     return estimates
 
 
