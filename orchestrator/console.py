@@ -43,7 +43,7 @@ from orchestrator.contract import (
 )
 from orchestrator.failures import exception_line, gave_up_message, last_failure
 from orchestrator.ray_internals import TOKEN_NOTICE_LOGGER
-from orchestrator.table import value_text
+from orchestrator.table import trained_text, value_text
 from orchestrator.trial.errors import DataError
 from orchestrator.trial_report import TrialReport
 from orchestrator.units import human
@@ -293,13 +293,13 @@ def _estimate(report: TrialReport, peak: int | None, phase: str | None) -> str:
     return "no estimate (memory.estimator: none)" if estimator == "none" else f"no estimate ({estimator})"
 
 
-def finished_event(trial: str, report: TrialReport, metric: str, stop_epochs: int | None) -> Event:
+def finished_event(trial: str, report: TrialReport, metric: str, stop_epochs: int | None,
+                   stop_steps: int | None = None) -> Event:
     if report.refused:
         return Refused(trial, report.refusal or "nothing fits")
     if report.diverged:
         return Diverged(trial, report.diverged)
-    epochs = report.epoch or 0
-    trained = f"{epochs}/{stop_epochs} epochs" if stop_epochs else f"{epochs} epochs"
+    trained = trained_text(report.epoch or 0, report.step or 0, stop_epochs, stop_steps, unit="epochs")
     value = report.metric(metric)
     shown = f"{metric} {value:.4f}" if isinstance(value, (int, float)) and math.isfinite(value) else ""
     peak, source = report.measured_peak, report.memory_source or ""
@@ -410,7 +410,8 @@ class LiveView(tune.Callback):
             self._say(event)
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
-        event = finished_event(trial.trial_id, TrialReport.from_result(trial.last_result), self.metric, self.stop_epochs)
+        event = finished_event(trial.trial_id, TrialReport.from_result(trial.last_result), self.metric,
+                               self.stop_epochs, self.stop_steps)
         if isinstance(event, Refused) and not self._seen.setdefault(trial.trial_id, Seen()).note_refusal():
             return  # its last report said it already
         self._say(event)

@@ -13,11 +13,12 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
     return "\n".join(lines)
 
 
-def trained_text(epochs: int, steps: int, stop_epochs: int | None, stop_steps: int | None) -> str:
+def trained_text(epochs: int, steps: int, stop_epochs: int | None, stop_steps: int | None, unit: str = "ep") -> str:
     """What a trial trained of the sweep's budget, as ``run``'s table and ``report``'s show it:
     ``3/3 ep``, ``1/3 ep`` for one the scheduler stopped early, ``1 ep, 500/500 steps`` where the
-    budget counts steps."""
-    text = f"{epochs}/{stop_epochs} ep" if stop_epochs else f"{epochs} ep"
+    budget counts steps (a trial that ends at its step budget mid-epoch is not one stopped early);
+    ``unit="epochs"`` for the console's lines."""
+    text = f"{epochs}/{stop_epochs} {unit}" if stop_epochs else f"{epochs} {unit}"
     return text if stop_steps is None else f"{text}, {steps}/{stop_steps} steps"
 
 

@@ -206,6 +206,10 @@ def test_a_finished_trial_says_what_it_trained_its_metric_and_peak():
         "t finished: 3/3 epochs, eval_loss 0.4609, peak 36.0 KiB (tensor bytes)")
     unfinished = TrialReport(epoch=1, measurements={"eval_loss": float("nan")})
     assert format_event(finished_event("t", unfinished, "eval_loss", None)) == "t finished: 1 epochs"
+    # A step budget reached mid-epoch: the steps say the trial trained to its end, not that it was stopped early.
+    at_its_steps = TrialReport(epoch=1, step=10, measurements={"eval_loss": 0.5})
+    assert format_event(finished_event("t", at_its_steps, "eval_loss", 4, 10)) == (
+        "t finished: 1/4 epochs, 10/10 steps, eval_loss 0.5000")
 
 
 def test_a_diverged_trial_ends_in_one_line_with_its_step_and_last_finite_loss():
