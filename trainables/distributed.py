@@ -149,15 +149,16 @@ class RankGroup:
         del failure
         failures = [f for f in self.all_gather(mine) if f is not None]
         first_error = next((f for f in failures if f.kind == _ERROR), None)
+        where = _where(phase, position)
         if first_error is not None:
-            raise GroupFailure(f"rank {first_error.rank} failed in {phase} at {position}: {first_error.message}")
+            raise GroupFailure(f"rank {first_error.rank} failed in {where}: {first_error.message}")
         lost_worker = next((f for f in failures if f.kind == _LOST_WORKER), None)
         if lost_worker is not None:  # back to the checkpoint with fewer workers; an OOM elsewhere recurs if real
             raise GroupLostLoaderWorker(f"rank {lost_worker.rank}: {lost_worker.message}")
         first = failures[0]
         others = [f.rank for f in failures[1:]]
         also = f" (and rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})" if others else ""
-        error = GroupOutOfMemory(f"rank {first.rank} ran out of memory in {phase} at {position}{also}: {first.message}")
+        error = GroupOutOfMemory(f"rank {first.rank} ran out of memory in {where}{also}: {first.message}")
         error.bytes_allocated, error.bytes_reserved = first.allocated, first.reserved
         raise error
 
@@ -227,6 +228,16 @@ class RankGroup:
         dist.all_reduce(bucket[:used])
         for flat, start, at, n in pending:
             flat[start : start + n].copy_(bucket[at : at + n])
+
+
+def _where(phase: str, position: int) -> str:
+    """``train step 8``: where the group failed, counted from 1 as the console's OOM lines count
+    (``position`` is the loop's: the optimizer steps finished, or the eval batch's index)."""
+    if phase == "train":
+        return f"train step {position + 1}"
+    if phase == "eval":
+        return f"eval batch {position + 1}"
+    return phase
 
 
 class DistributedTrainer(Trainer):
