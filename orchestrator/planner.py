@@ -249,7 +249,9 @@ def plan_for_ranks(
         by_budget[budget] = replace(plan, budget_bytes=budget)
     plans = [by_budget[b] for b in rank_budgets]
     refused = next((r for r, p in enumerate(plans) if p.refusal), None)
-    worst = min(range(len(plans)), key=lambda r: (plans[r].refusal is None, plans[r].micro_batch, plans[r].eval_batch))
+    # Where ranks tie on batches, the smallest budget is the group's: what its report and MLflow show.
+    worst = min(range(len(plans)), key=lambda r: (plans[r].refusal is None, plans[r].micro_batch, plans[r].eval_batch,
+                                                  math.inf if rank_budgets[r] is None else rank_budgets[r]))
     plan = plans[worst]
     group = dict(effective_batch=effective_batch, ranks=strategy.ranks, rank_budgets=tuple(rank_budgets),
                  exchange_bytes=exchange)

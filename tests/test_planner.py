@@ -298,6 +298,14 @@ def test_a_group_is_planned_per_rank_and_runs_the_smallest_ranks_plan(profiles):
     assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
 
 
+def test_a_group_whose_ranks_all_take_their_whole_share_records_its_smallest_budget(profiles):
+    """Ranks that tie on batches: the group's budget is still the smallest rank's, whatever its place."""
+    profiles[FP32] = profile(FP32, ranked_phase("train", "train", 100, 40, 10), ranked_phase("eval", "eval", 100, 0, 1))
+    for budgets in ([64_000, 3_000], [3_000, 64_000]):
+        plan = plan_for_ranks(MLPWorkload(), policy(), 64, budgets, target="emulated", profiles=profiles)
+        assert (plan.micro_batch, plan.accum_steps, plan.budget_bytes) == (32, 1, 3_000), budgets
+
+
 def test_a_group_that_one_rank_cannot_hold_is_refused_naming_the_rank(profiles):
     profiles[FP32] = profile(FP32, ranked_phase("train", "train", 100, 40, 10), ranked_phase("eval", "eval", 100, 0, 1))
     profiles[BF16] = profile(BF16, ranked_phase("train", "train", 100, 40, 10), ranked_phase("eval", "eval", 100, 0, 1))
