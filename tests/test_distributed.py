@@ -8,6 +8,7 @@ import glob
 import multiprocessing
 import os
 import signal
+import tempfile
 
 import pytest
 import torch
@@ -167,6 +168,19 @@ def test_an_oom_on_rank_1_only_is_recovered_by_the_group_with_the_weights_of_a_s
 
 @pytest.mark.integration
 @pytest.mark.usefixtures("local_ray")
+def test_a_group_out_of_oom_retries_fails_on_every_rank_and_leaves_no_scratch(tmp_path):
+    """256 x 1, then 128 x 2 run out on rank 1's 5 MiB (see above) and one retry is allowed: the
+    trial fails, and each rank removed its scratch folder before rank 0 ended the group (a failed
+    trial has no later attempt that would)."""
+    outcome = sweep(tmp_path, MLP, {"device": "emulated", "capacity": ["64MiB", "5MiB"], "max_oom_retries": 1,
+                                    "estimator": "none"})
+    (row,) = outcome.rows
+    assert not outcome.ok and "OomRetriesExhausted" in row.note, row.note
+    assert glob.glob(os.path.join(tempfile.gettempdir(), f"orchestrator-{row.name}-*")) == []
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("local_ray")
 def test_a_group_whose_rank_1_process_dies_resumes_from_its_last_checkpoint(tmp_path):
     calls = tmp_path / "calls"
     workload = {"name": "tests.workloads:RankDiesOnceWorkload",
@@ -223,6 +237,8 @@ def test_a_bug_on_rank_1_only_fails_the_group_at_once_naming_the_rank(tmp_path):
     (row,) = outcome.rows
     assert not outcome.ok and row.status == "ERROR"
     assert "rank 1 failed in setup: ValueError: no such layer on rank 1" in row.note, row.note
+    # Every rank removed its scratch folder: a failed trial has no later attempt that would.
+    assert glob.glob(os.path.join(tempfile.gettempdir(), f"orchestrator-{row.name}-*")) == []
 
 
 @pytest.mark.integration

@@ -142,6 +142,9 @@ class GroupTrialRun(_GroupRank, TrialRun):
         finally:
             if hasattr(self, "group"):
                 self.group.close()
+            # A rank that failed with the group (an agreed error) is ending too: let it remove its
+            # scratch folder, which no later attempt of a failed trial would, before its process goes.
+            ray.wait(runs, num_returns=len(runs), timeout=DEATH_NOTICE_S)
             for actor in actors:
                 ray.kill(actor)
 
