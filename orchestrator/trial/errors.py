@@ -13,12 +13,19 @@ class OomRetriesExhausted(RuntimeError):
     """The trial ran out of memory more often than ``memory.max_oom_retries`` allows.
 
     Its message lists every OOM event. It takes only that message so Ray can pickle it across
-    processes (exceptions are rebuilt from their ``args``).
+    processes (exceptions are rebuilt from their ``args``). Its first line is whole on its own,
+    the last event's where and plan included: the table's status column, ``report`` and MLflow's
+    ``error`` tag show that line alone.
     """
 
     @classmethod
     def from_events(cls, events: list[OomEvent], reason: str) -> "OomRetriesExhausted":
-        lines = [f"{reason}; {len(events)} OOM event(s):"]
+        if not events:
+            return cls(reason)
+        last = events[-1]
+        rank = "" if last.rank is None else f" on rank {last.rank}"
+        lines = [f"{reason}; {len(events)} OOM event(s), the last in epoch {last.epoch} {last.phase} step {last.step}"
+                 f"{rank} at micro-batch {last.micro_batch}"]
         lines += [_event_line(e) for e in events]
         return cls("\n".join(lines))
 
