@@ -139,6 +139,9 @@ LrFraction = Annotated[float, Field(strict=True, ge=0, le=1), _expect("a fractio
 #: generators, at ``seed * 1_000_003 + step`` (``trainables.loop.step_seed``): 32 bits keep those
 #: within torch's 64-bit seeds, and a negative one is refused by numpy.
 Seed = Annotated[int, Field(strict=True, ge=0, lt=2**32), _expect(f"an integer from 0 to {2**32 - 1}")]
+#: Every workload's ``lr``: torch's optimizers refuse a negative one as the trial builds them, after
+#: Ray started and, in a grid, after the other trials ran.
+LearningRate = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False), _expect("a finite number >= 0")]
 
 
 def _bytes(value: Any) -> int | None:
@@ -643,21 +646,24 @@ class SweepSpec:
         return fields
 
     @model_validator(mode="after")
-    def _every_seed_is_a_seed(self) -> SweepSpec:
-        """A trial's seed may come from the search space or the workload's params instead of
-        ``seed``; each value it can take must be one :data:`Seed` allows, or every trial drawn
-        with it fails in torch (``manual_seed`` of ``seed * 1_000_003 + step``)."""
-        for where, value in ((("search_space", "seed"), self.search_space.get("seed")),
-                             (("workload", "params", "seed"), self.params.get("seed"))):
-            if isinstance(value, Domain) and value.kind not in ("choice", "grid", "randint"):
-                raise _invalid(f"expected integers (a randint, choice or grid of them), got a {value.kind} distribution",
-                               *where)
-            if isinstance(value, Domain):
-                values = [value.args[0], value.args[1] - 1] if value.kind == "randint" else list(value.args[0])
-            else:
-                values = [] if value is None else [value]
-            for one in values:
-                _nested(Seed, one, *where)
+    def _every_seed_and_lr_is_one(self) -> SweepSpec:
+        """A trial's seed and learning rate may come from the search space or the workload's params;
+        each value they can take must be one :data:`Seed` or :data:`LearningRate` allows, or every
+        trial drawn with it fails in torch, once Ray has started (``manual_seed`` of ``seed *
+        1_000_003 + step``; the optimizer's constructor). A distribution's bounds stand for its values."""
+        for key, kind, integers in (("seed", Seed, True), ("lr", LearningRate, False)):
+            for where, value in ((("search_space", key), self.search_space.get(key)),
+                                 (("workload", "params", key), self.params.get(key))):
+                if integers and isinstance(value, Domain) and value.kind not in ("choice", "grid", "randint"):
+                    raise _invalid(f"expected integers (a randint, choice or grid of them), got a {value.kind} "
+                                   "distribution", *where)
+                if isinstance(value, Domain):
+                    values = list(value.args[0]) if value.kind in ("choice", "grid") else [
+                        value.args[0], value.args[1] - 1 if value.kind == "randint" else value.args[1]]
+                else:
+                    values = [] if value is None else [value]
+                for one in values if integers else filter(_is_number, values):  # other types: the workload's check
+                    _nested(kind, one, *where)
         return self
 
     @model_validator(mode="after")

@@ -226,6 +226,15 @@ BAD = [
      "search_space.seed: expected integers (a randint, choice or grid of them), got a uniform distribution"),
     ("a negative seed in the params", ["workload.params.seed=-1"],
      "workload.params.seed: expected an integer from 0 to 4294967295, got -1"),
+    # A trial's learning rate: torch's optimizers refuse a negative one only once the trial builds them.
+    ("a negative learning rate in a grid", ["search_space.lr={grid: [0.01, -0.01]}"],
+     "search_space.lr: expected a finite number >= 0, got -0.01"),
+    ("a uniform learning rate below 0", ["search_space.lr={uniform: [-0.01, 0.01]}"],
+     "search_space.lr: expected a finite number >= 0, got -0.01"),
+    ("an infinite learning rate", ["search_space.lr={grid: [.inf]}"],
+     "search_space.lr: expected a finite number >= 0, got inf"),
+    ("a negative learning rate in the params", ["workload.params.lr=-1"],
+     "workload.params.lr: expected a finite number >= 0, got -1"),
     ("an infinite upper bound", ["search_space.lr={uniform: [0, .inf]}"],
      "search_space.lr.uniform: expected finite bounds, got [0, inf]"),
     ("an infinite lower bound", ["search_space.lr={uniform: [-.inf, 0]}"],
@@ -469,7 +478,7 @@ def test_the_widest_settings_the_bounds_allow_are_taken(tmp_path):
     """Each bound above refuses only what is past it: its edge is a valid sweep."""
     spec = load_spec(write(tmp_path, VALID), [
         "seed=4294967295", f"search_space.width={{randint: [{-2**63}, {2**63}]}}",
-        "search_space.lr={uniform: [-8e307, 8e307]}", f"memory.budget={2**63 - 1}", "memory.capacity=1.5KB",
+        "search_space.lr={uniform: [0, 1.7e308]}", f"memory.budget={2**63 - 1}", "memory.capacity=1.5KB",
         "scheduler={type: asha, grace_period: 2, reduction_factor: 2}",
     ])
     assert spec.seed == 2**32 - 1 and spec.search_space["width"] == Domain("randint", (-2**63, 2**63))

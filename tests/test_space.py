@@ -64,10 +64,10 @@ def test_the_widest_space_the_config_accepts_is_drawn(sweep_file):
     int64, uniform over all a float's span are drawn, by the search and by ``plan``'s listing alike."""
     spec = load_spec(str(sweep_file), ["seed=4294967295", f"search_space.depth={{randint: [{-2**63}, {2**63}]}}",
                                        f"search_space.seed={{randint: [0, {2**32}]}}",
-                                       "search_space.lr={uniform: [-8e307, 8e307]}"])
+                                       "search_space.lr={uniform: [0, 1.7e308]}"])
     configs = trial_configs(spec)
     assert tune_draws(spec) == configs and len(configs) == 4
-    assert all(-2**63 <= c["depth"] < 2**63 and 0 <= c["seed"] < 2**32 and -8e307 <= c["lr"] <= 8e307 for c in configs)
+    assert all(-2**63 <= c["depth"] < 2**63 and 0 <= c["seed"] < 2**32 and 0 <= c["lr"] <= 1.7e308 for c in configs)
 
 
 @pytest.mark.parametrize("overrides", [
