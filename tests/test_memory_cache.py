@@ -9,11 +9,13 @@ from orchestrator.memory.cache import ProfileCache
 from orchestrator.memory.phases import phases_of
 from orchestrator.planner import make_plan
 from orchestrator.units import MiB
+from trainables.cnn import CNNWorkload
 from trainables.staged import StagedMLPWorkload
 
 # Its wide auxiliary block switches on at the third epoch (epoch 2, counted from 0).
 STAGED = StagedMLPWorkload(width=16, aux_width=4096, aux_start_epoch=2)
 POLICY = MemoryPolicy(estimator="trace")  # its stage 0 holds no gradient or optimizer state of the block
+CNN = CNNWorkload(depth=2, image_size=32, train_samples=256, eval_samples=64)  # supports activation checkpointing
 
 
 def names(profile) -> list[str]:
@@ -43,3 +45,22 @@ def test_phases_are_those_of_the_stages_a_budget_of_epochs_reaches():
     assert [p.name for p in phases_of(STAGED, 2)] == ["train", "eval"]
     assert [p.name for p in phases_of(STAGED, 3)] == [p.name for p in phases_of(STAGED)]
     assert [p.epoch for p in phases_of(STAGED)] == [0, 0, 2, 2]
+
+
+class Untouchable:
+    """A worker's device that must not be used: any use of it fails the test."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the device was used after an OOM ({name})")
+
+
+def test_an_oom_reductions_new_settings_are_estimated_without_the_device_unless_the_estimator_probes_it():
+    """An OOM that turns activation checkpointing on asks for a profile the plan never needed: the
+    trace makes it as the driver would, without the device, so the reduced plan still has a
+    prediction; ``measured``, which would probe the device, makes none."""
+    checkpointing = Settings("fp32", True)
+    traced = ProfileCache(CNN, POLICY, "emulated", Untouchable())
+    profile = traced.made(checkpointing)
+    assert profile is not None and profile.settings == checkpointing and profile.estimator == "trace"
+    measured = ProfileCache(CNN, MemoryPolicy(estimator="measured"), "emulated", Untouchable())
+    assert measured.made(checkpointing) is None and checkpointing not in measured.cache

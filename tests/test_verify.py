@@ -152,6 +152,20 @@ def test_an_estimate_lower_than_its_bound_shrinks_before_running_out_of_memory(t
     assert_same_updates(state, reference)
 
 
+def test_the_plan_a_check_switches_to_is_made_as_host_work(tmp_path, local_ray):
+    """The re-plan at the check builds the CNN's eval set (768 KiB of images) to count it, which the
+    emulated device, 1600 KiB here, counted as its own memory: the trial ran out of memory at the
+    check's step, recorded no check, and turned activation checkpointing on."""
+    raw = {**raw_sweep("trace"), "workload": {"name": "cnn", "params": {
+        "depth": 2, "image_size": 32, "width": 32, "train_samples": 256, "eval_samples": 64}},
+        "effective_batch_size": 32, "stop": {"epochs": 1}}
+    raw["memory"] = {**raw["memory"], "capacity": "1600KiB", "safety_margin": 0.98}
+    state = run(tmp_path, raw)
+    first = state["plan_checks"][0]
+    assert (first["phase"], first["step"], first["plan"]) == ("train", 2, "1 x 32 (eval 4, fp32)")
+    assert state["plan"]["micro_batch"] == 2 and not state["plan"]["activation_checkpointing"]
+
+
 def test_the_installed_command_verifies_a_plan_from_a_users_folder(tmp_path, largest):
     """The estimator registers itself from the user's package beside the config, as the workload does."""
     import yaml

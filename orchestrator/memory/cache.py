@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from orchestrator.allocator_conf import effective_allocator_conf
 from orchestrator.config import MemoryPolicy
+from orchestrator.estimator_registry import ESTIMATORS
 from orchestrator.memory import EstimationError, MemoryProfile, Settings, estimate
 from orchestrator.memory.phases import phases_of
 
@@ -47,22 +48,32 @@ class ProfileCache:
         return profile if len(reached) == len(profile.phases) else replace(profile, phases=reached)
 
     def made(self, settings: Settings) -> MemoryProfile | None:
-        """:meth:`get` where ``settings`` was estimated already, else None: nothing is estimated
-        (a trial re-predicting after an OOM does not start an estimate on its device)."""
+        """:meth:`get` where ``settings`` was estimated already or can be without the device, else
+        None: a trial re-predicting after an OOM does not start an estimate on its device. An OOM
+        that turns on activation checkpointing or the lower precision asks for settings the plan
+        never needed, which an estimator that does not probe the device (``trace``, ``static``)
+        makes here as the driver would, without the device (a trace that cannot run falls back
+        to ``static``, not to ``measured``)."""
+        estimator = ESTIMATORS.get(self.policy.estimator)
+        if settings not in self.cache and estimator is not None and not estimator.probes_device:
+            self._estimate(settings, device=None)
         return self.get(settings) if self.cache.get(settings) is not None else None
 
     def _whole(self, settings: Settings) -> MemoryProfile | None:
         if settings not in self.cache:
-            try:
-                self.cache[settings] = estimate(
-                    self.workload, self.policy.estimator, settings, target=self.target,
-                    fragmentation=self.policy.fragmentation, device=self.device,
-                    allocator_conf=effective_allocator_conf(self.policy.allocator_conf),
-                )
-            except EstimationError as exc:
-                self.cache[settings] = None
-                self.errors[settings] = str(exc)
+            self._estimate(settings, self.device)
         return self.cache[settings]
+
+    def _estimate(self, settings: Settings, device) -> None:
+        try:
+            self.cache[settings] = estimate(
+                self.workload, self.policy.estimator, settings, target=self.target,
+                fragmentation=self.policy.fragmentation, device=device,
+                allocator_conf=effective_allocator_conf(self.policy.allocator_conf),
+            )
+        except EstimationError as exc:
+            self.cache[settings] = None
+            self.errors[settings] = str(exc)
 
     def shareable(self) -> dict[Settings, MemoryProfile]:
         """The profiles a worker of the same target can use as they are: made by the configured

@@ -252,12 +252,18 @@ class TrialRun:
         return PlanVerification(reached, self._corrected_plan, limit, overheads, self.plan_checks, grows=fixed_size)
 
     def _corrected_plan(self, corrections: dict, micro_cap: int | None) -> Plan:
-        """The plan in force's settings and budget, planned with the verification's corrections."""
-        return make_plan(
-            self.workload, self.policy, self.spec.effective_batch_size, self.plan.budget_bytes,
-            target=self.device.target, device=self.device, profiles=self._profiles(), settings=self.plan.settings,
-            corrections=corrections, error_bound=self.plan.error_bound, micro_cap=micro_cap,
-        )
+        """The plan in force's settings and budget, planned with the verification's corrections.
+
+        Planned mid-training, as host work (``Device.host``): the planner builds the workload's
+        eval set to count it, which an emulated device would otherwise count as its own memory
+        (a dataset's bytes in the pause's step, where the trial then ran out of memory).
+        """
+        with self.device.host():
+            return make_plan(
+                self.workload, self.policy, self.spec.effective_batch_size, self.plan.budget_bytes,
+                target=self.device.target, device=self.device, profiles=self._profiles(), settings=self.plan.settings,
+                corrections=corrections, error_bound=self.plan.error_bound, micro_cap=micro_cap,
+            )
 
     def _plan_from_estimates(self, profiles: ProfileCache) -> Plan:
         return make_plan(
@@ -348,10 +354,13 @@ class TrialRun:
 
     def _predicted(self, reduced: Plan) -> Plan:
         """An OOM's reduction with its predictions at its smaller batches, where the profile of
-        its settings was made already (none is estimated after an OOM: the plan says no estimate)."""
+        its settings was made already or can be without the device (``ProfileCache.made``: none
+        is estimated on the device after an OOM; the plan then says no estimate). Host work
+        (``Device.host``): an estimate's model and fake tensors are not the device's memory."""
         if reduced.estimator == "none":
             return reduced
-        profile = self._profiles().made(reduced.settings)
+        with self.device.host():
+            profile = self._profiles().made(reduced.settings)
         return predicted(reduced, profile) if profile is not None else reduced
 
     def _report(self, trainer: Trainer, milestone: Milestone) -> None:
