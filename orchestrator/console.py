@@ -269,8 +269,10 @@ def report_events(trial: str, report: TrialReport, seen: Seen) -> list[Event]:
         if new_events:  # the plan it ran out of memory with, and that plan's estimate
             started_with = _plan_before(new_events[0], report)
             estimate = _estimate(report, new_events[0].predicted_peak_bytes, None)
-        elif report.plan_checks:  # it ran its first steps before the checks changed it
-            started_with = report.plan_checks[0].plan.split(" (")[0]
+        elif report.plan_checks:  # it ran its first steps before the checks changed it: that plan's estimate
+            first = report.plan_checks[0]
+            started_with = first.plan.split(" (")[0]
+            estimate = _estimate(report, first.predicted_bytes, first.phase)
         events.insert(0, Planned(trial, started_with, estimate))
     if report.storage_fault:
         events.append(StorageFault(trial, report.storage_fault))

@@ -122,7 +122,7 @@ def test_the_plan_before_an_oom_keeps_the_accumulation_that_covers_the_effective
     assert format_event(planned) == "t plan: micro-batch x accumulation 54 x 2, estimated peak 6.0 MiB (trace)"
 
 
-def test_a_plan_the_verification_changed_is_told_once_with_the_plan_it_started_with():
+def test_a_plan_the_verification_changed_is_told_once_with_the_plan_it_started_with_and_its_estimate():
     from orchestrator.contract import PlanCheck
 
     grown = PlanCheck("train", 1, 2, 1000, 800, 2000, "64 x 2 (eval 128, fp32)", "128 x 1 (eval 128, fp32)")
@@ -130,7 +130,7 @@ def test_a_plan_the_verification_changed_is_told_once_with_the_plan_it_started_w
     seen = Seen()
     events = report_events("t", dataclasses.replace(PLANNED, plan_checks=(grown, kept)), seen)
     assert [format_event(e) for e in events] == [
-        "t plan: micro-batch x accumulation 64 x 2, estimated peak 5.0 MiB in train (trace)",
+        "t plan: micro-batch x accumulation 64 x 2, estimated peak 1000 B in train (trace)",  # that plan's, as checked
         ("t plan verified on the device: train after step 2 (epoch 1): measured 800 B, predicted 1000 B (-20%), "
          "limit 2.0 KiB; plan 64 x 2 (eval 128, fp32) -> 128 x 1 (eval 128, fp32)"),
     ]  # a check that kept the plan is MLflow's, not a line
