@@ -1025,6 +1025,11 @@ def _check_workload_parameters(spec: SweepSpec) -> None:
                 f"schedule: workload {name} builds its own scheduler (build_scheduler); "
                 "remove schedule from the sweep or build_scheduler from the workload"
             )
+    # A loss improves downwards; any other metric (accuracy, F1, perplexity) the sweep cannot
+    # guess, and the default mode would crown the worst trial "Best" and let ASHA stop the best.
+    if "mode" not in spec.raw and not spec.metric.endswith("loss"):
+        raise ConfigError(f"mode: metric {spec.metric!r} is not a loss; say whether a better trial has a higher value "
+                          "(mode: max) or a lower one (mode: min)")
 
 
 def _check_searched_workloads(searched: Domain | Any) -> None:

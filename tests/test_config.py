@@ -470,6 +470,10 @@ def test_a_metric_the_workload_declares_and_a_schedule_it_does_not_build_itself(
     monkeypatch.syspath_prepend(str(tmp_path))
     spec = load_spec(write(tmp_path, VALID), ["workload.name=accuracy_models:Scored", "metric=eval_accuracy", "mode=max"])
     assert spec.metric == "eval_accuracy"
+    with pytest.raises(ConfigError) as err:  # min would name the worst trial best
+        load_spec(write(tmp_path, VALID), ["workload.name=accuracy_models:Scored", "metric=eval_accuracy"])
+    assert str(err.value) == ("mode: metric 'eval_accuracy' is not a loss; say whether a better trial has a higher "
+                              "value (mode: max) or a lower one (mode: min)")
     with pytest.raises(ConfigError, match="^schedule: workload accuracy_models:Scored builds its own scheduler"):
         load_spec(write(tmp_path, VALID), ["workload.name=accuracy_models:Scored", "schedule={decay: linear}"])
 
