@@ -75,6 +75,7 @@ class Resumed:
     epoch: int
     step: int
     plan: str
+    checkpointed: bool = True  # False: no checkpoint had reached storage, so it trains again from the start
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,8 @@ def format_event(event: Event) -> str:
         return f"{name} {'restarted' if event.restarted else 'started'}: {event.config or 'the base config'}"
     if isinstance(event, Resumed):
         return (f"{name} resumed: {event.config or 'the base config'} (reported up to epoch {event.epoch}, "
-                f"step {event.step}; plan {event.plan}), from its last checkpoint")
+                f"step {event.step}; plan {event.plan}), "
+                + ("from its last checkpoint" if event.checkpointed else "from the start: no checkpoint had reached storage"))
     if isinstance(event, Planned):
         return f"{name} plan: micro-batch x accumulation {event.plan}, {event.estimate}"
     if isinstance(event, OomSurvived):
@@ -403,7 +405,8 @@ class LiveView(tune.Callback):
         self._seen[trial.trial_id] = Seen.told_before(earlier)
         self._shrinks[trial.trial_id] = trial.config.get(OOM_SHRINKS_KEY, 0)
         self._ooms += earlier.oom_retries or 0
-        self._say(Resumed(trial.trial_id, config, earlier.epoch or 0, earlier.step, plan_text(earlier)))
+        self._say(Resumed(trial.trial_id, config, earlier.epoch or 0, earlier.step, plan_text(earlier),
+                          checkpointed=trial.checkpoint is not None))
 
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
         seen = self._seen.setdefault(trial.trial_id, Seen())

@@ -169,13 +169,19 @@ def test_a_resumed_trial_says_where_it_had_got_to_and_tells_only_its_new_events(
     monkeypatch.setattr(sys, "stdout", log)
     view = LiveView(["lr"], "eval_loss", 3, None)
     before = dataclasses.replace(PLANNED, epoch=1, step=18, oom_events=(TRAIN_OOM,), oom_retries=1)
-    trial = SimpleNamespace(trial_id="t", config={"lr": 0.1}, last_result=before.to_metrics())
+    trial = SimpleNamespace(trial_id="t", config={"lr": 0.1}, last_result=before.to_metrics(), checkpoint=object())
     view.on_trial_start(0, [trial], trial)
     view.on_trial_result(0, [trial], trial, dataclasses.replace(before, step=24).to_metrics())
     assert log.getvalue() == ("t resumed: lr=0.1 (reported up to epoch 1, step 18; plan 64 x 2), from its last checkpoint\n")
     view.on_trial_result(0, [trial], trial, dataclasses.replace(before, step=30, oom_events=(TRAIN_OOM, EVAL_OOM)).to_metrics())
     assert log.getvalue().splitlines()[1].startswith("t OOM in eval after step 8")
     assert view._ooms == 2  # the one survived before the resume, and the new one
+    # One whose checkpoints had not reached storage (Tune has none) trains again from its start.
+    log.seek(0), log.truncate()
+    unsaved = SimpleNamespace(trial_id="v", config={"lr": 0.3}, last_result=before.to_metrics(), checkpoint=None)
+    view.on_trial_start(0, [unsaved], unsaved)
+    assert log.getvalue() == ("v resumed: lr=0.3 (reported up to epoch 1, step 18; plan 64 x 2), from the start: "
+                              "no checkpoint had reached storage\n")
     # A trial that had not reported before the resume starts as any other.
     log.seek(0), log.truncate()
     fresh = SimpleNamespace(trial_id="u", config={"lr": 0.2}, last_result={})
