@@ -101,7 +101,7 @@ def tightest_plan(spec: SweepSpec, footprint, nodes: list[NodeMemory], pinned: b
 
 def sweep_host_plan(spec: SweepSpec, nodes: list[NodeMemory], device: str) -> tuple[NodeMemory, HostPlan] | str | None:
     """The plan ``run`` applies: the tightest node's, for the sweep's largest trial (the line
-    why, where the trials' data could not be measured; None without a node to plan for)."""
+    why, where the trials' data and state could not be measured; None without a node to plan for)."""
     from orchestrator.preflight import distinct_configs
 
     if not nodes:
@@ -111,7 +111,7 @@ def sweep_host_plan(spec: SweepSpec, nodes: list[NodeMemory], device: str) -> tu
     except Exception as exc:  # noqa: BLE001 - e.g. a model that does not build on ``meta``: its trials still run
         from orchestrator.memory.failure import summary
 
-        return f"not planned, the trials' data could not be measured ({summary(exc)})"
+        return f"not planned, the trials' data and model state could not be measured ({summary(exc)})"
     return tightest_plan(spec, footprint, nodes, pins_host_memory(spec, device), spec.trial_count())
 
 
