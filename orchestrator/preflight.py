@@ -107,6 +107,7 @@ def check_workload(workload, spec: SweepSpec, label: str, build_model: bool = Tr
             f"{label}: train_data has {samples} samples, fewer than one optimizer step "
             f"(effective_batch_size {spec.effective_batch_size})"
         )
+    _check_first_rung_reached(spec, samples // spec.effective_batch_size, label)
     evaluation = _call(workload.eval_data, label, "eval_data()")
     size = _call(lambda: len(evaluation), label, "len(eval_data())")
     if size == 0:
@@ -116,6 +117,26 @@ def check_workload(workload, spec: SweepSpec, label: str, build_model: bool = Tr
         _call(lambda: workload.collate(pair), label, f"collate() of two {name} samples")
     if workload.stateful:
         _check_stateful(workload, spec, label)
+
+
+def _check_first_rung_reached(spec: SweepSpec, steps_per_epoch: int, label: str) -> None:
+    """With a budget in both epochs and steps, ASHA's rungs count one unit while the other may end
+    the trials first: a first rung past that end is never reached, and ASHA stops no trial. The
+    config alone cannot tell (an epoch's steps are the data's), so it is checked here."""
+    stop, scheduler = spec.stop, spec.scheduler
+    if scheduler.type != "asha" or stop.epochs is None or stop.steps is None:
+        return
+    last_step = min(stop.steps, stop.epochs * steps_per_epoch)
+    reached = last_step if scheduler.time_attr == "step" else last_step // steps_per_epoch
+    if scheduler.grace_period > reached:
+        unit = scheduler.time_attr
+        expected = (f"expected at most {reached}" if reached else
+                    f"expected stop.steps of at least {scheduler.grace_period * steps_per_epoch}")
+        raise UserError(
+            f"{label}: scheduler.grace_period: the trials stop at step {last_step} ({steps_per_epoch} steps an epoch, "
+            f"stop: {{epochs: {stop.epochs}, steps: {stop.steps}}}), before ASHA's first rung at {unit} "
+            f"{scheduler.grace_period}, so ASHA would stop no trial; {expected}"
+        )
 
 
 def _check_stateful(workload, spec: SweepSpec, label: str) -> None:

@@ -53,6 +53,25 @@ def test_a_workload_without_data_is_one_line(sweep_file, overrides, message):
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
+def test_an_asha_first_rung_past_where_a_step_budget_ends_the_trials_is_one_line(sweep_file):
+    """The mlp's 2,048 samples make 32 steps an epoch at 64: ``stop.steps: 40`` ends every trial
+    in its second epoch, before a rung at epoch 2, which ASHA would then never reach."""
+    asha = ["scheduler={type: asha, grace_period: 2}", "stop={epochs: 4, steps: 40}"]
+    with pytest.raises(UserError) as err:
+        check_workloads(spec(sweep_file, *asha))
+    assert str(err.value) == (
+        "workload mlp (width=16): scheduler.grace_period: the trials stop at step 40 (32 steps an epoch, "
+        "stop: {epochs: 4, steps: 40}), before ASHA's first rung at epoch 2, so ASHA would stop no trial; "
+        "expected at most 1")
+    check_workloads(spec(sweep_file, "scheduler={type: asha, grace_period: 1}", "stop={epochs: 4, steps: 40}"))
+    within_an_epoch = ["scheduler={type: asha, grace_period: 1}", "stop={epochs: 4, steps: 20}"]
+    with pytest.raises(UserError, match=r"first rung at epoch 1, .*; expected stop\.steps of at least 32$"):
+        check_workloads(spec(sweep_file, *within_an_epoch))
+    by_steps = ["scheduler={type: asha, time_attr: step, grace_period: 80}", "stop={epochs: 2, steps: 1000}"]
+    with pytest.raises(UserError, match=r"the trials stop at step 64 .* first rung at step 80, .* at most 64$"):
+        check_workloads(spec(sweep_file, *by_steps))
+
+
 def test_a_stateful_workload_in_a_data_parallel_group_is_one_line():
     lstm = load_spec("configs/lstm_tbptt_cpu.yaml", ["resources.workers=2"])
     with pytest.raises(UserError) as err:
