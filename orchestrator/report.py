@@ -424,6 +424,10 @@ def summary(sweep: SweepRecord) -> str:
         )
     else:
         lines.append("Worst estimation error: - (no trial has both a prediction and a measurement)")
+    gpu_hours = sum(t.gpus() * (t.latest().time_total_s or t.duration_s or 0) for t in sweep.trials) / 3600
+    note = "" if any(t.gpus() for t in sweep.trials) else " (no trial had a GPU)"
+    lines.append(f"GPU hours: {gpu_hours:.3f}{note}")
+    # The sweep's lines above, then each trial that did not finish and why, and each that moved.
     endings = [f"{trial.label} {why}" for trial in sweep.trials if (why := trial.ending())]
     lines += endings[:ENDING_LINES]
     if len(endings) > ENDING_LINES:
@@ -432,9 +436,6 @@ def summary(sweep: SweepRecord) -> str:
     for trial in sweep.trials:
         if trial.tags.get("moves"):
             lines.append(f"{trial.label}: {trial.tags['moves']}")
-    gpu_hours = sum(t.gpus() * (t.latest().time_total_s or t.duration_s or 0) for t in sweep.trials) / 3600
-    note = "" if any(t.gpus() for t in sweep.trials) else " (no trial had a GPU)"
-    lines.append(f"GPU hours: {gpu_hours:.3f}{note}")
     return "\n".join(lines)
 
 
