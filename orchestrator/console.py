@@ -271,10 +271,10 @@ def report_events(trial: str, report: TrialReport, seen: Seen) -> list[Event]:
         if new_events:  # the plan it ran out of memory with, and that plan's estimate
             started_with = _plan_before(new_events[0], report)
             estimate = _estimate(report, new_events[0].predicted_peak_bytes, None)
-        elif report.plan_checks:  # it ran its first steps before the checks changed it: that plan's estimate
+        elif any(c.changed for c in report.plan_checks):  # it ran its first steps before a check changed it
             first = report.plan_checks[0]
             started_with = first.plan.split(" (")[0]
-            estimate = _estimate(report, first.predicted_bytes, first.phase)
+            estimate = _estimate(report, first.predicted_bytes, first.phase)  # that plan's, where it was checked
         events.insert(0, Planned(trial, started_with, estimate))
     if report.storage_fault:
         events.append(StorageFault(trial, report.storage_fault))

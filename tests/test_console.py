@@ -135,6 +135,9 @@ def test_a_plan_the_verification_changed_is_told_once_with_the_plan_it_started_w
          "limit 2.0 KiB; plan 64 x 2 (eval 128, fp32) -> 128 x 1 (eval 128, fp32)"),
     ]  # a check that kept the plan is MLflow's, not a line
     assert report_events("t", dataclasses.replace(PLANNED, plan_checks=(grown, kept)), seen) == []
+    # A check that kept the plan: the plan line is the plan's own, its peak in its worst phase.
+    [planned] = report_events("t", dataclasses.replace(PLANNED, plan_checks=(kept,)), Seen())
+    assert format_event(planned) == "t plan: micro-batch x accumulation 64 x 2, estimated peak 5.0 MiB in train (trace)"
 
 
 def test_the_plan_of_a_compiled_model_says_it_is_the_eager_modules_estimate():
