@@ -74,6 +74,10 @@ def test_spec_and_plan_become_flat_params():
     assert metrics["epoch"] == 2  # the step is MLflow's step; the epoch is a metric
     assert (metrics["learning_rate"], metrics["steps_per_second"], metrics["samples_per_second"]) == (0.01, 2.0, 128.0)
     assert not {"step", "training_iteration", "done", "refused", "training_done", "plan", "precision", "trial_id"} & set(metrics)
+    # A diverged trial's worst value is the scheduler's, not a measurement: MLflow would keep inf as 1.8e308.
+    diverged = result_metrics(TrialReport(epoch=1, step=9, train_loss=float("nan"), measurements={"eval_loss": float("inf")},
+                                          diverged="loss not finite at step 9 (epoch 2)", diverged_at_step=9))
+    assert "eval_loss" not in diverged and diverged["epoch"] == 1 and diverged["diverged_at_step"] == 9
 
 
 @pytest.mark.integration

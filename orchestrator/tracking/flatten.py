@@ -16,8 +16,11 @@ MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 
 def result_metrics(report: TrialReport) -> dict[str, float]:
     """Every number the trial reported, and its training time across restarts (which GPU hours
-    are computed from), except the step itself: that is the MLflow step of the metrics."""
-    return {key: float(value) for key, value in report.numbers().items() if key != STEP_METRIC}
+    are computed from), except the step itself: that is the MLflow step of the metrics. A diverged
+    trial's last report gives the searcher and the scheduler the worst value of the metric (an
+    infinity, which MLflow would keep as the largest double): not a value it measured, so not logged."""
+    placed = set(report.measurements) if report.diverged else set()
+    return {key: float(value) for key, value in report.numbers().items() if key != STEP_METRIC and key not in placed}
 
 
 def plan_params(plan: dict[str, Any]) -> dict[str, str]:
