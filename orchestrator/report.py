@@ -405,7 +405,7 @@ def summary(sweep: SweepRecord) -> str:
     counts: dict[str, int] = {}
     for trial in sweep.trials:
         counts[trial.shown_status.lower()] = counts.get(trial.shown_status.lower(), 0) + 1
-    finished = [t for t in sweep.trials if t.status == "FINISHED"]
+    finished = [t for t in sweep.trials if t.shown_status == "FINISHED"]  # as the line above counts them
     survived = sum(t.oom_retries for t in finished)
     with_ooms = sum(1 for t in finished if t.oom_retries > 0)
     lines = [

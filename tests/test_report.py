@@ -33,6 +33,7 @@ from orchestrator.report import (
     peak_chart,
     plot_peaks,
     short_value,
+    summary,
     trial_table,
     write_parquet,
 )
@@ -436,6 +437,15 @@ def test_a_trial_the_scheduler_stopped_early_shows_what_it_trained_of_the_budget
     assert "1 ep, 120/500 steps" in trial_table(steps)
 
 
+def test_a_diverged_trial_is_not_counted_among_the_finished_ones_of_the_oom_line():
+    """``on_nan: stop`` ends a diverged trial FINISHED in MLflow; the summary's lines count it as
+    diverged, both of them."""
+    diverged, survived = record(0, {"lr": "1.0"}, None, None), record(1, {"lr": "0.01"}, None, None, ooms=(5,))
+    diverged.tags["diverged"] = "loss not finite at step 9 (epoch 2); not retried (on_nan: stop)"
+    lines = summary(sweep_of([diverged, survived])).splitlines()
+    assert lines[:2] == ["Trials: 2 (1 diverged, 1 finished)", "OOMs survived: 1 (in 1 of 1 finished trials)"]
+
+
 def test_every_parquet_file_has_the_orchestrators_columns_of_the_same_types(tmp_path):
     """A sweep with no estimate (``estimator: none``) or no measurement reports fewer metrics; its
     file still has every column another sweep's has, empty, so that the two concatenate."""
@@ -457,7 +467,6 @@ def test_an_unfinished_sweep_says_that_trials_that_never_started_are_not_listed(
     KILLED) or of one still running says so, and how to finish it, below the count of those listed."""
     import dataclasses
 
-    from orchestrator.report import summary
 
     sweep = sweep_of([record(0, {"lr": "0.01"}, 1.7 * MiB, 1.8 * MiB)])
     assert "listed" not in summary(sweep)
