@@ -670,8 +670,8 @@ def _row(result, spec: SweepSpec, record: SweepRecord | None = None) -> TrialRow
     error = exception_line(str(result.error)) if result.error is not None else record.errors.get(str(result.path))
     status = trial_status(error is not None, report)
     value = report.metric(spec.metric)
-    if value is None:  # its last report was a checkpoint's, without an evaluation: its last evaluation's
-        value = _last_evaluated(result, spec.metric)
+    if value is None or report.diverged:  # a checkpoint's report, or the worst value told to the searcher
+        value = _last_evaluated(result, spec.metric)  # its last evaluation's, as `report` shows it
     note = report.refusal or error or report.diverged or ""  # in full: the reason is what a person reads the row for
     if status == INTERRUPTED and record.stop_reason:
         note = record.stop_reason
@@ -681,11 +681,10 @@ def _row(result, spec: SweepSpec, record: SweepRecord | None = None) -> TrialRow
         status=status,
         epochs=report.epoch or 0,
         steps=report.step or 0,
-        # A diverged trial's value is the worst one, told to the searcher, not one it reached; a
-        # trial trained on through a NaN (on_nan: continue) reached NaN, and the table says so.
-        final_metric=value if isinstance(value, (int, float)) and not (report.diverged or report.refused) else None,
+        # A trial trained on through a NaN (on_nan: continue) reached NaN, and the table says so.
+        final_metric=value if isinstance(value, (int, float)) and not report.refused else None,
         plan=plan_text(report),
-        peak_bytes=report.measured_peak,
+        peak_bytes=_highest_peak(result) or report.measured_peak,
         memory_source=report.memory_source or "",
         oom_retries=max(report.oom_retries, survived_ooms(gave_up_events(result.path)) if error and result.path else 0),
         note=note,
@@ -727,12 +726,29 @@ def summary_table(rows: list[TrialRow], spec: SweepSpec) -> str:
 
 
 def _last_evaluated(result, metric: str):
-    """The trial's last reported value of ``metric`` (Tune's table of its results), or None."""
+    """The trial's last reported value of ``metric`` that is not an infinity (Tune's table of its
+    results; a diverged trial's last is the worst value, for the searcher), or None."""
     frame = getattr(result, "metrics_dataframe", None)
     if frame is None or metric not in frame:
         return None
-    values = frame[metric].dropna()
-    return float(values.iloc[-1]) if len(values) else None
+    values = [float(v) for v in frame[metric].dropna() if not math.isinf(v)]
+    return values[-1] if values else None
+
+
+def _highest_peak(result) -> int | None:
+    """The highest peak any of the trial's reports measured, as `report` shows it (each report's
+    peak is its window's; a diverged trial's last report measured none)."""
+    frame = getattr(result, "metrics_dataframe", None)
+    if frame is None:
+        return None
+    columns = [frame[key] if key in frame else [None] * len(frame) for key in ("peak_allocated_bytes", "peak_reserved_bytes")]
+    peaks = [TrialReport(peak_allocated_bytes=_number(allocated), peak_reserved_bytes=_number(reserved)).measured_peak
+             for allocated, reserved in zip(*columns)]
+    return max((p for p in peaks if p), default=None)
+
+
+def _number(value) -> int | None:
+    return None if value is None or value != value else int(value)  # pandas' NaN: not reported
 
 
 def best_row(rows: list[TrialRow], spec: SweepSpec) -> TrialRow | None:

@@ -109,8 +109,10 @@ def run_in_user_folder(tmp_path, *overrides: str):
 def test_a_loss_that_turns_nan_ends_its_trial_as_diverged_in_one_line(tmp_path):
     """The installed command, from the user's folder, with the default ``on_nan: stop``: exit 0
     (a diverged trial counts as finished), one console line naming the step and the last finite
-    loss, the table's DIVERGED row, the worst eval_loss reported to Tune, and MLflow's tag, step
-    metric and statuses."""
+    loss, the table's DIVERGED row with the last evaluation the trial reached, the worst eval_loss
+    reported to Tune (for the searcher and ASHA) and not to MLflow, MLflow's tag, step metric and
+    statuses, and ``report`` showing the row as ``run`` did. The loss turns NaN at step 12, in
+    the second epoch of 8 steps, after the first epoch's evaluation."""
     import re
     import subprocess
 
@@ -118,21 +120,22 @@ def test_a_loss_that_turns_nan_ends_its_trial_as_diverged_in_one_line(tmp_path):
 
     from tests.conftest import command_env, installed_command, trial_results
 
-    done, console = run_in_user_folder(tmp_path)
+    done, console = run_in_user_folder(tmp_path, "search_space.nan_at_step={grid: [0, 12]}")
     assert done.returncode == 0, console[-3000:]
     assert "Traceback" not in console and "NaN or Inf found" not in console, console[-3000:]
     said = [line for line in done.stdout.splitlines() if " diverged: " in line]
     assert len(said) == 1, console[-3000:]
-    assert re.fullmatch(r"\S+ diverged: loss not finite at step 5 \(epoch 1\); last finite loss \d\.\d+; "
+    assert re.fullmatch(r"\S+ diverged: loss not finite at step 12 \(epoch 2\); last finite loss \d\.\d+; "
                         r"not retried \(on_nan: stop\)", said[0]), said
     [row] = [line for line in done.stdout.splitlines() if "DIVERGED: " in line]
-    assert "nan_at_step=5" in row and "loss not finite at step 5" in row
+    assert "nan_at_step=12" in row and "loss not finite at step 12" in row
     assert "2/2 trials finished" in done.stdout
 
     results = trial_results(str(tmp_path / "orchestrator_results" / "unstable_*" / "*" / "result.json"))
-    last = {reports[-1].get("diverged_at_step"): reports[-1] for reports in results.values()}
-    assert last[5]["eval_loss"] == math.inf and last[5]["step"] == 5  # the worst, for the searcher and ASHA
-    assert last[None]["step"] == 16 and math.isfinite(last[None]["eval_loss"])
+    last = {reports[-1].get("diverged_at_step"): reports for reports in results.values()}
+    assert last[12][-1]["eval_loss"] == math.inf and last[12][-1]["step"] == 12  # the worst, for the searcher and ASHA
+    reached = last[12][-2]["eval_loss"]  # the first epoch's evaluation
+    assert last[None][-1]["step"] == 16 and math.isfinite(last[None][-1]["eval_loss"]) and math.isfinite(reached)
 
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     experiment = client.get_experiment_by_name("unstable")
@@ -140,17 +143,20 @@ def test_a_loss_that_turns_nan_ends_its_trial_as_diverged_in_one_line(tmp_path):
     [sweep_run] = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     [diverged] = [r for r in runs if "diverged" in r.data.tags]
     assert sweep_run.info.status == "FINISHED" and diverged.info.status == "FINISHED"
-    assert diverged.data.tags["diverged"].startswith("loss not finite at step 5 (epoch 1); last finite loss ")
-    assert [(m.step, m.value) for m in client.get_metric_history(diverged.info.run_id, "diverged_at_step")] == [(5, 5.0)]
+    assert diverged.data.tags["diverged"].startswith("loss not finite at step 12 (epoch 2); last finite loss ")
+    assert [(m.step, m.value) for m in client.get_metric_history(diverged.info.run_id, "diverged_at_step")] == [(12, 12.0)]
+    assert [(m.step, m.value) for m in client.get_metric_history(diverged.info.run_id, "eval_loss")] == [(8, reached)]
 
-    # `orchestrator report` reads it back from MLflow: DIVERGED, and no number for its metric.
+    # `orchestrator report` reads it back from MLflow: DIVERGED, with the row `run` printed.
     shown = subprocess.run([installed_command(), "report", "unstable", "--out", str(tmp_path / "report")], cwd=tmp_path,
                            env=command_env(), capture_output=True, text=True, timeout=300, check=False)
     assert shown.returncode == 0, shown.stderr[-3000:]
     trial = diverged.data.tags["trial_id"]
     [line, why] = [line for line in shown.stdout.splitlines() if line.startswith(trial + " ")]  # its row, then why
-    assert line.split()[1] == "DIVERGED" and line.split()[-1] == "-", line
-    assert "Trials: 2 (1 diverged, 1 finished)" in shown.stdout, shown.stdout
+    assert line.split()[1] == "DIVERGED" and line.split()[-1] == f"{reached:.4f}" and f" {reached:.4f} " in row, (line, row)
+    measured = re.split(r"\s{2,}", line)[5]  # trial, status, trained, plan, predicted peak, measured peak, ...
+    assert measured != "-" and f" {measured} (" in row, (line, row)  # the peak of run's table, not its last report's "-"
+    assert "Trials: 2 (1 diverged, 1 finished)" in shown.stdout and "OOMs survived: 0 (in 0 of 1 finished trials)" in shown.stdout
     assert why == f"{trial} diverged: {diverged.data.tags['diverged']}", shown.stdout
 
 
