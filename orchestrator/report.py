@@ -180,7 +180,7 @@ def report_command(args) -> int:
     with taken_back_if_refused(out):
         check_folder(out, "--out", OUT_ADVICE)
         with reading(tracking_uri, STORE_ADVICE):
-            sweep = load_sweep(tracking_uri, args.experiment)
+            sweep = load_sweep(tracking_uri, _sweep_name(args.experiment))
         print(f"Sweep {sweep.name} (experiment {sweep.experiment!r}, MLflow run {sweep.run_id}, {tracking_uri})\n")
         print(trial_table(sweep))
         print()
@@ -191,6 +191,14 @@ def report_command(args) -> int:
         log_files(mlflow_client(tracking_uri), tracking_uri, sweep.run_id, [png, parquet], "report")
     print(f"\nWrote {png} and {parquet} (also logged to the sweep's run under report/)")
     return 0
+
+
+def _sweep_name(given: str | None) -> str | None:
+    """A sweep's results folder, as ``run``'s ``Results:`` line prints it, names the sweep by its
+    last part (the folder's name is the sweep's)."""
+    if given and os.sep in given.rstrip(os.sep) and os.path.isdir(given):
+        return os.path.basename(os.path.normpath(given))
+    return given
 
 
 def write_whole(files: dict[Path, Callable[[IO[bytes]], None]]) -> None:

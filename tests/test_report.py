@@ -144,9 +144,13 @@ def test_report_errors_are_one_line(sqlite_sweep, tmp_path, capsys):
 
 @pytest.mark.integration  # a real local Ray sweep records what the report reads
 def test_a_sweep_is_reported_by_its_own_name_too(sqlite_sweep, tmp_path, capsys):
-    """The results folder's name, as `run` prints it: how an older sweep of an experiment is reported."""
-    _, uri = sqlite_sweep
+    """The results folder's name, or the folder, as `run` prints it: how an older sweep of an experiment is reported."""
+    root, uri = sqlite_sweep
     code, text, _ = report(capsys, "tracking_test_run", "--tracking-uri", uri, "--out", str(tmp_path / "out"))
+    assert code == 0 and text.startswith("Sweep tracking_test_run (experiment 'tracking_test'")
+    # The folder itself, as run's "Results:" line prints it, names the sweep too.
+    code, text, _ = report(capsys, str(root / "tune" / "tracking_test_run") + "/", "--tracking-uri", uri,
+                           "--out", str(tmp_path / "out"))
     assert code == 0 and text.startswith("Sweep tracking_test_run (experiment 'tracking_test'")
 
 
