@@ -51,3 +51,12 @@ def how_to_open(url: str, needs_token: bool) -> str:
             "(run it where the cluster was started)."
         )
     return "\n".join(lines)
+
+
+def metrics_line(nodes: list[dict]) -> str | None:
+    """Where this sweep's Ray exports its metrics (``ray_orchestrator_*`` among Ray's own), from
+    ``ray.nodes()``: a port Ray picks at start, which ``session_latest`` would name only while no
+    other Ray started since on this machine. None where no node says."""
+    ports = [(node.get("NodeManagerAddress"), node.get("MetricsExportPort")) for node in nodes if node.get("Alive", True)]
+    urls = [f"http://{host}:{port}/metrics" for host, port in ports if host and port]
+    return f"  Its metrics (Prometheus text, ray_orchestrator_*): {', '.join(urls)}" if urls else None

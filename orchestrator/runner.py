@@ -414,10 +414,12 @@ def _init_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashboar
                 dashboard_host=dashboard_host, logging_config=logging_config, _system_config=LOCAL_RAY_SYSTEM_CONFIG,
             )
         if dashboard:
-            from orchestrator.dashboard import how_to_open, token_required
+            from orchestrator.dashboard import how_to_open, metrics_line, token_required
 
             url = f"http://{context.dashboard_url}"
             print(how_to_open(url, token_required(url)))
+            if line := metrics_line(ray.nodes()):
+                print(line)
     return True
 
 
