@@ -75,7 +75,7 @@ class Resumed:
     epoch: int
     step: int
     plan: str
-    checkpointed: bool = True  # False: no checkpoint had reached storage, so it trains again from the start
+    checkpointed: bool = True  # False: the sweep's saved state (Tune's) has no checkpoint of it: it trains again from the start
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ def format_event(event: Event) -> str:
     if isinstance(event, Resumed):
         return (f"{name} resumed: {event.config or 'the base config'} (reported up to epoch {event.epoch}, "
                 f"step {event.step}; plan {event.plan}), "
-                + ("from its last checkpoint" if event.checkpointed else "from the start: no checkpoint had reached storage"))
+                + ("from its last checkpoint" if event.checkpointed else "from the start: the sweep's saved state has no checkpoint of it"))
     if isinstance(event, Planned):
         return f"{name} plan: micro-batch x accumulation {event.plan}, {event.estimate}"
     if isinstance(event, OomSurvived):

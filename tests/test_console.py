@@ -179,12 +179,12 @@ def test_a_resumed_trial_says_where_it_had_got_to_and_tells_only_its_new_events(
     view.on_trial_result(0, [trial], trial, dataclasses.replace(before, step=30, oom_events=(TRAIN_OOM, EVAL_OOM)).to_metrics())
     assert log.getvalue().splitlines()[1].startswith("t OOM in eval after step 8")
     assert view._ooms == 2  # the one survived before the resume, and the new one
-    # One whose checkpoints had not reached storage (Tune has none) trains again from its start.
+    # One whose checkpoints the sweep's saved state does not hold (Tune's, made every ~10 s) trains again from its start.
     log.seek(0), log.truncate()
     unsaved = SimpleNamespace(trial_id="v", config={"lr": 0.3}, last_result=before.to_metrics(), checkpoint=None)
     view.on_trial_start(0, [unsaved], unsaved)
     assert log.getvalue() == ("v resumed: lr=0.3 (reported up to epoch 1, step 18; plan 64 x 2), from the start: "
-                              "no checkpoint had reached storage\n")
+                              "the sweep's saved state has no checkpoint of it\n")
     # A trial that had not reported before the resume starts as any other.
     log.seek(0), log.truncate()
     fresh = SimpleNamespace(trial_id="u", config={"lr": 0.2}, last_result={})
