@@ -43,7 +43,7 @@ from orchestrator.contract import (
 )
 from orchestrator.failures import exception_line, gave_up_message, last_failure
 from orchestrator.ray_internals import TOKEN_NOTICE_LOGGER
-from orchestrator.table import trained_text, value_text
+from orchestrator.table import split_text, trained_text, value_text
 from orchestrator.trial.errors import DataError
 from orchestrator.trial_report import TrialReport
 from orchestrator.units import human
@@ -213,11 +213,7 @@ def plan_text(report: TrialReport) -> str:
     a refused trial, whose report carries the micro-batch it tried (1), not a plan it trained with."""
     if report.micro_batch is None or report.refused:
         return "-"
-    return _plan(report.micro_batch, report.accum_steps, report.ranks)
-
-
-def _plan(micro_batch: int, accum_steps: int | None, ranks: int) -> str:
-    return f"{micro_batch} x {accum_steps}" + (f" x {ranks} ranks" if ranks > 1 else "")
+    return split_text(report.micro_batch, report.accum_steps, report.effective_batch, report.ranks)
 
 
 # -- events out of a trial's reports -----------------------------------------------------------
@@ -284,7 +280,7 @@ def report_events(trial: str, report: TrialReport, seen: Seen) -> list[Event]:
 def _plan_before(event: OomEvent, report: TrialReport) -> str:
     """The plan a trial ran before its first OOM: the event's micro-batch, at the same effective batch."""
     accumulation = max(math.ceil((report.effective_batch or 0) // report.ranks / event.micro_batch), 1)
-    return _plan(event.micro_batch, accumulation, report.ranks)
+    return split_text(event.micro_batch, accumulation, report.effective_batch, report.ranks)
 
 
 def _estimate(report: TrialReport, peak: int | None, phase: str | None) -> str:

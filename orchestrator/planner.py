@@ -37,6 +37,7 @@ from typing import Callable
 from orchestrator.memory import EstimationError, MemoryProfile, Settings
 from orchestrator.memory.cache import ProfileCache
 from orchestrator.memory.parallel import DataParallel
+from orchestrator.table import last_micro_batch, split_text
 from orchestrator.units import GiB, gib, human
 
 #: The eval batch is a throughput knob, not a hyper-parameter; beyond this many times the
@@ -102,12 +103,13 @@ class Plan:
         return Settings(self.precision, self.activation_checkpointing)
 
     def describe(self) -> str:
-        """'16 x 4 (eval 128, bf16, ckpt)' or the refusal."""
+        """'16 x 4 (eval 128, bf16, ckpt)', '100 x 2 (last 28, eval 128, fp32)', or the refusal."""
         if self.refusal:
             return f"refused: {self.refusal}"
-        extras = [f"eval {self.eval_batch}", self.precision] + (["ckpt"] if self.activation_checkpointing else [])
-        ranks = f" x {self.ranks} ranks" if self.ranks > 1 else ""
-        return f"{self.micro_batch} x {self.accum_steps}{ranks} ({', '.join(extras)})"
+        last = last_micro_batch(self.micro_batch, self.accum_steps, self.effective_batch, self.ranks)
+        extras = ([f"last {last}"] if last else []) + [f"eval {self.eval_batch}", self.precision] + (
+            ["ckpt"] if self.activation_checkpointing else [])
+        return f"{split_text(self.micro_batch, self.accum_steps, ranks=self.ranks)} ({', '.join(extras)})"
 
 
 def make_plan(

@@ -29,7 +29,7 @@ from typing import IO, Any
 from orchestrator.atomic_file import atomic_write
 from orchestrator.contract import MEMORY_LABELS, survived_ooms
 from orchestrator.errors import UserError
-from orchestrator.table import format_table, trained_text
+from orchestrator.table import format_table, split_text, trained_text
 from orchestrator.tracking.client import mlflow_client
 from orchestrator.tracking.artifacts import log_files, read_text
 from orchestrator.tracking.reader import READERS, StoredRun, trial_runs
@@ -370,7 +370,9 @@ def plan_text(trial: TrialRecord) -> str:
     accum, eval_batch = value("accum_steps", latest.accum_steps), value("eval_batch", latest.eval_batch)
     if micro is None:
         return "-"
-    parts = [f"{micro}x{accum}", f"eval {eval_batch}"]
+    effective = value("effective_batch", latest.effective_batch)
+    ranks = int(value("ranks", latest.ranks) or 1)
+    parts = [split_text(int(micro), int(accum), int(effective) if effective else None, ranks, joiner="x"), f"eval {eval_batch}"]
     checkpointing = trial.params.get("plan.activation_checkpointing") or str(int(latest.activation_checkpointing or 0))
     if checkpointing in ("True", "1"):
         parts.append("ckpt")

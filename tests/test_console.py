@@ -119,7 +119,7 @@ def test_the_plan_before_an_oom_keeps_the_accumulation_that_covers_the_effective
     oom = dataclasses.replace(TRAIN_OOM, micro_batch=54, action="micro-batch 54->27 (accumulation 2->4)")
     report = dataclasses.replace(PLANNED, micro_batch=27, accum_steps=4, effective_batch=100, oom_events=(oom,))
     planned = report_events("t", report, Seen())[0]
-    assert format_event(planned) == "t plan: micro-batch x accumulation 54 x 2, estimated peak 6.0 MiB (trace)"
+    assert format_event(planned) == "t plan: micro-batch x accumulation 54 x 2 (last 46), estimated peak 6.0 MiB (trace)"
 
 
 def test_a_plan_the_verification_changed_is_told_once_with_the_plan_it_started_with_and_its_estimate():

@@ -294,7 +294,7 @@ def test_a_group_is_planned_per_rank_and_runs_the_smallest_ranks_plan(profiles):
     assert plan.predicted_peak_bytes == alone.predicted_peak_bytes + 40  # what rank 1's device holds
     roomy = make_plan(MLPWorkload(), policy(), 32, 2000 - 40, target="emulated", profiles=profiles)
     assert roomy.micro_batch == 32 > plan.micro_batch  # rank 0 alone would take its whole share at once
-    assert plan.describe().startswith(f"{plan.micro_batch} x {plan.accum_steps} x 2 ranks")
+    assert plan.describe().startswith("22 x 2 x 2 ranks (last 10, eval")  # a rank's 32 samples as 22 + 10
     assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
 
 
