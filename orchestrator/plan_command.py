@@ -233,8 +233,9 @@ def _as_text(policy, target: str, budget: int | None, results: list[dict]) -> st
         *([format_table(headers, rows), ""] if rows else []),  # no header over nothing: every estimate failed
         *plans,
         "",
-        f"{len(results)} trials, {refused} refused" + (f", {errors} could not be estimated" if errors else "")
-        + (f", {host_refused} refused for host memory" if host_refused else ""),
+        f"{len(results)} trials, {refused} refused" + (" for device memory" if host_refused else "")
+        + (f", {host_refused} for host memory" if host_refused else "")
+        + (f", {errors} could not be estimated" if errors else ""),
         *(f"note: {n}" for n in notes),
     ]
     return "\n".join(lines)
@@ -314,7 +315,14 @@ class _HostMemory:
         from orchestrator.capacity import local_node
         from orchestrator.node_memory import local_nodes, sweep_host_plan
 
-        return sweep_host_plan(self.spec, local_nodes(local_node(None, None), self.available), target.device)
+        from orchestrator.table import value_text
+
+        swept = sweep_host_plan(self.spec, local_nodes(local_node(None, None), self.available), target.device)
+        if swept is None and self.available is not None:  # a trial wants a GPU this machine lacks, say
+            resources = self.spec.resources
+            return (f"not planned here: this machine holds no trial (resources: cpu {value_text(resources.cpu)}, gpu {value_text(resources.gpu)}); "
+                    "`run` plans it for the nodes the sweep runs on")
+        return swept
 
 
 def _run_host_text(swept) -> str:

@@ -215,10 +215,17 @@ def test_each_trial_s_host_memory_is_planned_for_the_trials_a_node_runs_at_once(
 
     assert plan_command(args(config, host_memory="1KiB", **workers)) == 0  # a plan outcome, as a refused device plan
     out = capsys.readouterr().out
-    assert "4 trials, 0 refused, 4 refused for host memory" in out
+    assert "4 trials, 0 refused for device memory, 4 for host memory" in out
     assert "refused: " in out and "of host memory even loading in their own processes" in out
     [run_line] = [line for line in out.splitlines() if line.startswith("run (every trial as the largest")]
     assert "of 1.0 KiB available; refused: " in run_line, run_line
+
+    # A trial this machine cannot hold (a GPU it lacks): `run` plans the nodes it runs on, and says so here.
+    assert plan_command(args(config, device_memory="24GiB", host_memory="64GiB", overrides=["resources.gpu=1"],
+                             estimator="static")) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().splitlines()[-1] == ("run: host memory not planned here: this machine holds no trial (resources: "
+                                             "cpu 1, gpu 1); `run` plans it for the nodes the sweep runs on"), out[-500:]
 
 
 def _installed_plan(project, *flags: str):
@@ -236,7 +243,7 @@ def test_the_installed_plan_shows_host_memory_from_a_user_folder(own_model_proje
     out = _installed_plan(own_model_project, "--host-memory", "1MiB")
     lines = [line for line in out.splitlines() if line.startswith("  host memory ")]
     assert len(lines) == 2 and all("datasets " in line and "of 1.0 MiB available; refused: " in line for line in lines), out
-    assert "2 refused for host memory" in out
+    assert "2 trials, 0 refused for device memory, 2 for host memory" in out
 
 
 def test_the_installed_plan_loads_fewer_batches_ahead_on_a_node_a_byte_short(own_model_project):

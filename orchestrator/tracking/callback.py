@@ -35,6 +35,9 @@ HOST_MEMORY_TAG = "orchestrator.host_memory"
 UNSENT_FILE = "mlflow_unsent.pkl"
 #: How long a sweep stopped at once (a second Ctrl-C) waits for MLflow to take its runs' ends.
 STOPPED_AT_ONCE_FLUSH_S = 5.0
+#: How long a sweep whose store never answered (``--offline-tracking``) waits for it at its end:
+#: its writes are kept for ``run --resume`` to send either way.
+UNREACHED_FLUSH_S = 10.0
 #: This driver process, as opposed to one whose pickled callback ``Tuner.restore`` brings back.
 _THIS_PROCESS = uuid.uuid4().hex
 
@@ -194,6 +197,8 @@ class MlflowTracking(tune.Callback):
             if not log.ended:
                 self._put(EndRun(log.ref, "KILLED"))
         self._put(EndRun(None, sweep_status))
+        if not self._outbox.reached:  # never once this sweep (--offline-tracking): one more try, not minutes
+            flush_timeout_s = min(flush_timeout_s, UNREACHED_FLUSH_S)
         self._outbox.drain(flush_timeout_s)
         self._outbox.close()
         unsent, dropped = self._outbox.pending(), list(self._outbox.dropped)

@@ -65,6 +65,7 @@ class Outbox:
         self._closing = False
         self._draining = 0  # callers waiting in drain(): nothing lingers meanwhile
         self._offline_since: float | None = None
+        self.reached = False  # whether a round ever reached the store
         self._thread = threading.Thread(target=self._run, name="mlflow-outbox", daemon=True)
         self._thread.start()
 
@@ -117,6 +118,7 @@ class Outbox:
                 continue
             finally:
                 self._remove(handled)
+            self.reached = True
             self._came_back()
             delay = RETRY_FIRST_S
 
