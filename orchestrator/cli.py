@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import logging
 import os
 import stat
 import sys
@@ -281,6 +282,20 @@ def entry() -> int:
     MLflow's, removing temporary folders) still run. Not part of :func:`main`, which tests call
     in their own process."""
     collect_less()
+    _warnings_said_plainly()
     code = main()
     skip_last_collection()
     return code
+
+
+def _warnings_said_plainly() -> None:
+    """The orchestrator's own warnings in the command's process (MLflow unavailable, writes kept
+    for the resume) as its other lines are: the message alone on standard error, not in the log
+    format ``ray.init``'s logging config gives the root logger (a timestamp, ``file:line --``, then
+    Ray's job, worker and node ids after the message)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    ours = logging.getLogger("orchestrator")
+    ours.setLevel(logging.WARNING)
+    ours.addHandler(handler)
+    ours.propagate = False
