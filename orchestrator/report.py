@@ -157,8 +157,8 @@ class SweepRecord:
 
 #: What the sweep run's status says of the trials a report lists (a trial that never started has no run).
 UNFINISHED_SWEEP = {
-    "KILLED": "The sweep was interrupted: only the trials that started are listed; `orchestrator run CONFIG --resume` "
-              "finishes it",
+    "KILLED": "The sweep was interrupted: only the trials that started are listed; `orchestrator run CONFIG --name {name} "
+              "--resume`, with the flags it was started with, finishes it",
     "RUNNING": "The sweep is running (or its driver was killed): only the trials that have started are listed",
 }
 
@@ -423,7 +423,7 @@ def summary(sweep: SweepRecord) -> str:
         f"OOMs survived: {survived} (in {with_ooms} of {len(finished)} finished trials)",
     ]
     if sweep.status in UNFINISHED_SWEEP:
-        lines.insert(1, UNFINISHED_SWEEP[sweep.status])
+        lines.insert(1, UNFINISHED_SWEEP[sweep.status].format(name=sweep.name))
     errors = [(t, *t.peak()) for t in sweep.trials if t.peak()[2] is not None]
     if errors:
         trial, predicted, measured, error = max(errors, key=lambda e: abs(e[3]))

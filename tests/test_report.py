@@ -476,7 +476,8 @@ def test_an_unfinished_sweep_says_that_trials_that_never_started_are_not_listed(
     assert "listed" not in summary(sweep)
     interrupted = summary(dataclasses.replace(sweep, status="KILLED")).splitlines()
     assert interrupted[:2] == ["Trials: 1 (1 finished)", "The sweep was interrupted: only the trials that started are "
-                               "listed; `orchestrator run CONFIG --resume` finishes it"]
+                               "listed; `orchestrator run CONFIG --name demo_cpu_2026 --resume`, with the flags "
+                               "it was started with, finishes it"]
     assert summary(dataclasses.replace(sweep, status="RUNNING")).splitlines()[1] == (
         "The sweep is running (or its driver was killed): only the trials that have started are listed")
 
