@@ -314,7 +314,6 @@ class _HostMemory:
         """The plan ``run`` would apply on this machine (``node_memory.sweep_host_plan``)."""
         from orchestrator.capacity import local_node
         from orchestrator.node_memory import local_nodes, sweep_host_plan
-
         from orchestrator.table import value_text
 
         swept = sweep_host_plan(self.spec, local_nodes(local_node(None, None), self.available), target.device)
