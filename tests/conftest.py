@@ -234,6 +234,12 @@ def installed_command() -> str:
     return str(script)
 
 
+def rows_trained(stdout: str, trained: str) -> int:
+    """How many rows of ``run``'s final table (those that end in TERMINATED) say ``trained``
+    (``150/150 steps``); the console's ``finished`` lines say it too, and are not counted."""
+    return sum(trained in line for line in stdout.splitlines() if line.rstrip().endswith(" TERMINATED"))
+
+
 def lines_until(run: subprocess.Popen, marker: str) -> list[str]:
     """What ``run`` printed up to its first line holding ``marker`` (all of it, if none does)."""
     lines = []

@@ -23,7 +23,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, command_env, installed_command, interrupted_at, lines_until, trial_results
+from tests.conftest import (
+    ROOT,
+    command_env,
+    installed_command,
+    interrupted_at,
+    lines_until,
+    rows_trained,
+    trial_results,
+)
 
 # The README's WideNet at a pace a test can interrupt (about half a second an epoch on one core),
 # in a module of the user's package beside it.
@@ -494,7 +502,7 @@ def test_a_step_cadence_sweep_stopped_by_a_signal_resumes_with_the_printed_comma
         rows = [line for line in proc.stdout.splitlines() if line.endswith(" TERMINATED")]
         assert len(rows) == 2 and all(" x 2 ranks " in row for row in rows), proc.stdout[-3000:]  # groups' plans
     if extra != ASHA_BY_STEPS:  # ASHA may stop a trial at a rung
-        assert proc.stdout.count("150/150 steps") == 2
+        assert rows_trained(proc.stdout, "150/150 steps") == 2
         for hidden, (_, history) in _trial_histories(step_sweep, "cut").items():
             steps = [step for step, _ in history["step"]]
             if extra == BY_THE_CLOCK:  # the reports' steps are the clock's

@@ -23,7 +23,7 @@ import pytest
 
 from orchestrator.outcome import recording
 from orchestrator.storage_fault import StopOnStorageFault
-from tests.conftest import command_env
+from tests.conftest import command_env, rows_trained
 from tests.test_cli import PACED, STEP_SWEEP, _run_steps, _sweep_run_statuses, _trial_histories
 
 
@@ -146,7 +146,7 @@ def test_a_short_storage_outage_is_waited_out(storage_sweep):
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "2/2 trials finished" in proc.stdout and "Traceback" not in proc.stdout, proc.stdout[-3000:]
     assert "the storage did not take a checkpoint" in proc.stdout  # the retry, said
-    assert proc.stdout.count("150/150 steps") == 2
+    assert rows_trained(proc.stdout, "150/150 steps") == 2
 
 
 @pytest.mark.integration
@@ -174,7 +174,7 @@ def test_a_storage_that_stays_away_stops_the_sweep_and_resume_finishes_it(storag
     said = proc.stdout + proc.stderr
     assert proc.returncode == 0, said[-3000:]
     assert "Traceback" not in said and "2/2 trials finished" in proc.stdout, said[-3000:]
-    assert proc.stdout.count("150/150 steps") == 2
+    assert rows_trained(proc.stdout, "150/150 steps") == 2
     for hidden, (status, history) in _trial_histories(folder, "cut").items():
         assert status == "FINISHED", hidden
         steps = [step for step, _ in history["step"]]
