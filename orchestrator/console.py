@@ -269,7 +269,8 @@ def report_events(trial: str, report: TrialReport, seen: Seen) -> list[Event]:
             estimate = _estimate(report, new_events[0].predicted_peak_bytes, None)
         elif any(c.changed for c in report.plan_checks):  # it ran its first steps before a check changed it
             first = report.plan_checks[0]
-            started_with = first.plan.split(" (")[0]
+            micro, accumulation = (int(n) for n in first.plan.split(" (")[0].split(" x ")[:2])  # '91 x 2 (last 37, ...'
+            started_with = split_text(micro, accumulation, report.effective_batch, report.ranks)
             estimate = _estimate(report, first.predicted_bytes, first.phase)  # that plan's, where it was checked
         events.insert(0, Planned(trial, started_with, estimate))
     if report.storage_fault:
