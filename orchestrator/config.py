@@ -412,6 +412,11 @@ class Stop:
             raise _invalid("expected epochs, steps or both (training ends at whichever comes first)")
         return self
 
+    def last_step(self, steps_per_epoch: int) -> int:
+        """The optimizer step a trial's training ends at: whichever budget comes first, with
+        ``steps_per_epoch`` of its data (the loop's, and the pre-flight's check of ASHA's rungs)."""
+        return min(b for b in (self.steps, self.epochs and self.epochs * steps_per_epoch) if b)
+
 
 @dataclass(frozen=True)
 class Every:

@@ -98,6 +98,8 @@ def check_workload(workload, spec: SweepSpec, label: str, build_model: bool = Tr
     """The workload's model builds, its training set holds one optimizer step, its eval set a
     sample, and its ``collate`` makes a batch of two of each (a bug there would otherwise show in
     every trial, after Ray started, or not at all before a sweep with ``memory.estimator: none``)."""
+    from trainables.data import whole_steps
+
     if build_model:
         check_model_builds(workload, label)
     train = _call(workload.train_data, label, "train_data()")
@@ -107,7 +109,7 @@ def check_workload(workload, spec: SweepSpec, label: str, build_model: bool = Tr
             f"{label}: train_data has {samples} samples, fewer than one optimizer step "
             f"(effective_batch_size {spec.effective_batch_size})"
         )
-    _check_first_rung_reached(spec, samples // spec.effective_batch_size, label)
+    _check_first_rung_reached(spec, whole_steps(samples, spec.effective_batch_size), label)
     evaluation = _call(workload.eval_data, label, "eval_data()")
     size = _call(lambda: len(evaluation), label, "len(eval_data())")
     if size == 0:
@@ -126,7 +128,7 @@ def _check_first_rung_reached(spec: SweepSpec, steps_per_epoch: int, label: str)
     stop, scheduler = spec.stop, spec.scheduler
     if scheduler.type != "asha" or stop.epochs is None or stop.steps is None:
         return
-    last_step = min(stop.steps, stop.epochs * steps_per_epoch)
+    last_step = stop.last_step(steps_per_epoch)
     reached = last_step if scheduler.time_attr == "step" else last_step // steps_per_epoch
     if scheduler.grace_period > reached:
         unit = scheduler.time_attr

@@ -129,6 +129,12 @@ class Shard:
     ranks: int = 1
 
 
+def whole_steps(samples: int, step_samples: int) -> int:
+    """The optimizer steps an epoch of ``samples`` makes, ``step_samples`` (the effective batch)
+    each: whole steps only, so every step has the same samples (the sampler's and the pre-flight's)."""
+    return samples // step_samples
+
+
 class StepSampler(Sampler[list[int]]):
     """Index lists of the micro-batches of one epoch, from optimizer step ``start_step`` on.
 
@@ -147,7 +153,7 @@ class StepSampler(Sampler[list[int]]):
 
     @property
     def steps_per_epoch(self) -> int:
-        return self.samples // self.step_samples
+        return whole_steps(self.samples, self.step_samples)
 
     def set_position(self, epoch: int, start_step: int) -> None:
         """Where the next iteration starts (read when the DataLoader's iterator is made)."""

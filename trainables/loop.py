@@ -142,7 +142,7 @@ class Trainer:
         first, last = eval_slice(self.eval_samples, shard)
         self.shard_eval_samples = last - first
         self.steps_per_epoch = self.sampler.steps_per_epoch
-        self.total_steps = self._budget_in_steps()
+        self.total_steps = settings.stop.last_step(self.steps_per_epoch)
         self.scheduler = build_lr_scheduler(workload, self.optimizer, self.total_steps, settings.schedule)
         self.scheduler_on_metric = steps_on_metric(self.scheduler)
         self._check_scheduler_mode()
@@ -162,11 +162,6 @@ class Trainer:
         if not self.workload.stateful:
             return None
         return Carry.initial(self.workload, self.cut.effective_batch, self.device.torch_device)  # counted as state_tensors
-
-    def _budget_in_steps(self) -> int:
-        stop = self.settings.stop
-        budgets = [b for b in (stop.steps, stop.epochs and stop.epochs * self.steps_per_epoch) if b]
-        return min(budgets)
 
     @property
     def done(self) -> bool:
