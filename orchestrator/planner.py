@@ -3,8 +3,10 @@
 The planner is pure: the same profile, budget and policy always give the same plan, and nothing
 here touches a GPU, Ray or MLflow, so every rule is unit-tested on its own.
 
-* :func:`make_plan` picks the largest micro-batch at which every train phase fits the budget
-  (times the safety margin), keeping the effective batch by gradient accumulation, and the eval
+* :func:`make_plan` picks the fewest passes a step can take, the largest micro-batch at which
+  every train phase fits the budget (times the safety margin), and spreads the effective batch
+  evenly over them (128 as 64 + 64, not 100 + 28: the same passes at a lower peak); gradient
+  accumulation keeps the effective batch. Then it picks the eval
   batch from the eval phases, after training at that micro-batch. "Fits" is what the profile
   says: where it models the CUDA caching allocator, that the replay of the phase's allocations
   within the limit does not run out of memory, freeing the allocator's cache on the way as
@@ -12,8 +14,8 @@ here touches a GPU, Ray or MLflow, so every rule is unit-tested on its own.
   elsewhere, that its reserved bytes are within the limit. When not even micro-batch 1 fits, it
   tries activation checkpointing and then the lower precision; when nothing fits it refuses,
   saying what the trial needs and what would make it fit.
-* :func:`next_reduction` is what to try after an out-of-memory error: halve the micro-batch,
-  then activation checkpointing, then the lower precision, then give up. The effective batch is
+* :func:`next_reduction` is what to try after an out-of-memory error: halve the micro-batch
+  (spread evenly over the passes that takes), then activation checkpointing, then the lower precision, then give up. The effective batch is
   never changed: a reduced trial makes the same updates, only in more, smaller pieces.
 * A trial that verifies its plan (``memory.verify``, ``orchestrator.trial.verify``) plans with
   ``error_bound`` first: every phase's prediction raised by the estimator's own error bound, so
@@ -43,8 +45,6 @@ from orchestrator.units import GiB, gib, human
 #: The eval batch is a throughput knob, not a hyper-parameter; beyond this many times the
 #: effective batch it buys nothing and only makes a large allocation.
 EVAL_BATCH_CAP = 4
-#: A micro-batch that divides the effective batch is preferred when it is at most this much smaller.
-DIVISOR_TOLERANCE = 0.10
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class Plan:
         return Settings(self.precision, self.activation_checkpointing)
 
     def describe(self) -> str:
-        """'16 x 4 (eval 128, bf16, ckpt)', '100 x 2 (last 28, eval 128, fp32)', or the refusal."""
+        """'16 x 4 (eval 128, bf16, ckpt)', '26 x 5 (last 24, eval 128, fp32)', or the refusal."""
         if self.refusal:
             return f"refused: {self.refusal}"
         last = last_micro_batch(self.micro_batch, self.accum_steps, self.effective_batch, self.ranks)
@@ -169,10 +169,10 @@ def plan_with_profile(
         micro = _largest(lambda m: _train_fits(profile, m, limit, trust), min(effective_batch, micro_cap or effective_batch))
         if not micro:
             continue
-        micro, note = _prefer_divisor(micro, effective_batch)
+        micro = even_split(micro, effective_batch)
         eval_batch = _largest(lambda b: _eval_fits(profile, b, micro, limit, trust), eval_cap)
         if eval_batch:
-            plan = _plan(profile, micro, effective_batch, eval_batch, budget_bytes, note, limit, trust)
+            plan = _plan(profile, micro, effective_batch, eval_batch, budget_bytes, "", limit, trust)
             return replace(plan, safety_margin=policy.safety_margin, corrections=trust.corrections,
                            error_bound=error_bound), profile
     return _refuse(workload, policy, effective_batch, budget_bytes, limit, profiles, start), profiles.get(start)
@@ -197,7 +197,7 @@ def next_reduction(
         half = plan.eval_batch // 2
         return reduced(f"out of memory in eval: eval batch {plan.eval_batch} -> {half}", eval_batch=half)
     if plan.micro_batch > 1:
-        half = plan.micro_batch // 2
+        half = even_split(plan.micro_batch // 2, plan.rank_batch)
         accum = math.ceil(plan.rank_batch / half)
         return reduced(f"out of memory in train: micro-batch {plan.micro_batch} -> {half} (x {accum})",
                        micro_batch=half, accum_steps=accum)
@@ -354,19 +354,16 @@ def _largest(fits: Callable[[int], bool], cap: int) -> int:
     return lo
 
 
-def _prefer_divisor(micro: int, effective: int) -> tuple[int, str]:
-    """A divisor of the effective batch if it costs at most 10 % of the micro-batch, else ``micro``."""
-    divisor = max(d for d in range(1, micro + 1) if effective % d == 0)
-    if divisor >= (1 - DIVISOR_TOLERANCE) * micro:
-        return divisor, ""
-    accum = math.ceil(effective / micro)
-    last = effective - (accum - 1) * micro
-    full = f"{accum - 1} micro-batch{'es' if accum > 2 else ''}"
-    return micro, (
-        f"micro-batch {micro} does not divide the effective batch {effective}: {full} of "
-        f"{micro} and one of {last} (the largest divisor that fits, {divisor}, would be "
-        f"{1 - divisor / micro:.0%} smaller)"
-    )
+def even_split(micro: int, effective: int) -> int:
+    """The smallest micro-batch that takes ``effective`` samples in as few passes as ``micro`` does.
+
+    A pass's memory grows with its micro-batch, and a step's passes are what it costs in time,
+    so for the passes the largest fitting micro-batch needs the lowest peak is the effective
+    batch spread evenly over them: 128 as 64 + 64 rather than 100 + 28, 256 as 86 + 86 + 84
+    rather than 90 + 90 + 76. Whether the micro-batch divides the effective batch does not
+    matter: each micro-batch's loss is weighted by its share of the step (`trainables.step`).
+    """
+    return math.ceil(effective / math.ceil(effective / micro))
 
 
 def _plan(profile: MemoryProfile, micro: int, effective: int, eval_batch: int, budget: int | None, note: str,

@@ -69,7 +69,8 @@ def test_a_registered_estimator_is_configured_estimated_and_planned_with(registr
     assert estimate(workload, "flat", target="emulated").notes == ("a flat guess",)
     plan = make_plan(workload, spec.memory, 32, 16 * MiB, target="emulated")
     assert plan.estimator == "flat" and plan.refusal is None
-    assert plan.micro_batch == 12 and plan.predicted_peak_bytes == 16 * MiB  # 4 MiB + 12 x 1 MiB fill 16 MiB
+    # 4 MiB + 12 x 1 MiB fill 16 MiB: 32 samples take three passes, 11 + 11 + 10, and eval 12 at once.
+    assert (plan.micro_batch, plan.eval_batch, plan.predicted_peak_bytes) == (11, 12, 16 * MiB)
 
     estimates = estimate_trials(trial_configs(spec), spec.memory, "emulated", 16 * MiB, 32, processes=1)
     assert not estimates.errors and len(estimates.by_signature) == 1  # lr is memory-neutral: one estimate

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -13,7 +14,7 @@ from orchestrator.device import EmulatedDevice
 from orchestrator.memory import MemoryProfile, PhaseProfile, Settings
 from orchestrator.memory.cache import ProfileCache
 from orchestrator.memory.sequence import TrialSequence, fit_log
-from orchestrator.planner import Plan, correction_at, make_plan, next_reduction, plan_for_ranks, predicted
+from orchestrator.planner import Plan, correction_at, even_split, make_plan, next_reduction, plan_for_ranks, predicted
 from trainables.cnn import CNNWorkload
 from trainables.loop import LoopPlan, LoopSettings, Trainer
 from trainables.mlp import MLPWorkload
@@ -70,17 +71,24 @@ def test_largest_micro_batch_that_fits_and_divides(profiles):
     assert plan.predicted_peak_bytes == 1000 and plan.predicted_phase in ("train", "eval")
 
 
-def test_prefers_a_divisor_within_ten_percent(profiles):
+def test_the_effective_batch_is_spread_evenly_over_the_fewest_passes(profiles):
     profiles[FP32] = profile(FP32, phase("train", "train", 100, 10), phase("eval", "eval", 100, 1))
-    plan = make_plan(MLPWorkload(), policy(), 170, 1000, target="emulated", profiles=profiles)  # 85 divides 170, 85 >= 0.9 * 90
-    assert (plan.micro_batch, plan.accum_steps, plan.note) == (85, 2, "")
+    # 90 fits (100 + 10m <= 1000): 256 samples take three passes, and 86 + 86 + 84 peaks lower than 90 + 90 + 76.
+    plan = make_plan(MLPWorkload(), policy(), 256, 1000, target="emulated", profiles=profiles)
+    assert (plan.micro_batch, plan.accum_steps, plan.note) == (86, 3, "")
+    assert plan.describe().startswith("86 x 3 (last 84, eval")
+    assert plan.predicted_peak_bytes == 100 + 10 * 86
+    plan = make_plan(MLPWorkload(), policy(), 170, 1000, target="emulated", profiles=profiles)
+    assert (plan.micro_batch, plan.accum_steps) == (85, 2)
 
 
-def test_non_divisor_when_the_divisor_costs_too_much(profiles):
-    profiles[FP32] = profile(FP32, phase("train", "train", 100, 10), phase("eval", "eval", 100, 1))
-    plan = make_plan(MLPWorkload(), policy(), 256, 1000, target="emulated", profiles=profiles)  # divisor 64 < 0.9 * 90
-    assert (plan.micro_batch, plan.accum_steps) == (90, 3)
-    assert "does not divide" in plan.note and "one of 76" in plan.note
+def test_an_even_split_keeps_the_passes_at_the_smallest_micro_batch():
+    assert [even_split(m, 128) for m in (128, 100, 64, 31, 1)] == [128, 64, 64, 26, 1]
+    assert even_split(90, 1000) == 84  # 12 passes: 11 x 84 + 76
+    for effective in range(1, 200):
+        for micro in range(1, effective + 1):
+            split = even_split(micro, effective)
+            assert split <= micro and math.ceil(effective / split) == math.ceil(effective / micro)
 
 
 def test_safety_margin_shrinks_the_budget(profiles):
@@ -94,18 +102,18 @@ def test_a_verifying_trial_starts_within_the_error_bound_and_plans_with_what_it_
     profiles[CKPT] = profile(CKPT, phase("train", "train", 100, 1), phase("eval", "eval", 100, 1))
     workload = MLPWorkload(eval_samples=40)
     trusted = make_plan(workload, policy(), 1000, 1000, target="emulated", profiles=profiles)
-    assert trusted.micro_batch == 90 and trusted.corrections == {} and trusted.error_bound == 0
+    assert trusted.micro_batch == even_split(90, 1000) and trusted.corrections == {} and trusted.error_bound == 0
     # Every prediction raised by 25 %: 1.25 x (100 + 10m) <= 1000, m <= 70; the settings stay.
     start = make_plan(workload, policy(), 1000, 1000, target="emulated", profiles=profiles, settings=FP32, error_bound=0.25)
-    assert (start.micro_batch, start.error_bound, start.settings) == (70, 0.25, FP32)
-    assert start.predicted_phases["train"] == 100 + 10 * 70  # the estimate's own prediction, as measured against
+    assert (start.micro_batch, start.error_bound, start.settings) == (even_split(70, 1000), 0.25, FP32)
+    assert start.predicted_phases["train"] == 100 + 10 * start.micro_batch  # the estimate's own, as measured against
     # Train measured at 0.5 x its prediction; eval still within the bound (its 1.25 x 140 fits).
     corrected = make_plan(workload, policy(), 1000, 1000, target="emulated", profiles=profiles, settings=FP32,
                           corrections={"train": ((70, 0.5),)}, error_bound=0.25)
-    assert corrected.micro_batch == 190 and corrected.corrections == {"train": ((70, 0.5),)}
+    assert corrected.micro_batch == even_split(190, 1000) and corrected.corrections == {"train": ((70, 0.5),)}
     # Never above a micro-batch that measured too much.
     assert make_plan(workload, policy(), 1000, 1000, target="emulated", profiles=profiles, settings=FP32,
-                     corrections={"train": ((70, 0.5),)}, micro_cap=150).micro_batch == 150
+                     corrections={"train": ((70, 0.5),)}, micro_cap=150).micro_batch == even_split(150, 1000)
     assert Plan.from_dict(json.loads(json.dumps(corrected.to_dict()))) == corrected
 
 
@@ -131,7 +139,7 @@ def test_worst_phase_decides(profiles):
         phase("train@epoch2", "train", 300, 10), phase("eval@epoch2", "eval", 100, 1),
     )
     plan = make_plan(MLPWorkload(), policy(), 100, 1000, target="emulated", profiles=profiles)
-    assert plan.micro_batch == 70 and plan.predicted_phase == "train@epoch2"
+    assert plan.micro_batch == 50 and plan.predicted_phase == "train@epoch2"  # 70 fits: two passes of 50
     assert set(plan.predicted_phases) == {"train", "eval", "train@epoch2", "eval@epoch2"}
 
 
@@ -284,17 +292,17 @@ def test_a_group_is_planned_per_rank_and_runs_the_smallest_ranks_plan(profiles):
     # 100 B of weights, 40 B of gradients (the exchange's bucket), 10 B per training sample.
     profiles[FP32] = profile(FP32, ranked_phase("train", "train", 100, 40, 10), ranked_phase("eval", "eval", 100, 0, 1))
     plan = plan_for_ranks(MLPWorkload(), policy(), 64, [2000, 400], target="emulated", profiles=profiles)
-    # Rank 1: 400 - 40 (the exchange's bucket) - 140 (states) = 220 B -> micro-batch 22 (16, the
-    # divisor of 32, would cost 27 %).
+    # Rank 1: 400 - 40 (the exchange's bucket) - 140 (states) = 220 B -> micro-batch 22 fits, so
+    # a rank's 32 samples take two passes of 16.
     assert (plan.ranks, plan.rank_batch, plan.effective_batch, plan.exchange_bytes) == (2, 32, 64, 40)
     assert plan.rank_budgets == (2000, 400) and plan.budget_bytes == 400
-    assert (plan.micro_batch, plan.accum_steps) == (22, 2)
+    assert (plan.micro_batch, plan.accum_steps) == (16, 2)
     alone = make_plan(MLPWorkload(), policy(), 32, 400 - 40, target="emulated", profiles=profiles)
     assert (plan.micro_batch, plan.accum_steps) == (alone.micro_batch, alone.accum_steps)
     assert plan.predicted_peak_bytes == alone.predicted_peak_bytes + 40  # what rank 1's device holds
     roomy = make_plan(MLPWorkload(), policy(), 32, 2000 - 40, target="emulated", profiles=profiles)
     assert roomy.micro_batch == 32 > plan.micro_batch  # rank 0 alone would take its whole share at once
-    assert plan.describe().startswith("22 x 2 x 2 ranks (last 10, eval")  # a rank's 32 samples as 22 + 10
+    assert plan.describe().startswith("16 x 2 x 2 ranks (eval")
     assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
 
 
@@ -334,6 +342,13 @@ def test_reductions_keep_the_effective_batch():
         (8, 4, False, "fp32", 0), (4, 8, False, "fp32", 1), (2, 16, False, "fp32", 2), (1, 32, False, "fp32", 3),
         (1, 32, True, "fp32", 4), (1, 32, True, "bf16", 5),
     ]
+
+
+def test_a_reduction_halves_the_micro_batch_and_spreads_the_step_evenly_over_its_passes():
+    plan = Plan(100, 2, 128, 64, False, "fp32", "trace", 1000, None, None)
+    reduced = next_reduction(plan, policy(), "train")
+    assert (reduced.micro_batch, reduced.accum_steps) == (43, 3)  # 50 + 50 + 28 as 43 + 43 + 42
+    assert "micro-batch 100 -> 43 (x 3)" in reduced.note
 
 
 def test_reductions_are_pure_and_clear_stale_predictions():
