@@ -357,7 +357,7 @@ def _trial_record(client, tracking_uri: str, run: StoredRun) -> TrialRecord:
 
 
 def plan_text(trial: TrialRecord) -> str:
-    """``16x4, eval 64, ckpt, bf16``: micro-batch x accumulation, eval batch, checkpointing, precision
+    """``16 x 4, eval 64, ckpt, bf16``: micro-batch x accumulation, eval batch, checkpointing, precision
     (a refused trial's: the plan its predicted peak, in the next column, is of)."""
     latest = trial.latest()
 
@@ -372,7 +372,7 @@ def plan_text(trial: TrialRecord) -> str:
         return "-"
     effective = value("effective_batch", latest.effective_batch)
     ranks = int(value("ranks", latest.ranks) or 1)
-    parts = [split_text(int(micro), int(accum), int(effective) if effective else None, ranks, joiner="x"), f"eval {eval_batch}"]
+    parts = [split_text(int(micro), int(accum), int(effective) if effective else None, ranks), f"eval {eval_batch}"]
     checkpointing = trial.params.get("plan.activation_checkpointing") or str(int(latest.activation_checkpointing or 0))
     if checkpointing in ("True", "1"):
         parts.append("ckpt")

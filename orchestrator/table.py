@@ -22,13 +22,12 @@ def trained_text(epochs: int, steps: int, stop_epochs: int | None, stop_steps: i
     return text if stop_steps is None else f"{text}, {steps}/{stop_steps} steps"
 
 
-def split_text(micro_batch: int, accum_steps: int, effective_batch: int | None = None, ranks: int = 1,
-               joiner: str = " x ") -> str:
+def split_text(micro_batch: int, accum_steps: int, effective_batch: int | None = None, ranks: int = 1) -> str:
     """``64 x 2``: micro-batch x accumulation, as every table and line shows a plan; ``x 2 ranks``
     for a data-parallel trial; ``(last 28)`` where the micro-batches do not divide a rank's share
     of the effective batch (128 as 100 + 28: ``100 x 2 (last 28)``), so that the product is not
     read as the samples of a step."""
-    text = f"{micro_batch}{joiner}{accum_steps}" + (f" x {ranks} ranks" if ranks > 1 else "")
+    text = f"{micro_batch} x {accum_steps}" + (f" x {ranks} ranks" if ranks > 1 else "")
     last = last_micro_batch(micro_batch, accum_steps, effective_batch, ranks)
     return f"{text} (last {last})" if last else text
 

@@ -82,12 +82,12 @@ def test_report_table_summary_parquet_and_png_match_mlflow(sqlite_sweep, tmp_pat
     assert len(lines) == len(children) == 3
     assert all(run.info.run_name.endswith(run.data.tags["trial_id"]) for run in children.values())
     # trial, status, trained, plan, predicted peak, measured peak, estimate error, OOM retries, eval_loss
-    assert lines[trial_id["plain"]].split() == [trial_id["plain"], "FINISHED", "3/3", "ep", "32x2,", "eval", "64,", "fp32",
+    assert lines[trial_id["plain"]].split() == [trial_id["plain"], "FINISHED", "3/3", "ep", "32", "x", "2,", "eval", "64,", "fp32",
                                                 "4.0", "GiB", "4.2", "GiB", "+5.0%", "0", "0.5000"]
-    assert lines[trial_id["retried"]].split()[1:7] == ["FINISHED", "3/3", "ep", "16x4,", "eval", "64,"]
+    assert lines[trial_id["retried"]].split()[1:9] == ["FINISHED", "3/3", "ep", "16", "x", "4,", "eval", "64,"]
     assert lines[trial_id["retried"]].split()[-2:] == ["1", "0.5000"]
     # Its prediction (above the 6 GiB budget) and nothing measured.
-    assert lines[trial_id["refused"]].split()[1:] == ["REFUSED", "0/3", "ep", "64x1,", "eval", "64,", "fp32", "8.0", "GiB",
+    assert lines[trial_id["refused"]].split()[1:] == ["REFUSED", "0/3", "ep", "64", "x", "1,", "eval", "64,", "fp32", "8.0", "GiB",
                                                       "-", "-", "0", "-"]
     assert "Trials: 3 (2 finished, 1 refused)" in text
     assert "OOMs survived: 1 (in 1 of 2 finished trials)" in text

@@ -21,4 +21,3 @@ def test_a_plan_whose_micro_batches_do_not_divide_the_step_says_its_last_one():
     assert split_text(28, 5, 128) == "28 x 5 (last 16)"
     assert split_text(64, 2, 128) == "64 x 2" and split_text(64, 2) == "64 x 2"
     assert split_text(22, 2, 64, ranks=2) == "22 x 2 x 2 ranks (last 10)"  # a rank's 32 as 22 + 10
-    assert split_text(16, 4, 64, joiner="x") == "16x4"
