@@ -45,7 +45,7 @@ from orchestrator.failures import exception_line, gave_up_message, last_failure
 from orchestrator.ray_internals import TOKEN_NOTICE_LOGGER
 from orchestrator.table import split_text, trained_text, value_text
 from orchestrator.trial.errors import DataError
-from orchestrator.trial_report import TrialReport
+from orchestrator.trial_report import STOPPED_EARLY, TrialReport
 from orchestrator.units import human
 
 #: Tune's ``verbose`` for the sweep: its own reporter off unless ``--verbose``, then its default
@@ -114,6 +114,7 @@ class Finished:
     trained: str  # "3/3 epochs"
     metric: str  # "eval_loss 0.4609"
     peak: str  # "peak 36.0 KiB (tensor bytes)"
+    stopped_early: bool = False  # by its scheduler (``TrialReport.stopped_early``)
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,8 @@ def format_event(event: Event) -> str:
     if isinstance(event, Moved):
         return f"{name} {event.move.describe()}"
     if isinstance(event, Finished):
-        return f"{name} finished: {', '.join(p for p in (event.trained, event.metric, event.peak) if p)}"
+        ended = STOPPED_EARLY if event.stopped_early else "finished"
+        return f"{name} {ended}: {', '.join(p for p in (event.trained, event.metric, event.peak) if p)}"
     if isinstance(event, Refused):
         return f"{name} refused: {event.reason}"
     if isinstance(event, Diverged):
@@ -305,7 +307,7 @@ def finished_event(trial: str, report: TrialReport, metric: str, stop_epochs: in
     shown = f"{metric} {value:.4f}" if isinstance(value, (int, float)) and math.isfinite(value) else ""
     peak, source = report.measured_peak, report.memory_source or ""
     peak_text = f"peak {human(peak)} ({MEMORY_LABELS.get(source, source)})" if peak else ""
-    return Finished(trial, trained, shown, peak_text)
+    return Finished(trial, trained, shown, peak_text, report.stopped_early)
 
 
 # -- the progress line -------------------------------------------------------------------------

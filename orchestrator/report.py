@@ -34,10 +34,11 @@ from orchestrator.tracking.client import mlflow_client
 from orchestrator.tracking.artifacts import log_files, read_text
 from orchestrator.tracking.reader import READERS, StoredRun, trial_runs
 from orchestrator.tracking.runs import (
-    EXPERIMENT_PATH_TAG, OOM_GAVE_UP_TAG, ROLE_TAG, STEP_METRIC, SWEEP_ID_TAG, default_tracking_uri, sqlite_path,
+    EXPERIMENT_PATH_TAG, OOM_GAVE_UP_TAG, ROLE_TAG, STEP_METRIC, STOPPED_EARLY_TAG, SWEEP_ID_TAG, default_tracking_uri,
+    sqlite_path,
 )
 from orchestrator.tracking.store import database_answers, reading
-from orchestrator.trial_report import TrialReport
+from orchestrator.trial_report import STOPPED_EARLY, TrialReport
 from orchestrator.units import binary_unit, human
 from orchestrator.writable import check_folder, taken_back_if_refused
 
@@ -418,8 +419,10 @@ def summary(sweep: SweepRecord) -> str:
     finished = [t for t in sweep.trials if t.shown_status == "FINISHED"]  # as the line above counts them
     survived = sum(t.oom_retries for t in finished)
     with_ooms = sum(1 for t in finished if t.oom_retries > 0)
+    stopped = sum(STOPPED_EARLY_TAG in t.tags for t in finished)
+    of_them = f"; {stopped} {STOPPED_EARLY}" if stopped else ""
     lines = [
-        f"Trials: {len(sweep.trials)} ({', '.join(f'{n} {s}' for s, n in sorted(counts.items()))})",
+        f"Trials: {len(sweep.trials)} ({', '.join(f'{n} {s}' for s, n in sorted(counts.items()))}{of_them})",
         f"OOMs survived: {survived} (in {with_ooms} of {len(finished)} finished trials)",
     ]
     if sweep.status in UNFINISHED_SWEEP:

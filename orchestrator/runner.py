@@ -56,7 +56,7 @@ from orchestrator.sweep_guard import claim_sweep, recorded_tracking_store, runni
 from orchestrator.table import format_table, trained_text
 from orchestrator.tracking.runs import absolute_tracking_uri, default_tracking_uri
 from orchestrator.trial.evidence import gave_up_events
-from orchestrator.trial_report import TrialReport
+from orchestrator.trial_report import STOPPED_EARLY, TrialReport
 from orchestrator.units import human, size_flag
 from orchestrator.writable import taken_back_if_refused
 
@@ -81,6 +81,7 @@ class TrialRow:
     note: str = ""
     node: str = ""  # the node of its last attempt (``ray start --node-name``, else its IP)
     moves: str = ""  # "moved node-b->node-c at epoch 2: node node-b lost" (orchestrator.contract.Move)
+    stopped_early: bool = False  # TERMINATED before its budget, by ASHA (``TrialReport.stopped_early``)
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,9 @@ def summary_lines(outcome: SweepOutcome, spec: SweepSpec, request: RunRequest) -
     rows = outcome.rows
     name = os.path.basename(outcome.experiment_path)
     done = sum(finished(r.status, outcome.on_nan) for r in rows)
-    lines = [f"{done}/{len(rows)} trials finished. Results: {outcome.experiment_path}"]
+    stopped = sum(r.stopped_early for r in rows)
+    of_them = f" ({stopped} {STOPPED_EARLY})" if stopped else ""
+    lines = [f"{done}/{len(rows)} trials finished{of_them}. Results: {outcome.experiment_path}"]
     if outcome.stop_reason:
         lines.append(f"Stopped: {outcome.stop_reason}")
     if any(r.status == INTERRUPTED for r in rows):
@@ -692,6 +695,7 @@ def _row(result, spec: SweepSpec, record: SweepRecord | None = None) -> TrialRow
         note=note,
         node=report.node_name or "",
         moves=describe_moves(report.moves),
+        stopped_early=status == TERMINATED and report.stopped_early,
     )
 
 

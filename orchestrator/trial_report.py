@@ -18,6 +18,11 @@ from typing import Any, Mapping
 
 from orchestrator.contract import HostMemoryEvent, Move, OomEvent, PlanCheck, records_from_report, records_in_report
 
+#: How ``run``'s line and summary, MLflow's tag and ``report`` tell a trial that
+#: :attr:`TrialReport.stopped_early`: ASHA's cut is part of the sweep, not a failure, but a reader
+#: comparing trials needs to know which ones it ended before their budget.
+STOPPED_EARLY = "stopped early by ASHA"
+
 #: Keys Tune adds to every result (``ray.tune.result``), which are not the trial's to report;
 #: ``trial_id``, ``done`` and ``time_total_s`` among them are read back into the report.
 TUNE_RESULT_KEYS = frozenset({
@@ -124,6 +129,13 @@ class TrialReport:
     @property
     def refused(self) -> bool:
         return self.refusal is not None
+
+    @property
+    def stopped_early(self) -> bool:
+        """Of a trial Tune completed: whether it ended short of its budget, which only its
+        scheduler does (ASHA: the sweep's ``fifo`` stops no trial); a refused or diverged trial
+        ends early for its own reason, which is told instead."""
+        return not (self.training_done or self.refused or self.diverged)
 
     @property
     def ranks(self) -> int:

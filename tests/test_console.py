@@ -210,15 +210,21 @@ def test_a_refused_trial_is_told_once_though_its_last_report_and_its_end_both_sa
 
 def test_a_finished_trial_says_what_it_trained_its_metric_and_peak():
     result = TrialReport(epoch=3, measurements={"eval_loss": 0.46091}, peak_allocated_bytes=36 * 1024,
-                         memory_source="cpu_tensor_tracker")
+                         memory_source="cpu_tensor_tracker", training_done=True)
     assert format_event(finished_event("t", result, "eval_loss", 3)) == (
         "t finished: 3/3 epochs, eval_loss 0.4609, peak 36.0 KiB (tensor bytes)")
-    unfinished = TrialReport(epoch=1, measurements={"eval_loss": float("nan")})
+    unfinished = TrialReport(epoch=1, measurements={"eval_loss": float("nan")}, training_done=True)
     assert format_event(finished_event("t", unfinished, "eval_loss", None)) == "t finished: 1 epochs"
     # A step budget reached mid-epoch: the steps say the trial trained to its end, not that it was stopped early.
-    at_its_steps = TrialReport(epoch=1, step=10, measurements={"eval_loss": 0.5})
+    at_its_steps = TrialReport(epoch=1, step=10, measurements={"eval_loss": 0.5}, training_done=True)
     assert format_event(finished_event("t", at_its_steps, "eval_loss", 4, 10)) == (
         "t finished: 1/4 epochs, 10/10 steps, eval_loss 0.5000")
+
+
+def test_a_trial_asha_stopped_says_so_in_its_last_line():
+    """Tune completes it as it does a trial that spent its budget; its last report says it did not."""
+    cut = TrialReport(epoch=1, step=8, measurements={"eval_loss": 2.07})
+    assert format_event(finished_event("t", cut, "eval_loss", 4)) == "t stopped early by ASHA: 1/4 epochs, eval_loss 2.0700"
 
 
 def test_a_diverged_trial_ends_in_one_line_with_its_step_and_last_finite_loss():

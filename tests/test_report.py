@@ -435,8 +435,10 @@ def test_a_trial_the_scheduler_stopped_early_shows_what_it_trained_of_the_budget
     stopped, whole = record(0, {"lr": "0.1"}, None, None), record(1, {"lr": "0.01"}, None, None)
     stopped.results[8].update(epoch=1, step=120)
     whole.results[8]["epoch"] = 3
+    stopped.tags["stopped_early"] = "stopped early by ASHA after 1/3 epochs"
     table = trial_table(dataclasses.replace(sweep_of([stopped, whole]), stop_epochs=3))
     assert [line.split()[2] for line in table.splitlines()[2:]] == ["1/3", "3/3"]
+    assert summary(sweep_of([stopped, whole])).splitlines()[0] == "Trials: 2 (2 finished; 1 stopped early by ASHA)"
     steps = dataclasses.replace(sweep_of([stopped]), stop_epochs=None, stop_steps=500)
     assert "1 ep, 120/500 steps" in trial_table(steps)
 

@@ -32,7 +32,9 @@ def result(metrics, error=None):
 def test_a_completed_or_early_stopped_trial_is_finished():
     row = _row(result({**METRICS, "done": True}), SPEC)
     assert (row.status, row.plan, row.final_metric, row.oom_retries, row.config) == ("TERMINATED", "16 x 2", 0.5, 1, "lr=0.1")
-    assert _row(result({**METRICS, "epoch": 1, "done": True}), SPEC).status == "TERMINATED"  # e.g. ASHA stopped it
+    stopped = _row(result({**METRICS, "epoch": 1, "done": True}), SPEC)
+    assert (stopped.status, stopped.stopped_early) == ("TERMINATED", True)  # ASHA stopped it
+    assert not _row(result({**METRICS, "done": True, "training_done": 1}), SPEC).stopped_early
 
 
 def test_an_interrupted_trial_is_not_finished_and_fails_the_sweep():
@@ -133,6 +135,15 @@ def test_the_best_trial_is_named_below_the_table(typed):
     interrupted = [*rows, finished_row(4, loss=0.01, status="INTERRUPTED")]
     lines = summary_lines(SweepOutcome(interrupted, "/r/exp_1", "sqlite:///m.db"), SPEC, run_args())
     assert "Best of the finished trials: t_00001, eval_loss 0.2500 (lr=1)" in lines
+
+
+def test_the_first_line_below_the_table_counts_the_trials_asha_stopped_among_the_finished(typed):
+    rows = [finished_row(0, loss=0.5), dataclasses.replace(finished_row(1, loss=0.9), stopped_early=True),
+            finished_row(2, loss=0.1, status="ERROR")]
+    lines = summary_lines(SweepOutcome(rows, "/r/exp_1", "sqlite:///m.db"), SPEC, run_args())
+    assert lines[0] == "2/3 trials finished (1 stopped early by ASHA). Results: /r/exp_1"
+    lines = summary_lines(SweepOutcome(rows[:1], "/r/exp_1", "sqlite:///m.db"), SPEC, run_args())
+    assert lines[0] == "1/1 trials finished. Results: /r/exp_1"
 
 
 def test_each_run_gets_its_own_folder_unless_named(tmp_path):

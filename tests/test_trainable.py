@@ -7,6 +7,7 @@ import glob
 import os
 import tempfile
 
+import mlflow
 import pytest
 import torch
 
@@ -221,6 +222,14 @@ def test_a_sweep_tuned_on_a_declared_metric_with_asha(tmp_path):
     assert any(row.epochs < 3 for row in outcome.rows)  # ASHA stopped some early: finished all the same
     best = max(outcome.rows, key=lambda r: r.final_metric)
     assert best.epochs == 3
+    # Which ones ASHA stopped: the rows and MLflow's trial runs say so, and only of those.
+    stopped = {row.name for row in outcome.rows if row.epochs < 3}
+    assert {row.name for row in outcome.rows if row.stopped_early} == stopped
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("oom_test").experiment_id])
+    tagged = {r.data.tags["trial_id"]: r.data.tags.get("stopped_early") for r in runs if "trial_id" in r.data.tags}
+    assert {t for t, tag in tagged.items() if tag} == stopped
+    assert all(tagged[t].startswith("stopped early by ASHA after ") and tagged[t].endswith("/3 epochs") for t in stopped)
 
 
 def test_a_finished_or_failed_trial_leaves_no_scratch_and_tune_keeps_the_newest_checkpoints(tmp_path):

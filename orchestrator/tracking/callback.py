@@ -21,10 +21,11 @@ from orchestrator.outcome import DIVERGED, TrackingDelivery, current_record, fin
 from orchestrator.tracking.flatten import param_text, plan_params, result_metrics, spec_params
 from orchestrator.tracking.operations import AddParams, EndRun, LogArtifact, LogResult, Operation, SetTags, StartRun
 from orchestrator.tracking.outbox import Outbox
-from orchestrator.tracking.runs import EXPERIMENT_PATH_TAG, OOM_GAVE_UP_TAG, SweepIdentity, TrialRef
+from orchestrator.table import trained_text
+from orchestrator.tracking.runs import EXPERIMENT_PATH_TAG, OOM_GAVE_UP_TAG, STOPPED_EARLY_TAG, SweepIdentity, TrialRef
 from orchestrator.tracking.writer import MlflowWriter, fail_fast
 from orchestrator.trial.evidence import gave_up_events
-from orchestrator.trial_report import TrialReport
+from orchestrator.trial_report import STOPPED_EARLY, TrialReport
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +164,10 @@ class MlflowTracking(tune.Callback):
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
         report = TrialReport.from_result(trial.last_result)
         failed = report.refused or (report.diverged and not finished(DIVERGED, self.spec.on_nan))
+        if report.stopped_early:
+            stop = self.spec.stop
+            trained = trained_text(report.epoch or 0, report.step or 0, stop.epochs, stop.steps, unit="epochs")
+            self._put(SetTags(self._log(trial).ref, {STOPPED_EARLY_TAG: f"{STOPPED_EARLY} after {trained}"}))
         self._end_trial(trial, "FAILED" if failed else "FINISHED")
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:

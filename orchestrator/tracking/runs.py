@@ -19,6 +19,9 @@ STEP_METRIC = "step"
 #: On the run of a trial that gave up on OOMs: how many events its ``oom_events.json`` holds (no
 #: result counts them), which tells ``report`` to read that file.
 OOM_GAVE_UP_TAG = "oom_events_gave_up"
+#: On the run of a trial ASHA stopped before its budget (``TrialReport.stopped_early``): what it
+#: trained of the budget. MLflow ends it FINISHED, as a trial that trained to the end.
+STOPPED_EARLY_TAG = "stopped_early"
 
 
 @dataclass(frozen=True)
