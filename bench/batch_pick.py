@@ -20,11 +20,11 @@ Lightning binsearch's, and 0 OOMs in the 200 steps.
 
 The plan budgets the CUDA context too, but ``set_per_process_memory_fraction`` caps only what
 the allocator reserves (the context is outside it), so the planner is given budget + context.
-The effective batch is a large prime, so that no divisor preference shrinks the micro-batch:
-the planned micro-batch is the largest the profile says fits. With ``--cpu`` (a smoke run of
-this script where there is no GPU) the device is ``EmulatedDevice`` and the plan is made for an
-effective batch of twice the true max (a step of two micro-batches at the true max), which asks
-the same question as the search.
+The plan is made for an effective batch so large (a prime near 10^9) that spreading it evenly
+over its passes (``planner.even_split``) leaves the largest micro-batch the profile says fits
+as it is: the micro-batch asks the same question as the search, whatever the step's
+accumulation. With ``--cpu`` (a smoke run of this script where there is no GPU) the device is
+``EmulatedDevice``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.zoo import CPU_ZOO, GPU_ZOO, LIBRARY_ZOO, Entry, StepRunner  # noqa: E402
 from orchestrator.device import release  # noqa: E402
 
-EFFECTIVE_BATCH = 1_000_003  # prime: the planned micro-batch is the largest that fits
+EFFECTIVE_BATCH = 1_000_000_007  # prime: spread over its passes, the largest micro-batch below ~30,000 that fits stays whole
 ACCELERATE_START = {"gpt2_bf16_seq1024": 64}  # starting batch for Accelerate (default 1024)
 PICK_MODELS = ("resnet50", "vit_b16_bf16", "gpt2_bf16_seq1024", "tcn_eeg")
 CPU_PICK_MODELS = ("cnn", "resnet_ish", "tiny_gpt_bf16")
@@ -129,11 +129,8 @@ def run_entry(entry: Entry, budget: int, on_gpu: bool, args) -> Result:
     del runner
     release()
     result = Result(entry.name, true_max)
-    # On the CPU the plan is made for 2 x the true max, which asks the same question as the
-    # search (two micro-batches of b per step).
-    effective = EFFECTIVE_BATCH if on_gpu else 2 * max(true_max, 1)
     for estimator in ("trace", "measured"):
-        result.picks.append(ours(entry, estimator, budget, device, on_gpu, args, effective))
+        result.picks.append(ours(entry, estimator, budget, device, on_gpu, args, EFFECTIVE_BATCH))
         release()
     result.picks.append(accelerate_pick(entry, device))
     release()
