@@ -48,6 +48,19 @@ def args(config, **kwargs):
     return Namespace(**{"config": config, "overrides": [], "device_memory": None, "estimator": None, "json": False, **kwargs})
 
 
+def test_trials_of_one_memory_signature_share_one_plan(sweep, capsys, monkeypatch):
+    """Planning counts the eval set, which builds it: once per signature, not once per trial."""
+    from orchestrator import plan_command as command
+
+    made = []
+    real = command._plan
+    monkeypatch.setattr(command, "_plan", lambda workload, *a: made.append(workload) or real(workload, *a))
+    assert plan_command(args(sweep(), device_memory="2GiB", json=True)) == 0
+    trials = json.loads(capsys.readouterr().out)["trials"]
+    assert len(trials) == 4 and len(made) == 2  # 2 workloads x 2 learning rates
+    assert [t["plan"] for t in trials][0::2] == [t["plan"] for t in trials][1::2]
+
+
 def test_table_shows_every_phase_of_every_trial_and_the_plan(sweep, capsys):
     assert plan_command(args(sweep(), device_memory="2GiB")) == 0
     out, err = capsys.readouterr()
