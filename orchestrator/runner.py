@@ -106,8 +106,11 @@ def summary_lines(outcome: SweepOutcome, spec: SweepSpec, request: RunRequest) -
     name = os.path.basename(outcome.experiment_path)
     done = sum(finished(r.status, outcome.on_nan) for r in rows)
     stopped = sum(r.stopped_early for r in rows)
-    of_them = f" ({stopped} {STOPPED_EARLY})" if stopped else ""
-    lines = [f"{done}/{len(rows)} trials finished{of_them}. Results: {outcome.experiment_path}"]
+    # Tune makes trials as it starts them: a sweep stopped early has made only some of its space's.
+    total = max(len(rows), spec.trial_count())
+    notes = [f"{stopped} {STOPPED_EARLY}"] * bool(stopped) + [f"{total - len(rows)} not started"] * (total > len(rows))
+    of_them = f" ({'; '.join(notes)})" if notes else ""
+    lines = [f"{done}/{total} trials finished{of_them}. Results: {outcome.experiment_path}"]
     if outcome.stop_reason:
         lines.append(f"Stopped: {outcome.stop_reason}")
     if any(r.status == INTERRUPTED for r in rows):

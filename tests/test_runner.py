@@ -146,6 +146,15 @@ def test_the_first_line_below_the_table_counts_the_trials_asha_stopped_among_the
     assert lines[0] == "1/1 trials finished. Results: /r/exp_1"
 
 
+def test_a_sweep_stopped_before_tune_made_all_its_trials_counts_them_all(typed):
+    """Tune makes a trial as it starts it: Ctrl-C in a sweep of 10,000 samples leaves 200 made."""
+    spec = parse_spec({**SPEC.raw, "num_samples": 10_000})
+    rows = [finished_row(0, loss=0.5), dataclasses.replace(finished_row(1, loss=0.9), stopped_early=True),
+            *(finished_row(i, loss=0.1, status="INTERRUPTED") for i in range(2, 200))]
+    lines = summary_lines(SweepOutcome(rows, "/r/exp_1", "sqlite:///m.db"), spec, run_args())
+    assert lines[0] == "2/10000 trials finished (1 stopped early by ASHA; 9800 not started). Results: /r/exp_1"
+
+
 def test_each_run_gets_its_own_folder_unless_named(tmp_path):
     name, restore, named = _experiment_name(SPEC, str(tmp_path), None, resume=False)
     assert name.startswith("exp_") and restore is None and not named  # the claim may make it name_2
