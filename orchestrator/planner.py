@@ -3,11 +3,11 @@
 The planner is pure: the same profile, budget and policy always give the same plan, and nothing
 here touches a GPU, Ray or MLflow, so every rule is unit-tested on its own.
 
-* :func:`make_plan` picks the fewest passes a step can take, the largest micro-batch at which
-  every train phase fits the budget (times the safety margin), and spreads the effective batch
-  evenly over them (128 as 64 + 64, not 100 + 28: the same passes at a lower peak); gradient
-  accumulation keeps the effective batch. Then it picks the eval
-  batch from the eval phases, after training at that micro-batch. "Fits" is what the profile
+* :func:`make_plan` finds the largest micro-batch at which every train phase fits the budget
+  (times the safety margin), which sets the fewest passes a step can take, and spreads the
+  effective batch evenly over them (128 as 64 + 64, not 100 + 28: the same passes at a lower
+  peak); gradient accumulation keeps the effective batch. Then it picks the eval batch from
+  the eval phases, after training at that micro-batch. "Fits" is what the profile
   says: where it models the CUDA caching allocator, that the replay of the phase's allocations
   within the limit does not run out of memory, freeing the allocator's cache on the way as
   PyTorch does (so a batch whose unpressured reserved memory is above the limit may still fit);
@@ -15,8 +15,9 @@ here touches a GPU, Ray or MLflow, so every rule is unit-tested on its own.
   tries activation checkpointing and then the lower precision; when nothing fits it refuses,
   saying what the trial needs and what would make it fit.
 * :func:`next_reduction` is what to try after an out-of-memory error: halve the micro-batch
-  (spread evenly over the passes that takes), then activation checkpointing, then the lower precision, then give up. The effective batch is
-  never changed: a reduced trial makes the same updates, only in more, smaller pieces.
+  (spread evenly over the passes that takes), then activation checkpointing, then the lower
+  precision, then give up. The effective batch is never changed: a reduced trial makes the
+  same updates, only in more, smaller pieces.
 * A trial that verifies its plan (``memory.verify``, ``orchestrator.trial.verify``) plans with
   ``error_bound`` first: every phase's prediction raised by the estimator's own error bound, so
   its first steps fit even where the estimate is that far too low; then with ``corrections``,
@@ -157,7 +158,7 @@ def plan_with_profile(
         if profile is None:
             raise EstimationError(profiles.errors[start])
         eval_batch = min(effective_batch, eval_cap)
-        return _plan(profile, effective_batch, effective_batch, eval_batch, None, ""), profile
+        return _plan(profile, effective_batch, effective_batch, eval_batch, None), profile
 
     limit = int(budget_bytes * policy.safety_margin)
     trust = _Trust(dict(corrections or {}), error_bound)
@@ -172,7 +173,7 @@ def plan_with_profile(
         micro = even_split(micro, effective_batch)
         eval_batch = _largest(lambda b: _eval_fits(profile, b, micro, limit, trust), eval_cap)
         if eval_batch:
-            plan = _plan(profile, micro, effective_batch, eval_batch, budget_bytes, "", limit, trust)
+            plan = _plan(profile, micro, effective_batch, eval_batch, budget_bytes, limit, trust)
             return replace(plan, safety_margin=policy.safety_margin, corrections=trust.corrections,
                            error_bound=error_bound), profile
     return _refuse(workload, policy, effective_batch, budget_bytes, limit, profiles, start), profiles.get(start)
@@ -221,7 +222,7 @@ def predicted(plan: Plan, profile: MemoryProfile) -> Plan:
     if plan.budget_bytes is not None and plan.safety_margin:
         limit = int(_usable(plan.budget_bytes, plan.exchange_bytes, plan.safety_margin) * plan.safety_margin)
     trust = _Trust(dict(plan.corrections), plan.error_bound)
-    fresh = _plan(profile, plan.micro_batch, plan.rank_batch, plan.eval_batch, plan.budget_bytes, "", limit, trust)
+    fresh = _plan(profile, plan.micro_batch, plan.rank_batch, plan.eval_batch, plan.budget_bytes, limit, trust)
     return replace(plan, predicted_peak_bytes=fresh.predicted_peak_bytes + plan.exchange_bytes,
                    predicted_phase=fresh.predicted_phase,
                    predicted_phases={name: peak + plan.exchange_bytes for name, peak in fresh.predicted_phases.items()})
@@ -366,7 +367,7 @@ def even_split(micro: int, effective: int) -> int:
     return math.ceil(effective / math.ceil(effective / micro))
 
 
-def _plan(profile: MemoryProfile, micro: int, effective: int, eval_batch: int, budget: int | None, note: str,
+def _plan(profile: MemoryProfile, micro: int, effective: int, eval_batch: int, budget: int | None,
           limit: int | None = None, trust: _Trust = TRUSTED) -> Plan:
     if limit is None or trust == TRUSTED:
         phases = profile.phase_peaks(micro, eval_batch, limit)
@@ -389,7 +390,7 @@ def _plan(profile: MemoryProfile, micro: int, effective: int, eval_batch: int, b
         predicted_peak_bytes=phases[worst],
         predicted_phase=worst,
         predicted_phases=phases,
-        note="; ".join(n for n in (note, fallback, flat) if n),
+        note="; ".join(n for n in (fallback, flat) if n),
         compiled=profile.compiled,
     )
 

@@ -105,10 +105,13 @@ def summary_lines(outcome: SweepOutcome, spec: SweepSpec, request: RunRequest) -
     rows = outcome.rows
     name = os.path.basename(outcome.experiment_path)
     done = sum(finished(r.status, outcome.on_nan) for r in rows)
-    stopped = sum(r.stopped_early for r in rows)
     # Tune makes trials as it starts them: a sweep stopped early has made only some of its space's.
     total = max(len(rows), spec.trial_count())
-    notes = [f"{stopped} {STOPPED_EARLY}"] * bool(stopped) + [f"{total - len(rows)} not started"] * (total > len(rows))
+    notes = []
+    if stopped := sum(r.stopped_early for r in rows):
+        notes.append(f"{stopped} {STOPPED_EARLY}")
+    if total > len(rows):
+        notes.append(f"{total - len(rows)} not started")
     of_them = f" ({'; '.join(notes)})" if notes else ""
     lines = [f"{done}/{total} trials finished{of_them}. Results: {outcome.experiment_path}"]
     if outcome.stop_reason:
