@@ -315,7 +315,12 @@ class _HostMemory:
             return None
         key = (signature, micro_batch)
         if key not in self.footprints:
-            self.footprints[key] = data_footprint(workload, micro_batch)
+            try:
+                self.footprints[key] = data_footprint(workload, micro_batch)
+            except Exception:  # noqa: BLE001 - a model that does not build on ``meta``, say: `run:`'s line says why
+                self.footprints[key] = None
+        if self.footprints[key] is None:
+            return None
         return plan_host_memory(self.footprints[key], self.spec.data, pinned=self.pinned, trials_at_once=self.at_once,
                                 available_bytes=self.available)
 

@@ -61,6 +61,19 @@ def test_trials_of_one_memory_signature_share_one_plan(sweep, capsys, monkeypatc
     assert [t["plan"] for t in trials][0::2] == [t["plan"] for t in trials][1::2]
 
 
+def test_a_model_that_reads_its_weights_as_it_is_built_is_planned_and_says_why_its_host_memory_is_not(tmp_path, capsys):
+    """The trace builds it on fake tensors, which hold values; host memory's count builds it on ``meta``."""
+    path = tmp_path / "sweep.yaml"
+    path.write_text("experiment: plan_test\nworkload: {name: tests.workloads:ValueInitWorkload}\nsearch_space: {lr: 0.01}\n"
+                    "effective_batch_size: 32\nstop: {epochs: 1}\nmemory: {device: emulated, capacity: 4MiB}\n")
+    assert plan_command(args(str(path))) == 0
+    out = capsys.readouterr().out
+    assert "trial 0 (" in out and ": 32 x 1 (eval" in out, out
+    [line] = [line for line in out.splitlines() if line.startswith("run: host memory")]
+    assert line.startswith("run: host memory not planned, the trials' data and model state could not be measured "
+                           "(RuntimeError: Tensor.item() cannot be called on meta tensors (in tests/workloads.py:"), line
+
+
 def test_table_shows_every_phase_of_every_trial_and_the_plan(sweep, capsys):
     assert plan_command(args(sweep(), device_memory="2GiB")) == 0
     out, err = capsys.readouterr()

@@ -102,6 +102,20 @@ class BuggyWorkload(MLPWorkload):
 
 
 @dataclasses.dataclass
+class ValueInitWorkload(MLPWorkload):
+    """A model that reads a value of its own weights as it is built (a norm to rescale them by):
+    it builds on a device, not on ``meta``, where a tensor has no values."""
+
+    def build_model(self):
+        model = super().build_model()
+        scale = next(model.parameters()).norm().item()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.div_(scale)
+        return model
+
+
+@dataclasses.dataclass
 class ScoredWorkload(MLPWorkload):
     """Reports accuracy next to the loss, from one forward pass, for sweeps tuned on accuracy."""
 
