@@ -41,7 +41,7 @@ from orchestrator.memory import EstimationError, MemoryProfile, Settings
 from orchestrator.memory.cache import ProfileCache
 from orchestrator.memory.parallel import DataParallel
 from orchestrator.table import last_micro_batch, split_text
-from orchestrator.units import GiB, gib, human
+from orchestrator.units import GiB, binary_unit, gib, human
 
 #: The eval batch is a throughput knob, not a hyper-parameter; beyond this many times the
 #: effective batch it buys nothing and only makes a large allocation.
@@ -401,10 +401,13 @@ def _refuse(workload, policy, effective: int, budget: int, limit: int, profiles:
     if profile is None:
         needs = f"could not be estimated ({profiles.errors.get(start, 'no profile')})"
         phases: dict[str, int] = {}
+        limit_text = format_bytes(limit)
     else:
-        needs = f"needs {_breakdown_at_one(profile)}"
         phases = profile.phase_peaks(1, 1)
-    margin = f" (x safety margin {policy.safety_margin:g} = {format_bytes(limit)})" if policy.safety_margin != 1 else ""
+        peak, name = profile.peak(1, 1)
+        needs_text, limit_text = apart(peak, limit)
+        needs = f"needs {needs_text} at micro-batch 1 in {name} ({_breakdown_at_one(profile, name, peak)})"
+    margin = f" (x safety margin {policy.safety_margin:g} = {limit_text})" if policy.safety_margin != 1 else ""
     message = f"{needs}, budget {format_bytes(budget)}{margin}; {_what_would_fit(workload, policy, limit, profiles, start)}"
     worst = profile.worst(phases, 1, 1) if phases else None
     return Plan(
@@ -414,14 +417,40 @@ def _refuse(workload, policy, effective: int, budget: int, limit: int, profiles:
     )
 
 
-def _breakdown_at_one(profile: MemoryProfile) -> str:
-    peak, name = profile.peak(1, 1)
+def _breakdown_at_one(profile: MemoryProfile, name: str, peak: int) -> str:
+    """What phase ``name`` holds at micro-batch 1, part by part, adding up to its ``peak``. At small
+    batches a train step peaks where the batch does not count (the optimizer step's temporaries,
+    a copy or two of the largest parameter: the curve is flat there), above the line the
+    activations make; that and the allocator's cache above the tensors are parts of their own."""
     p = next(ph for ph in profile.phases if ph.name == name)
+    line = p.fixed + p.activations_per_sample
+    allocated = p.allocated_at(1)
     parts = [("params", p.params), ("grads", p.grads), ("optim", p.optimizer), ("buffers", p.buffers),
-             ("activations/sample", p.activations_per_sample), ("other", p.fixed_other), ("ctx", p.context + p.workspace)]
+             ("activations/sample", p.activations_per_sample), ("other", p.fixed_other),
+             ("step temporaries" if p.kind == "train" else "temporaries", allocated - max(line, 0)),
+             ("allocator cache", peak - allocated - p.overhead - _frag(p, allocated)), ("ctx", p.overhead)]
     shown = ", ".join(f"{label} {format_bytes(v)}" for label, v in parts if v > 0)
     frag = f", frag {p.fragmentation:.0%}" if p.fragmentation else ""
-    return f"{format_bytes(peak)} at micro-batch 1 in {name} ({shown}{frag})"
+    return f"{shown}{frag}"
+
+
+def _frag(p, allocated: int) -> int:
+    """The flat fragmentation factor's bytes, where the allocator is not modelled."""
+    return 0 if p.sequence is not None else math.ceil(round(allocated * p.fragmentation, 3))
+
+
+def apart(a: int, b: int) -> tuple[str, str]:
+    """Two sizes as a line compares them: where one decimal shows them equal ('needs 1.8MiB,
+    budget 1.8MiB'), with as many more as tell them apart (1.77MiB and 1.76MiB)."""
+    unit, size = binary_unit(max(abs(a), abs(b)))
+    if format_bytes(a) != format_bytes(b) or size == 1:
+        return format_bytes(a), format_bytes(b)
+    unit = "G" if size == GiB else unit  # as format_bytes writes GiB
+    for digits in range(2, 7):
+        first, second = f"{a / size:.{digits}f}{unit}", f"{b / size:.{digits}f}{unit}"
+        if first != second:
+            return first, second
+    return f"{a}B", f"{b}B"
 
 
 def _what_would_fit(workload, policy, limit: int, profiles: ProfileCache, start: Settings) -> str:
