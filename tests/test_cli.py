@@ -34,18 +34,24 @@ from tests.conftest import (
 )
 
 # The README's WideNet at a pace a test can interrupt (about half a second an epoch on one core),
-# in a module of the user's package beside it.
-PACED = """\
+# in a module of the user's package beside it. PACE_ENV in the command's environment sets
+# another pace (``unpaced()``: none) for a run that nobody interrupts: the sleep changes no number
+# the trial computes, only how long it takes.
+PACE_ENV = "ORCHESTRATOR_TEST_PACE_S"
+PACED = f"""\
 import dataclasses
+import os
 import time
 
 from my_models.wide import WideNet
+
+PACE_S = float(os.environ.get("{PACE_ENV}", "0.015"))
 
 
 @dataclasses.dataclass
 class PacedWideNet(WideNet):
     def loss(self, model, batch):
-        time.sleep(0.015)
+        time.sleep(PACE_S)
         return super().loss(model, batch)
 """
 
@@ -53,8 +59,14 @@ NO_PACKAGE = ("error: workload.name: workload 'my_models.wide:WideNet': cannot i
               "(No module named 'my_models')")
 
 
-def run(command: list[str], cwd, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(command, cwd=cwd, env=command_env(), capture_output=True, text=True, timeout=timeout)
+def run(command: list[str], cwd, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=cwd, env=env or command_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def unpaced(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (a user's shell, ``command_env()``) with PacedWideNet at full speed: for a sweep
+    that is resumed or run through, which nothing interrupts, so its trials need not be slow."""
+    return {**(env or command_env()), PACE_ENV: "0"}
 
 
 def test_the_readme_example_plans_with_the_installed_command(own_model_project):
@@ -293,7 +305,8 @@ def test_ctrl_c_then_the_printed_command_resumes_where_the_trials_were(own_model
     assert max(checkpointed_at.values()) < epochs, checkpointed_at
 
     # Pasted into the same shell as printed.
-    proc = subprocess.run(printed, shell=True, cwd=folder, env=user, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(printed, shell=True, cwd=folder, env=unpaced(user), capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = proc.stdout[proc.stdout.index("trial  "):]
     assert "2/2 trials finished" in table and table.count("TERMINATED") == 2
@@ -383,7 +396,7 @@ def step_sweep(own_model_project) -> Path:
     80 ms a step, so a trial trains for some 15 s, long enough for both trials to checkpoint before
     either ends however slowly the second one's worker starts."""
     folder = own_model_project.folder
-    (folder / "my_models" / "paced.py").write_text(PACED.replace("time.sleep(0.015)", "time.sleep(0.08)"))
+    (folder / "my_models" / "paced.py").write_text(PACED.replace('"0.015"', '"0.08"'))
     (folder / "steps.yaml").write_text(STEP_SWEEP)
     return folder
 
@@ -449,8 +462,10 @@ def _sweep_run_statuses(folder: Path, name: str) -> list[str]:
 
 def _assert_resumes_to_the_end(folder: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
     """``run ... --name NAME --resume`` finishes every trial, prints no traceback, and MLflow has
-    each trial's reports once, in the one run each trial and the sweep had before."""
-    proc = run(_run_steps(name, *extra, resume=True), folder, timeout=600)
+    each trial's reports once, in the one run each trial and the sweep had before. Unpaced (the
+    rest of the trials at full speed), except a sweep whose reports come by the clock."""
+    env = command_env() if extra == BY_THE_CLOCK else unpaced()
+    proc = run(_run_steps(name, *extra, resume=True), folder, timeout=600, env=env)
     said = proc.stdout + proc.stderr
     assert proc.returncode == 0, said[-3000:]
     assert "Traceback" not in said and "Error" not in said, said[-3000:]
@@ -518,7 +533,7 @@ def test_a_killed_driver_resumes_to_the_losses_of_an_uninterrupted_sweep(step_sw
     the MLflow runs stay RUNNING), then ``--resume``: no traceback, every step's report in MLflow
     once, and the same losses at every step as a sweep that ran through; also where each trial
     is a data-parallel group whose ranks lose their driver."""
-    whole = run(_run_steps("whole", *extra), step_sweep, timeout=600)
+    whole = run(_run_steps("whole", *extra), step_sweep, timeout=600, env=unpaced())  # nothing stops it: no pace needed
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
 
     def kill_the_driver(sweep):

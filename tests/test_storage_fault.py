@@ -99,7 +99,7 @@ def storage_sweep(own_model_project, request):
     """The step-cadence sweep of tests/test_cli.py (checkpoints every 20 steps of ~80 ms) and
     its storage, of the kind the test's parameter names."""
     folder = own_model_project.folder
-    (folder / "my_models" / "paced.py").write_text(PACED.replace("time.sleep(0.015)", "time.sleep(0.08)"))
+    (folder / "my_models" / "paced.py").write_text(PACED.replace('"0.015"', '"0.08"'))
     (folder / "steps.yaml").write_text(STEP_SWEEP)
     storage = Storage(folder, request.param)
     try:
