@@ -24,7 +24,7 @@ import pytest
 from orchestrator.outcome import recording
 from orchestrator.storage_fault import StopOnStorageFault
 from tests.conftest import command_env, rows_trained
-from tests.test_cli import PACED, STEP_SWEEP, _run_steps, _sweep_run_statuses, _trial_histories
+from tests.test_cli import PACED, STEP_SWEEP, _run_steps, _sweep_run_statuses, _trial_histories, unpaced
 
 
 def test_the_first_storage_fault_stops_the_sweep_as_ctrl_c_does():
@@ -114,7 +114,8 @@ def _with_storage(storage: Storage, name: str, resume: bool = False) -> list[str
 
 
 def _sweep_through_an_outage(folder: Path, storage: Storage, outage_s: float) -> subprocess.CompletedProcess:
-    """Run the sweep; once both trials have a checkpoint, fail the storage for ``outage_s``."""
+    """Run the sweep; once both trials have a checkpoint, fail the storage for ``outage_s``, or
+    until the sweep has ended if that comes first (a sweep that stopped takes nothing more)."""
     command = _with_storage(storage, "cut")
     sweep = subprocess.Popen(command, cwd=folder, env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, start_new_session=True)
@@ -126,7 +127,9 @@ def _sweep_through_an_outage(folder: Path, storage: Storage, outage_s: float) ->
             time.sleep(0.2)
         assert sweep.poll() is None, "the sweep ended before every trial had a checkpoint"
         storage.fail()
-        time.sleep(outage_s)
+        back_at = time.monotonic() + outage_s
+        while sweep.poll() is None and time.monotonic() < back_at:
+            time.sleep(0.2)
         storage.come_back()
         out, _ = sweep.communicate(timeout=400)
     finally:
@@ -170,7 +173,8 @@ def test_a_storage_that_stays_away_stops_the_sweep_and_resume_finishes_it(storag
     assert shlex.split(printed)[1:] == _with_storage(storage, "cut", resume=True)[1:]
     assert {status for status, _ in _trial_histories(folder, "cut").values()} == {"KILLED"}
 
-    proc = subprocess.run(shlex.split(printed), cwd=folder, env=command_env(), capture_output=True, text=True, timeout=600)
+    # The rest of the trials unpaced: nothing interrupts the resumed sweep.
+    proc = subprocess.run(shlex.split(printed), cwd=folder, env=unpaced(), capture_output=True, text=True, timeout=600)
     said = proc.stdout + proc.stderr
     assert proc.returncode == 0, said[-3000:]
     assert "Traceback" not in said and "2/2 trials finished" in proc.stdout, said[-3000:]
