@@ -258,18 +258,33 @@ def test_a_nan_loss_ends_the_group_together_at_the_first_bad_step(tmp_path, nan_
                         row.note), row.note
 
 
+LOSES_LOADER_WORKER = {"name": "tests.workloads:RankLosesLoaderWorkerWorkload", "params": {**MLP["params"], "at": 300}}
+
+
+@pytest.fixture(scope="module")
+def never_lost_loader_worker(local_ray, tmp_path_factory):
+    """The final state of the loader-worker sweep below where no rank loses a worker (``on_rank``
+    5 of 2): the reference of both ways to lose one, run once for the module."""
+    folder = tmp_path_factory.mktemp("never_lost")
+    workload = {**LOSES_LOADER_WORKER, "params": {**LOSES_LOADER_WORKER["params"], "on_rank": 5}}
+    whole = sweep(folder, workload, {"device": "cpu", "estimator": "none"}, checkpoint={"every": {"steps": 1}},
+                  data={"num_workers": 2})
+    assert whole.ok, whole.rows
+    return final_state(whole)
+
+
 @pytest.mark.integration
 @pytest.mark.usefixtures("local_ray")
 @pytest.mark.parametrize("how", ["rlimit", "kill"])
-def test_a_loader_worker_lost_on_rank_1_takes_the_group_back_with_fewer_workers_recorded_once(tmp_path, how):
+def test_a_loader_worker_lost_on_rank_1_takes_the_group_back_with_fewer_workers_recorded_once(
+        tmp_path, how, never_lost_loader_worker):
     """Rank 1's worker is lost in epoch 1 (a real MemoryError under RLIMIT_AS, or a SIGKILL): the
     whole group goes back to its last checkpoint with one worker per rank instead of two, finishes,
     and rank 0 records the event once; the weights are those of a group whose worker was never lost."""
     marker = tmp_path / "lost"
-    workload = {"name": "tests.workloads:RankLosesLoaderWorkerWorkload",
-                "params": {**MLP["params"], "how": how, "marker": str(marker), "at": 300}}  # 1024 samples per rank
+    workload = {**LOSES_LOADER_WORKER, "params": {**LOSES_LOADER_WORKER["params"], "how": how, "marker": str(marker)}}
     lossy = sweep(tmp_path / "a", workload, {"device": "cpu", "estimator": "none"}, checkpoint={"every": {"steps": 1}},
-                  data={"num_workers": 2})
+                  data={"num_workers": 2})  # 1024 samples per rank, lost at the 300th
     assert lossy.ok, lossy.rows
     assert marker.exists()
     state = final_state(lossy)
@@ -279,8 +294,7 @@ def test_a_loader_worker_lost_on_rank_1_takes_the_group_back_with_fewer_workers_
     assert event["message"].startswith("rank 1: ") and lost in event["message"], event
     assert state["trainer"]["progress"] == {"epoch": 2, "step_in_epoch": 0, "step": 8}
 
-    whole = sweep(tmp_path / "b", {**workload, "params": {**workload["params"], "on_rank": 5}},
-                  {"device": "cpu", "estimator": "none"}, checkpoint={"every": {"steps": 1}}, data={"num_workers": 2})
-    assert whole.ok and "host_memory_events" in final_state(whole) and not final_state(whole)["host_memory_events"]
+    whole = never_lost_loader_worker
+    assert "host_memory_events" in whole and not whole["host_memory_events"]
     for name, tensor in state["trainer"]["model"].items():
-        torch.testing.assert_close(tensor, final_state(whole)["trainer"]["model"][name])
+        torch.testing.assert_close(tensor, whole["trainer"]["model"][name])
