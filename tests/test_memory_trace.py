@@ -94,6 +94,27 @@ def test_untraceable_workload_falls_back_with_a_note_naming_the_op_and_the_line(
     assert measured.phases[0].allocated_at(64) <= static.phases[0].allocated_at(64)
 
 
+class InPlaceResidualMLP(MLPWorkload):
+    """``h += f(h)``: ReLU's backward needs the output that the in-place add then changes. Its
+    every backward fails, on real tensors as on fake ones."""
+
+    def loss(self, model, batch):
+        x, y = batch
+        first, last = model[0], model[-1]
+        h = first(x).relu()
+        h += first(x)
+        return F.cross_entropy(last(h), y)
+
+
+def test_a_backward_that_fails_on_any_tensors_is_the_models_error_not_a_fallback():
+    """The ``static`` fallback runs no backward: it would plan the sweep, and every trial would fail."""
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        estimate(InPlaceResidualMLP(), "trace", target="cpu")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        workload = InPlaceResidualMLP()
+        workload.loss(workload.build_model(), workload.train_data()[:4]).backward()
+
+
 def test_checks_on_the_samples_values_are_answered_as_the_real_batch_answers_them():
     traced = estimate(LabelMaskedMLP(), "trace", target="cpu")
     real = estimate(LabelMaskedMLP(), "measured", target="cpu", device=CpuDevice())

@@ -69,12 +69,29 @@ def trace_or_fallback(workload: Workload, request: EstimateRequest) -> MemoryPro
     except Untraceable as exc:
         reason = str(exc)
     except Exception as exc:  # a model fake tensors trip over in some other way: still plan, say why
+        if fails_on_any_tensors(exc):
+            raise
         reason = summary(exc)
     fallback, profile = (
         ("measured", measured_profile(workload, request)) if request.device is not None
         else ("static", static_profile(workload, request))
     )
     return replace(profile, notes=(f"trace impossible ({reason}); fell back to {fallback}", *profile.notes))
+
+
+#: What autograd says of a model whose backward fails whatever its tensors hold: fake tensors keep
+#: the version counters and ``requires_grad`` that these checks read, as real ones do.
+AUTOGRAD_MODEL_ERRORS = (
+    "modified by an inplace operation",  # a tensor backward needs, changed in place after it was saved
+    "does not require grad and does not have a grad_fn",  # a loss that no parameter's gradient reaches
+)
+
+
+def fails_on_any_tensors(exc: Exception) -> bool:
+    """Whether the trace's error is the model's own, which every trial would raise too: it is
+    told before the sweep starts, as a shape mismatch in the forward is, not planned around
+    with the ``static`` fallback (which runs no backward) to fail each trial after Ray started."""
+    return isinstance(exc, RuntimeError) and any(message in str(exc) for message in AUTOGRAD_MODEL_ERRORS)
 
 
 def trace_profile(
