@@ -85,6 +85,7 @@ class Planned:
     trial: str
     plan: str  # "64 x 1"
     estimate: str  # "estimated peak 36.0 KiB (trace)", or why there is none
+    settings: str = ""  # "bf16, activation checkpointing": what the plan runs other than fp32 without
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,8 @@ def format_event(event: Event) -> str:
                 f"step {event.step}; plan {event.plan}), "
                 + ("from its last checkpoint" if event.checkpointed else "from the start: the sweep's saved state has no checkpoint of it"))
     if isinstance(event, Planned):
-        return f"{name} plan: micro-batch x accumulation {event.plan}, {event.estimate}"
+        settings = f", {event.settings}" if event.settings else ""
+        return f"{name} plan: micro-batch x accumulation {event.plan}{settings}, {event.estimate}"
     if isinstance(event, OomSurvived):
         e = event.event
         if e.phase == "eval":
@@ -218,6 +220,16 @@ def plan_text(report: TrialReport) -> str:
     return split_text(report.micro_batch, report.accum_steps, report.effective_batch, report.ranks)
 
 
+def settings_text(report: TrialReport) -> str:
+    """``bf16, activation checkpointing``: what a plan runs with where not even micro-batch 1 fits
+    in full precision without checkpointing (the planner turns them on, as the memory policy
+    allows), or what the config asked for; fp32 without checkpointing goes unsaid."""
+    parts = [report.precision] if report.precision and report.precision != "fp32" else []
+    if report.activation_checkpointing:
+        parts.append("activation checkpointing")
+    return ", ".join(parts)
+
+
 # -- events out of a trial's reports -----------------------------------------------------------
 
 
@@ -266,15 +278,17 @@ def report_events(trial: str, report: TrialReport, seen: Seen) -> list[Event]:
     if not seen.planned and report.micro_batch is not None:
         seen.planned = True
         started_with, estimate = plan, _estimate(report, report.predicted_peak_bytes, report.predicted_phase)
+        settings = settings_text(report)
         if new_events:  # the plan it ran out of memory with, and that plan's estimate
             started_with = _plan_before(new_events[0], report)
             estimate = _estimate(report, new_events[0].predicted_peak_bytes, None)
+            settings = ""  # those of the plan it ran out of memory with: its OOM line says what changed
         elif any(c.changed for c in report.plan_checks):  # it ran its first steps before a check changed it
             first = report.plan_checks[0]
             micro, accumulation = (int(n) for n in first.plan.split(" (")[0].split(" x ")[:2])  # '91 x 2 (last 37, ...'
             started_with = split_text(micro, accumulation, report.effective_batch, report.ranks)
             estimate = _estimate(report, first.predicted_bytes, first.phase)  # that plan's, where it was checked
-        events.insert(0, Planned(trial, started_with, estimate))
+        events.insert(0, Planned(trial, started_with, estimate, settings))
     if report.storage_fault:
         events.append(StorageFault(trial, report.storage_fault))
     return events

@@ -114,6 +114,17 @@ def test_a_report_tells_the_plan_once_and_each_oom_and_move_once():
         OomSurvived("t", TRAIN_OOM), OomSurvived("t", EVAL_OOM, "64 x 2"), Moved("t", move)]
 
 
+def test_a_plan_that_lowered_the_precision_or_checkpoints_says_so_in_its_line():
+    """The planner turns them on where not even micro-batch 1 fits otherwise: the line a user
+    reads says so, not only ``report``'s table. fp32 without checkpointing goes unsaid."""
+    lowered = dataclasses.replace(PLANNED, micro_batch=1, accum_steps=128, precision="bf16", activation_checkpointing=True)
+    assert format_event(report_events("t", lowered, Seen())[0]) == (
+        "t plan: micro-batch x accumulation 1 x 128, bf16, activation checkpointing, estimated peak 5.0 MiB in train (trace)")
+    full = dataclasses.replace(PLANNED, precision="fp32", activation_checkpointing=False)
+    assert format_event(report_events("t", full, Seen())[0]) == (
+        "t plan: micro-batch x accumulation 64 x 2, estimated peak 5.0 MiB in train (trace)")
+
+
 def test_the_plan_before_an_oom_keeps_the_accumulation_that_covers_the_effective_batch():
     """54 x 2 covers 100 samples (54 + 46); 54 x 1 would not."""
     oom = dataclasses.replace(TRAIN_OOM, micro_batch=54, action="micro-batch 54->27 (accumulation 2->4)")
