@@ -71,6 +71,9 @@ class Estimates:
     policy: MemoryPolicy
     by_signature: dict[str, dict[Settings, MemoryProfile]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # signature -> why it could not be estimated
+    #: signature -> why the configured estimator could not run here (``trace impossible (...)``):
+    #: its fallback is not handed to the trials, which estimate on their own device instead.
+    fell_back: dict[str, str] = field(default_factory=dict)
 
     def known(self, config: dict[str, Any], target: str) -> dict[Settings, MemoryProfile]:
         """The profiles for a trial of ``config`` on a device of kind ``target`` (empty if none fit)."""
@@ -116,11 +119,13 @@ def estimate_trials(
                                    initializer=spawned.start, initargs=(os.getpid(),))
         results = pool.map(_estimate_one, jobs)
     try:
-        for (signature, indices), (profiles, error, seconds) in zip(groups.items(), results):
+        for (signature, indices), (profiles, error, fallback, seconds) in zip(groups.items(), results):
             if error is None:
                 estimates.by_signature[signature] = profiles
             else:
                 estimates.errors[signature] = error
+            if fallback:
+                estimates.fell_back[signature] = fallback
             if on_done is not None:
                 on_done(signature, indices, seconds)
             if stop is not None and stop.is_set():
@@ -131,8 +136,9 @@ def estimate_trials(
     return estimates
 
 
-def _estimate_one(job) -> tuple[dict[Settings, MemoryProfile], str | None, float]:
-    """In a worker process: plan one signature's first trial; its profiles, or the error's line."""
+def _estimate_one(job) -> tuple[dict[Settings, MemoryProfile], str | None, str | None, float]:
+    """In a worker process: plan one signature's first trial; its profiles, or the error's line;
+    and why the configured estimator fell back, where it did."""
     import time
 
     from orchestrator.memory.failure import summary
@@ -145,8 +151,9 @@ def _estimate_one(job) -> tuple[dict[Settings, MemoryProfile], str | None, float
         cache = ProfileCache(build_workload(config), policy, target, epochs=epochs)
         make_plan(cache.workload, policy, effective_batch, budget, target=target, profiles=cache)
     except Exception as exc:  # noqa: BLE001 - a user's model failing: reported (op and line), the sweep decides
-        return {}, summary(exc) + install_advice(exc), time.perf_counter() - started
-    return cache.shareable(), None, time.perf_counter() - started
+        return {}, summary(exc) + install_advice(exc), None, time.perf_counter() - started
+    fallbacks = [p.notes[0] for p in cache.cache.values() if p is not None and p.estimator != policy.estimator and p.notes]
+    return cache.shareable(), None, next(iter(fallbacks), None), time.perf_counter() - started
 
 
 def describe_signature(signature: str, keys) -> str:

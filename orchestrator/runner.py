@@ -537,6 +537,12 @@ def estimate_before_start(spec: SweepSpec, stop: threading.Event | None = None):
     if estimates.by_signature:
         print(f"Estimated the memory of {len(estimates.by_signature)} distinct trial configuration(s) for "
               f"{'an' if target[0] in 'aeiou' else 'a'} {target} device in {time.perf_counter() - started:.1f}s ({policy.estimator})", flush=True)
+    reasons: dict[str, list[str]] = {}  # `plan` showed the fallback's plan: the trials' may differ
+    for signature, why in estimates.fell_back.items():
+        reasons.setdefault(why, []).append(describe_signature(signature, spec.search_space))
+    for why, described in reasons.items():
+        print(f"  {'; '.join(described)}: {why}; {'their' if len(described) > 1 else 'its'} trials estimate again "
+              "on their own device", flush=True)
     return estimates
 
 

@@ -140,6 +140,15 @@ def test_a_model_that_cannot_be_estimated_is_an_error_of_its_signature(tmp_path)
     assert error.startswith("ValueError: mat1 and mat2 shapes cannot be multiplied")
 
 
+def test_a_model_the_trace_cannot_run_is_handed_to_no_trial_and_says_why():
+    """The ``static`` fallback is this process's; a trial estimates again on its own device."""
+    config = {"workload": "tests.workloads:PredictionMaskedWorkload", "width": 16}
+    estimates = estimate_trials([config], spec().memory, "cpu", None, 64)
+    assert not estimates.errors and list(estimates.by_signature.values()) == [{}]
+    (why,) = estimates.fell_back.values()
+    assert why.startswith("trace impossible (aten.nonzero") and why.endswith("fell back to static")
+
+
 def test_a_model_that_needs_a_missing_library_says_how_to_install_it():
     """`plan` shows this line; `run`'s pre-flight refuses the same model with the same advice."""
     estimates = estimate_trials([{"workload": "tests.workloads:NeedsALibraryWorkload", "width": 16}], spec().memory, "cpu", None, 64)

@@ -155,6 +155,20 @@ def test_a_sweep_stopped_before_tune_made_all_its_trials_counts_them_all(typed):
     assert lines[0] == "2/10000 trials finished (1 stopped early by ASHA; 9800 not started). Results: /r/exp_1"
 
 
+def test_run_says_which_models_the_trace_could_not_run_before_ray_starts(capsys):
+    """`plan` showed their static fallback's plan; the trials plan from their own device's estimate."""
+    from orchestrator.runner import estimate_before_start
+
+    spec = parse_spec({**SPEC.raw, "workload": {"name": "tests.workloads:PredictionMaskedWorkload"},
+                       "search_space": {"width": {"grid": [16, 32]}}})
+    estimate_before_start(spec)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("Estimated the memory of 2 distinct trial configuration(s) for a cpu device")
+    assert lines[1].startswith("  tests.workloads:PredictionMaskedWorkload width=16; tests.workloads:PredictionMaskedWorkload "
+                               "width=32: trace impossible (aten.nonzero")
+    assert lines[1].endswith("fell back to static; their trials estimate again on their own device")
+
+
 def test_each_run_gets_its_own_folder_unless_named(tmp_path):
     name, restore, named = _experiment_name(SPEC, str(tmp_path), None, resume=False)
     assert name.startswith("exp_") and restore is None and not named  # the claim may make it name_2

@@ -102,6 +102,18 @@ class BuggyWorkload(MLPWorkload):
 
 
 @dataclasses.dataclass
+class PredictionMaskedWorkload(MLPWorkload):
+    """A loss over the samples the model predicts a class for: its shape depends on the model's
+    output, which no estimate knows before the step runs, so the trace falls back."""
+
+    def loss(self, model, batch):
+        x, y = batch
+        logits = model(x)
+        keep = torch.nonzero(logits.argmax(-1) >= 0).squeeze(1)
+        return F.cross_entropy(logits[keep], y[keep])
+
+
+@dataclasses.dataclass
 class ValueInitWorkload(MLPWorkload):
     """A model that reads a value of its own weights as it is built (a norm to rescale them by):
     it builds on a device, not on ``meta``, where a tensor has no values."""
