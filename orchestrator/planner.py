@@ -41,7 +41,7 @@ from orchestrator.memory import EstimationError, MemoryProfile, Settings
 from orchestrator.memory.cache import ProfileCache
 from orchestrator.memory.parallel import DataParallel
 from orchestrator.table import last_micro_batch, split_text
-from orchestrator.units import GiB, binary_unit, gib, human
+from orchestrator.units import GiB, apart, gib, human
 
 #: The eval batch is a throughput knob, not a hyper-parameter; beyond this many times the
 #: effective batch it buys nothing and only makes a large allocation.
@@ -405,7 +405,7 @@ def _refuse(workload, policy, effective: int, budget: int, limit: int, profiles:
     else:
         phases = profile.phase_peaks(1, 1)
         peak, name = profile.peak(1, 1)
-        needs_text, limit_text = apart(peak, limit)
+        needs_text, limit_text = apart(peak, limit, format_bytes)
         needs = f"needs {needs_text} at micro-batch 1 in {name} ({_breakdown_at_one(profile, name, peak)})"
     margin = f" (x safety margin {policy.safety_margin:g} = {limit_text})" if policy.safety_margin != 1 else ""
     message = f"{needs}, budget {format_bytes(budget)}{margin}; {_what_would_fit(workload, policy, limit, profiles, start)}"
@@ -437,20 +437,6 @@ def _breakdown_at_one(profile: MemoryProfile, name: str, peak: int) -> str:
 def _frag(p, allocated: int) -> int:
     """The flat fragmentation factor's bytes, where the allocator is not modelled."""
     return 0 if p.sequence is not None else math.ceil(round(allocated * p.fragmentation, 3))
-
-
-def apart(a: int, b: int) -> tuple[str, str]:
-    """Two sizes as a line compares them: where one decimal shows them equal ('needs 1.8MiB,
-    budget 1.8MiB'), with as many more as tell them apart (1.77MiB and 1.76MiB)."""
-    unit, size = binary_unit(max(abs(a), abs(b)))
-    if format_bytes(a) != format_bytes(b) or size == 1:
-        return format_bytes(a), format_bytes(b)
-    unit = "G" if size == GiB else unit  # as format_bytes writes GiB
-    for digits in range(2, 7):
-        first, second = f"{a / size:.{digits}f}{unit}", f"{b / size:.{digits}f}{unit}"
-        if first != second:
-            return first, second
-    return f"{a}B", f"{b}B"
 
 
 def _what_would_fit(workload, policy, limit: int, profiles: ProfileCache, start: Settings) -> str:

@@ -39,7 +39,7 @@ from orchestrator.tracking.runs import (
 )
 from orchestrator.tracking.store import database_answers, reading
 from orchestrator.trial_report import STOPPED_EARLY, TrialReport
-from orchestrator.units import binary_unit, human
+from orchestrator.units import apart, binary_unit, human
 from orchestrator.writable import check_folder, taken_back_if_refused
 
 #: The report reads many histories: retry a little, but never for minutes against a dead server.
@@ -430,10 +430,11 @@ def summary(sweep: SweepRecord) -> str:
     errors = [(t, *t.peak()) for t in sweep.trials if t.peak()[2] is not None]
     if errors:
         trial, predicted, measured, error = max(errors, key=lambda e: abs(e[3]))
-        side = "above" if error > 0 else "below"
+        side = "above" if error > 0 else "below" if error < 0 else "as"
+        measured_text, predicted_text = apart(int(measured), int(predicted))
         lines.append(
             f"Worst estimation error: {error:+.1%} "
-            f"({trial.label}: measured {human(measured)} {side} predicted {human(predicted)})"
+            f"({trial.label}: measured {measured_text} {side} predicted {predicted_text})"
         )
     else:
         lines.append("Worst estimation error: - (no trial has both a prediction and a measurement)")

@@ -85,3 +85,20 @@ def human(n_bytes: float) -> str:
     """Bytes -> the largest binary unit that keeps the number readable ('1.5 MiB')."""
     unit, size = binary_unit(n_bytes)
     return f"{int(n_bytes)} B" if size == 1 else f"{n_bytes / size:.1f} {unit}"
+
+
+def apart(a: int, b: int, text=human) -> tuple[str, str]:
+    """Two sizes as a line compares them, each written by ``text``: where ``text`` writes them
+    alike ('needs 1.8MiB, budget 1.8MiB'), with as many more digits as tell them apart (1.77MiB
+    and 1.76MiB), in ``text``'s own unit; in bytes where six digits do not."""
+    if text(a) != text(b) or a == b:
+        return text(a), text(b)
+    _, size = binary_unit(max(abs(a), abs(b)))
+    if size == 1:
+        return text(a), text(b)
+    unit = re.sub(r"^[\d.]+", "", text(size))  # ' MiB', 'MiB', 'G': as ``text`` writes the unit
+    for digits in range(2, 7):
+        first, second = f"{a / size:.{digits}f}{unit}", f"{b / size:.{digits}f}{unit}"
+        if first != second:
+            return first, second
+    return f"{a} B", f"{b} B"

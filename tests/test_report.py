@@ -430,6 +430,14 @@ def sweep_of(trials: list[TrialRecord]) -> SweepRecord:
     return SweepRecord("demo_cpu", "demo_cpu_2026", "r0", "eval_loss", trials)
 
 
+def test_an_estimate_off_by_bytes_says_sizes_that_differ():
+    """'+0.0% (measured 1.8 MiB above predicted 1.8 MiB)' read as a contradiction."""
+    near = record(0, {"lr": "0.1"}, 1_873_500, 1_873_526)
+    assert "Worst estimation error: +0.0% (a1b2c_00000: measured 1.78673 MiB above predicted 1.78671 MiB)" in summary(sweep_of([near]))
+    exact = record(0, {"lr": "0.1"}, 1_873_500, 1_873_500)
+    assert "Worst estimation error: +0.0% (a1b2c_00000: measured 1.8 MiB as predicted 1.8 MiB)" in summary(sweep_of([exact]))
+
+
 def test_a_trial_the_scheduler_stopped_early_shows_what_it_trained_of_the_budget():
     """ASHA's stopped trials end FINISHED in MLflow, as those that trained to the end do."""
     stopped, whole = record(0, {"lr": "0.1"}, None, None), record(1, {"lr": "0.01"}, None, None)

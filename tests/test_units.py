@@ -3,7 +3,7 @@
 import pytest
 
 from orchestrator.errors import UserError
-from orchestrator.units import MAX_BYTES, GiB, KiB, MiB, binary_unit, human, parse_bytes, size_flag
+from orchestrator.units import MAX_BYTES, GiB, KiB, MiB, apart, binary_unit, human, parse_bytes, size_flag
 
 
 def test_sizes_parse_in_decimal_and_binary_units():
@@ -56,3 +56,17 @@ def test_a_size_is_shown_in_the_largest_unit_it_reaches(n_bytes, unit):
 
 def test_human_sizes():
     assert [human(n) for n in (512, 1536, 1.75 * MiB, 80 * GiB)] == ["512 B", "1.5 KiB", "1.8 MiB", "80.0 GiB"]
+
+
+def test_sizes_a_line_compares_get_the_digits_that_tell_them_apart():
+    """'measured 1.8 MiB above predicted 1.8 MiB' read as a contradiction: as many digits as tell
+    them apart, in the unit the writer uses."""
+    assert apart(1_856_596, 1_849_688) == ("1.77 MiB", "1.76 MiB")
+    assert apart(1_856_596, 1_855_000) == ("1.771 MiB", "1.769 MiB")
+    assert apart(2 * MiB, MiB) == ("2.0 MiB", "1.0 MiB")  # apart at one decimal: as written
+    assert apart(1_873_526, 1_873_500) == ("1.78673 MiB", "1.78671 MiB")
+    assert apart(1_873_501, 1_873_500) == ("1.786710 MiB", "1.786709 MiB") and apart(MiB, MiB) == ("1.0 MiB", "1.0 MiB")
+    compact = lambda n: f"{n / GiB:.2f}G" if n >= GiB else human(n).replace(" ", "")  # noqa: E731 - as tables write sizes
+    assert apart(1_856_596, 1_849_688, compact) == ("1.77MiB", "1.76MiB")
+    assert apart(3 * GiB, 3 * GiB + MiB, compact) == ("3.000G", "3.001G")
+    assert apart(3 * GiB, 3 * GiB + 1, compact) == ("3221225472 B", "3221225473 B")
