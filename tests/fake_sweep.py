@@ -51,12 +51,12 @@ def plan_dict(micro_batch: int, reductions: int, refusal: str | None = None) -> 
     }
 
 
-def report_for(plan: dict, epoch: int, oom_events: list[dict]) -> TrialReport:
+def report_for(plan: dict, epoch: int, oom_events: list[dict], training_done: bool = False) -> TrialReport:
     """A report at the end of an epoch as ``orchestrator.trial.run`` builds it (emulated device: no
-    reserved/NVML), for a trial of one optimizer step per epoch."""
+    reserved/NVML), for a trial of one optimizer step per epoch; ``training_done`` at its last."""
     measured = int(plan["predicted_peak_bytes"] * 1.05)
     return TrialReport(
-        epoch=epoch, step=epoch, train_loss=1.0 / max(epoch, 1), measurements={"eval_loss": 1.5 / max(epoch, 1)},
+        epoch=epoch, step=epoch, training_done=training_done, train_loss=1.0 / max(epoch, 1), measurements={"eval_loss": 1.5 / max(epoch, 1)},
         learning_rate=0.01, steps_per_second=2.0, samples_per_second=128.0,
         plan=plan, micro_batch=plan["micro_batch"], accum_steps=plan["accum_steps"], effective_batch=64,
         eval_batch=plan["eval_batch"], activation_checkpointing=False, precision="fp32",
@@ -68,9 +68,9 @@ def report_for(plan: dict, epoch: int, oom_events: list[dict]) -> TrialReport:
     )
 
 
-def result_for(plan: dict, epoch: int, oom_events: list[dict]) -> dict:
+def result_for(plan: dict, epoch: int, oom_events: list[dict], training_done: bool = False) -> dict:
     """What Tune gets from :func:`report_for`."""
-    return report_for(plan, epoch, oom_events).to_metrics()
+    return report_for(plan, epoch, oom_events, training_done).to_metrics()
 
 
 def fake_trial(config: dict) -> None:
@@ -118,7 +118,7 @@ def fake_trial(config: dict) -> None:
             Path(folder, "state.json").write_text(json.dumps(state))
             checkpoint = tune.Checkpoint.from_directory(folder)
         plan = plan_dict(state["micro_batch"], state["reductions"])
-        tune.report(result_for(plan, epoch, list(state["events"])), checkpoint=checkpoint)
+        tune.report(result_for(plan, epoch, list(state["events"]), epoch == case["epochs"]), checkpoint=checkpoint)
         Path(config["scratch"], f"{tune.get_context().get_trial_id()}.reported{epoch}").touch()  # for tests to wait on
 
 
@@ -189,9 +189,9 @@ def drive(callback: MlflowTracking, trial: FakeTrial, epochs: list[int], train_l
 
 
 def finish(callback: MlflowTracking, trial: FakeTrial) -> None:
-    """Tune completes the trial: its last result is marked done."""
+    """Tune completes the trial that spent its budget: its last result is marked done."""
     trial.status = "TERMINATED"
-    trial.last_result = {**trial.last_result, "done": True}
+    trial.last_result = {**trial.last_result, "done": True, "training_done": True}
     callback.on_trial_complete(iteration=0, trials=[trial], trial=trial)
 
 
