@@ -152,8 +152,8 @@ def _estimate_one(job) -> tuple[dict[Settings, MemoryProfile], str | None, str |
         make_plan(cache.workload, policy, effective_batch, budget, target=target, profiles=cache)
     except Exception as exc:  # noqa: BLE001 - a user's model failing: reported (op and line), the sweep decides
         return {}, summary(exc) + install_advice(exc), None, time.perf_counter() - started
-    fallbacks = [p.notes[0] for p in cache.cache.values() if p is not None and p.estimator != policy.estimator and p.notes]
-    return cache.shareable(), None, next(iter(fallbacks), None), time.perf_counter() - started
+    fallback = next((p.fallback for p in cache.cache.values() if p is not None and p.fallback), None)
+    return cache.shareable(), None, fallback, time.perf_counter() - started
 
 
 def describe_signature(signature: str, keys) -> str:

@@ -376,7 +376,7 @@ def _plan(profile: MemoryProfile, micro: int, effective: int, eval_batch: int, b
                                         limit=trust.limit(p.name, limit, profile.batch_for(p, micro, eval_batch)))
                   for p in profile.phases}
     worst = profile.worst(phases, micro, eval_batch)
-    fallback = next((n for n in profile.notes if n.startswith("trace impossible")), None)
+    fallback = profile.fallback
     flat = profile.allocator_model_gap()  # a flat factor where the allocator model is not used: say so
     return Plan(
         micro_batch=micro,
@@ -428,15 +428,10 @@ def _breakdown_at_one(profile: MemoryProfile, name: str, peak: int) -> str:
     parts = [("params", p.params), ("grads", p.grads), ("optim", p.optimizer), ("buffers", p.buffers),
              ("activations/sample", p.activations_per_sample), ("other", p.fixed_other),
              ("step temporaries" if p.kind == "train" else "temporaries", allocated - max(line, 0)),
-             ("allocator cache", peak - allocated - p.overhead - _frag(p, allocated)), ("ctx", p.overhead)]
+             ("allocator cache", peak - allocated - p.overhead - p.fragmentation_bytes(allocated)), ("ctx", p.overhead)]
     shown = ", ".join(f"{label} {format_bytes(v)}" for label, v in parts if v > 0)
     frag = f", frag {p.fragmentation:.0%}" if p.fragmentation else ""
     return f"{shown}{frag}"
-
-
-def _frag(p, allocated: int) -> int:
-    """The flat fragmentation factor's bytes, where the allocator is not modelled."""
-    return 0 if p.sequence is not None else math.ceil(round(allocated * p.fragmentation, 3))
 
 
 def _what_would_fit(workload, policy, limit: int, profiles: ProfileCache, start: Settings) -> str:

@@ -179,8 +179,14 @@ class PhaseProfile:
         if self.sequence is not None:
             return self.replay(batch, micro_batch, limit).peak_reserved + self.overhead
         allocated = self.allocated_at(batch)
-        fragmentation = math.ceil(round(allocated * self.fragmentation, 3))  # no float noise in whole bytes
-        return allocated + fragmentation + self.overhead
+        return allocated + self.fragmentation_bytes(allocated) + self.overhead
+
+    def fragmentation_bytes(self, allocated: int) -> int:
+        """What the flat ``fragmentation`` factor adds to ``allocated`` where the allocator is not
+        modelled (0 where it is: the replay's reserved memory holds it)."""
+        if self.sequence is not None:
+            return 0
+        return math.ceil(round(allocated * self.fragmentation, 3))  # no float noise in whole bytes
 
     def fits(self, batch: int, limit: int, *, micro_batch: int | None = None) -> bool:
         """Whether the phase runs at ``batch`` in ``limit`` bytes without running out of memory."""
@@ -197,6 +203,10 @@ class PhaseProfile:
         return d
 
 
+#: How the note of a profile made by a fallback estimator begins.
+FALLBACK_NOTE = "trace impossible"
+
+
 @dataclass(frozen=True)
 class MemoryProfile:
     """Every phase of one trial configuration, as one estimator saw it for one target.
@@ -211,6 +221,13 @@ class MemoryProfile:
     phases: tuple[PhaseProfile, ...]
     notes: tuple[str, ...] = field(default=())
     compiled: bool = False
+
+    @property
+    def fallback(self) -> str | None:
+        """Why the configured estimator could not run (``trace impossible (...); fell back to
+        static``: the note :func:`memory.trace.trace_or_fallback` puts on the profile it fell back
+        to), or None."""
+        return next((n for n in self.notes if n.startswith(FALLBACK_NOTE)), None)
 
     def __post_init__(self):
         if self.target not in TARGETS:

@@ -39,7 +39,7 @@ from orchestrator.memory.fit import envelope_points, event_lines, line_through
 from orchestrator.memory.measured import measured_profile
 from orchestrator.memory.phases import Phase, enter_phase, phases_of
 from orchestrator.memory.profile import (
-    LOGS_DIFFER, NOT_MODELLED, EstimateRequest, MemoryProfile, PhaseProfile, Settings, overheads,
+    FALLBACK_NOTE, LOGS_DIFFER, NOT_MODELLED, EstimateRequest, MemoryProfile, PhaseProfile, Settings, overheads,
 )
 from orchestrator.memory.sequence import TrialSequence, canonical, fit_log, states_in_creation_order, without_prefix
 from orchestrator.memory.static import static_profile
@@ -76,7 +76,7 @@ def trace_or_fallback(workload: Workload, request: EstimateRequest) -> MemoryPro
         ("measured", measured_profile(workload, request)) if request.device is not None
         else ("static", static_profile(workload, request))
     )
-    return replace(profile, notes=(f"trace impossible ({reason}); fell back to {fallback}", *profile.notes))
+    return replace(profile, notes=(f"{FALLBACK_NOTE} ({reason}); fell back to {fallback}", *profile.notes))
 
 
 #: What autograd says of a model whose backward fails whatever its tensors hold: fake tensors keep
