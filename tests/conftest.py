@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def isolated_environment(tmp_path_factory, ray_temp_dir):
     home = tmp_path_factory.mktemp("home")
     saved = {k: os.environ.get(k)
-             for k in ("HOME", "MLFLOW_DISABLE_TELEMETRY", "RAY_USAGE_STATS_ENABLED", "PATH", "RAY_TMPDIR")}
+             for k in ("HOME", "MLFLOW_DISABLE_TELEMETRY", "RAY_USAGE_STATS_ENABLED", "PATH", "RAY_TMPDIR",
+                       "RAY_worker_niceness")}
     os.environ["HOME"] = str(home)
     # Ray's temp root for every Ray the tests start without a --temp-dir of their own (the
     # `orchestrator run`s in subprocesses, whose embedded Ray would use the machine's /tmp/ray):
@@ -46,6 +47,12 @@ def isolated_environment(tmp_path_factory, ray_temp_dir):
     os.environ["RAY_TMPDIR"] = str(ray_temp_dir("tests"))
     os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    # Ray runs its workers at nice 15 (so that its raylet stays responsive), which gives them a
+    # fortieth of a core's time next to a nice-0 process. The suite's two xdist processes share
+    # the cores: while one traced a model in-process, the other's trials ran ~40x slower (a torch
+    # step 3 -> 123 ms), and a data-parallel sweep took the hang guard's 240 s (CI at bde835c).
+    # At nice 0 the two share the cores evenly; no test is about the trials' priority.
+    os.environ["RAY_worker_niceness"] = "0"
     # Subprocesses (Ray workers, `orchestrator` CLI) must find this venv's executables first.
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     yield home
