@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import json
 import pickle
 import subprocess
@@ -34,7 +35,7 @@ from tests.workloads import COMPILED_GRAPHS, CompiledMLPWorkload
 from trainables.cnn import CNNWorkload
 from trainables.mlp import MLPWorkload
 from trainables.staged import StagedMLPWorkload
-from trainables.workload import Workload
+from trainables.workload import MetricsMismatch, Workload
 
 F32 = 4
 
@@ -113,6 +114,34 @@ def test_a_backward_that_fails_on_any_tensors_is_the_models_error_not_a_fallback
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         workload = InPlaceResidualMLP()
         workload.loss(workload.build_model(), workload.train_data()[:4]).backward()
+
+
+class MisnamedAccuracyMLP(MLPWorkload):
+    """Declares ``accuracy`` and reports it as ``acc``."""
+
+    metrics = ("loss", "accuracy")
+
+    def eval_metrics(self, model, batch, samples):
+        x, y = batch
+        logits = model(x)
+        return {"loss": F.cross_entropy(logits, y, reduction="sum"), "acc": (logits.argmax(-1) == y).sum()}
+
+
+class PerplexityMLP(MLPWorkload):
+    """Reports a perplexity computed from its totals: placeholder totals give it its name."""
+
+    metrics = ("perplexity",)
+
+    def summarize_metrics(self, totals, samples):
+        return {"perplexity": math.exp(totals["loss"] / samples)}
+
+
+@pytest.mark.parametrize("estimator", ["trace", "static"])
+def test_eval_metrics_other_than_the_declared_ones_are_the_workloads_error_before_any_trial(estimator):
+    """Without the check, every trial ends at its first evaluation, after an epoch of training."""
+    with pytest.raises(MetricsMismatch, match="report acc, loss but MisnamedAccuracyMLP.metrics declares loss, accuracy"):
+        estimate(MisnamedAccuracyMLP(), estimator, target="cpu")
+    assert estimate(PerplexityMLP(), estimator, target="cpu").estimator == estimator
 
 
 def test_checks_on_the_samples_values_are_answered_as_the_real_batch_answers_them():

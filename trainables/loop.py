@@ -36,7 +36,7 @@ from trainables.data import Batches, Shard, StepCut, eval_batch_sizes, eval_load
 from trainables.divergence import Divergence, NonFiniteWatch, TrainingDiverged
 from trainables.schedule import build_lr_scheduler, steps_on_metric
 from trainables.step import eval_step, make_grad_scaler, train_step
-from trainables.workload import Workload, optimizer_for, to_device
+from trainables.workload import MetricsMismatch, Workload, optimizer_for, reported_metrics, to_device
 
 
 @dataclass(frozen=True)
@@ -109,10 +109,6 @@ class Speed:
 
     steps_per_second: float
     samples_per_second: float  # effective batches: the whole group's samples, in a group
-
-
-class MetricsMismatch(ValueError):
-    """A workload reported other eval metrics than it declares in ``metrics``."""
 
 
 class Trainer:
@@ -322,14 +318,7 @@ class Trainer:
         self.device.seed(step_seed(self.seed, self.progress.step) + 2**40)
         totals = self._eval_totals()
         self.model.train()
-        reported = self.workload.summarize_metrics(totals, self.eval_samples)
-        declared = type(self.workload).metrics
-        if set(reported) != set(declared):
-            name = type(self.workload).__name__
-            raise MetricsMismatch(
-                f"{name}.eval_metrics/summarize_metrics report {', '.join(sorted(reported)) or 'nothing'} but "
-                f"{name}.metrics declares {', '.join(declared)}: make them the same"
-            )
+        reported = reported_metrics(self.workload, totals, self.eval_samples)
         return {f"eval_{name}": float(value) for name, value in reported.items()}
 
     def _eval_totals(self) -> dict[str, float]:

@@ -336,6 +336,37 @@ def failure_location(exc: BaseException, skip: int = 0) -> str | None:
     return shown(own[-1].filename, own[-1].lineno) if own else None
 
 
+class MetricsMismatch(ValueError):
+    """A workload reported other eval metrics than it declares in ``metrics``."""
+
+
+def reported_metrics(workload: Workload, totals: dict[str, float], samples: int) -> dict[str, float]:
+    """``summarize_metrics`` of the eval set's ``totals``, refused where its names are not the ones
+    the workload declares (the sweep's ``metric`` was checked against the declared names)."""
+    reported = workload.summarize_metrics(totals, samples)
+    declared = type(workload).metrics
+    if set(reported) != set(declared):
+        name = type(workload).__name__
+        raise MetricsMismatch(
+            f"{name}.eval_metrics/summarize_metrics report {', '.join(sorted(reported)) or 'nothing'} but "
+            f"{name}.metrics declares {', '.join(declared)}: make them the same"
+        )
+    return reported
+
+
+def check_metric_names(workload: Workload, sums: dict[str, Any], samples: int) -> None:
+    """The names an eval step's ``sums`` would report, checked before any trial runs: an estimate
+    runs the eval step on tensors that hold no values, so placeholder totals stand in for the
+    eval set's. Without it the mismatch ends every trial at its first evaluation, after an epoch.
+    A ``summarize_metrics`` that fails on placeholders is left to the loop, which has the totals."""
+    try:
+        reported_metrics(workload, dict.fromkeys(sums, 1.0), samples)
+    except MetricsMismatch:
+        raise
+    except Exception:  # noqa: BLE001 - a user's summary of real totals only
+        return
+
+
 def build_workload(config: dict[str, Any]) -> Workload:
     """A trial's config (``workload`` plus hyper-parameters) -> the workload instance.
 

@@ -36,7 +36,7 @@ from orchestrator.memory.profile import EstimateRequest, MemoryProfile, PhasePro
 from orchestrator.units import human
 from trainables.carry import Carry, stateful_loss
 from trainables.step import autocast
-from trainables.workload import Workload, sample_batch, to_device
+from trainables.workload import Workload, check_metric_names, sample_batch, to_device
 
 PROBE_BATCHES = (2, 128)
 #: Gradients alive at once during backward, in units of the largest forward tensor.
@@ -122,6 +122,8 @@ def _forward_bounds(workload, model, phase: Phase, settings, device, round_to, m
                 out = stateful_loss(workload, model, batch, Carry.initial(workload, b, device).state)
             else:
                 out = workload.loss(model, batch) if phase.kind == "train" else workload.eval_metrics(model, batch, b)
+                if phase.kind == "eval":
+                    check_metric_names(workload, out, b)
             del out, batch
         if phase.kind == "train":
             bounds[b] = tracker.total + GRADIENTS_IN_FLIGHT * tracker.largest

@@ -45,7 +45,7 @@ from orchestrator.memory.sequence import TrialSequence, canonical, fit_log, stat
 from orchestrator.memory.static import static_profile
 from trainables.carry import Carry
 from trainables.step import eval_step, train_step
-from trainables.workload import Workload
+from trainables.workload import MetricsMismatch, Workload, check_metric_names
 
 PROBE_BATCHES = (2, 16, 128)
 MICRO_BATCHES_PER_STEP = 2
@@ -90,7 +90,10 @@ AUTOGRAD_MODEL_ERRORS = (
 def fails_on_any_tensors(exc: Exception) -> bool:
     """Whether the trace's error is the model's own, which every trial would raise too: it is
     told before the sweep starts, as a shape mismatch in the forward is, not planned around
-    with the ``static`` fallback (which runs no backward) to fail each trial after Ray started."""
+    with the ``static`` fallback (which runs no backward) to fail each trial after Ray started.
+    Eval metrics other than the declared ones are the workload's too, whatever the values."""
+    if isinstance(exc, MetricsMismatch):  # its eval step's names against its declared metrics
+        return True
     return isinstance(exc, RuntimeError) and any(message in str(exc) for message in AUTOGRAD_MODEL_ERRORS)
 
 
@@ -208,7 +211,9 @@ def _trace(setup: FakeSetup, workload, settings, phases, probes, logged: bool):
                 if phase.kind == "train":
                     train(b, MICRO_BATCHES_PER_STEP)
                 else:
-                    eval_step(workload, model, setup.batch(b, "eval"), b, device, settings.precision)
+                    sums = eval_step(workload, model, setup.batch(b, "eval"), b, device, settings.precision)
+                    check_metric_names(workload, sums, b)
+                    del sums
                 runs[phase.name][b] = _Run(
                     tracker.events, (tracker.round_to - 1) * tracker.most_live, setup.params_bytes(tracker), grads["bytes"],
                     setup.optimizer_bytes(tracker), setup.buffers_bytes(tracker),
