@@ -31,7 +31,7 @@ from orchestrator.device import CpuDevice
 from orchestrator.memory import Settings, estimate
 from orchestrator.memory.cuda_emulation import cuda_autocast_policy
 from tests.conftest import assert_traced_as_measured_on_cpu
-from tests.workloads import COMPILED_GRAPHS, CompiledMLPWorkload
+from tests.workloads import COMPILED_GRAPHS, CompiledMLPWorkload, ScoredWorkload
 from trainables.cnn import CNNWorkload
 from trainables.mlp import MLPWorkload
 from trainables.staged import StagedMLPWorkload
@@ -116,15 +116,10 @@ def test_a_backward_that_fails_on_any_tensors_is_the_models_error_not_a_fallback
         workload.loss(workload.build_model(), workload.train_data()[:4]).backward()
 
 
-class MisnamedAccuracyMLP(MLPWorkload):
-    """Declares ``accuracy`` and reports it as ``acc``."""
+class MisdeclaredScoredMLP(ScoredWorkload):
+    """Reports ``accuracy`` and declares it as ``acc``."""
 
-    metrics = ("loss", "accuracy")
-
-    def eval_metrics(self, model, batch, samples):
-        x, y = batch
-        logits = model(x)
-        return {"loss": F.cross_entropy(logits, y, reduction="sum"), "acc": (logits.argmax(-1) == y).sum()}
+    metrics = ("loss", "acc")
 
 
 class PerplexityMLP(MLPWorkload):
@@ -139,8 +134,8 @@ class PerplexityMLP(MLPWorkload):
 @pytest.mark.parametrize("estimator", ["trace", "static"])
 def test_eval_metrics_other_than_the_declared_ones_are_the_workloads_error_before_any_trial(estimator):
     """Without the check, every trial ends at its first evaluation, after an epoch of training."""
-    with pytest.raises(MetricsMismatch, match="report acc, loss but MisnamedAccuracyMLP.metrics declares loss, accuracy"):
-        estimate(MisnamedAccuracyMLP(), estimator, target="cpu")
+    with pytest.raises(MetricsMismatch, match="report accuracy, loss but MisdeclaredScoredMLP.metrics declares loss, acc"):
+        estimate(MisdeclaredScoredMLP(), estimator, target="cpu")
     assert estimate(PerplexityMLP(), estimator, target="cpu").estimator == estimator
 
 
