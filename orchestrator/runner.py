@@ -755,7 +755,7 @@ def _last_evaluated(result, metric: str):
 
 def _highest_peak(result) -> int | None:
     """The highest peak any of the trial's reports measured, as `report` shows it (each report's
-    peak is its window's; a diverged trial's last report measured none)."""
+    peak is its window's: the steps since the report before)."""
     frame = getattr(result, "metrics_dataframe", None)
     if frame is None:
         return None

@@ -134,6 +134,7 @@ def test_a_loss_that_turns_nan_ends_its_trial_as_diverged_in_one_line(tmp_path):
     results = trial_results(str(tmp_path / "orchestrator_results" / "unstable_*" / "*" / "result.json"))
     last = {reports[-1].get("diverged_at_step"): reports for reports in results.values()}
     assert last[12][-1]["eval_loss"] == math.inf and last[12][-1]["step"] == 12  # the worst, for the searcher and ASHA
+    assert last[12][-1]["peak_allocated_bytes"] > 0  # its steps since the first epoch's report, measured
     reached = last[12][-2]["eval_loss"]  # the first epoch's evaluation
     assert last[None][-1]["step"] == 16 and math.isfinite(last[None][-1]["eval_loss"]) and math.isfinite(reached)
 

@@ -431,7 +431,7 @@ class TrialRun:
         line = f"{divergence.describe()}; not retried (on_nan: {self.spec.on_nan})"
         report = replace(self._plan_report(), epoch=divergence.epoch - 1, step=divergence.step, training_done=True,
                          measurements={self.spec.metric: worst}, diverged=line, diverged_at_step=divergence.step)
-        tune.report(report.to_metrics())
+        tune.report(self._measured(report, self.device.reading()).to_metrics())  # the steps since the last report
 
     def _report_storage_fault(self, trainer: Trainer, fault: StorageUnavailable) -> None:
         """The storage did not take the checkpoint: say so, without one, and wait for the driver
@@ -473,16 +473,22 @@ class TrialRun:
         )
 
     def _milestone_report(self, milestone: Milestone) -> TrialReport:
-        memory, progress = milestone.memory, milestone.progress
-        if self.unreported is not None:  # the pauses since the last report are part of its window
-            memory, self.unreported = self.unreported.merged(memory), None
+        progress = milestone.progress
         report = replace(
             self._plan_report(), measurements=dict(milestone.eval),
             epoch=progress.epoch, step=progress.step, training_done=milestone.final,
             train_loss=milestone.train_loss, learning_rate=milestone.learning_rate,
             steps_per_second=milestone.speed.steps_per_second if milestone.speed else None,
             samples_per_second=milestone.speed.samples_per_second if milestone.speed else None,
-            memory_source=memory.source,
+        )
+        return self._measured(report, milestone.memory)
+
+    def _measured(self, report: TrialReport, memory: MemoryReading) -> TrialReport:
+        """``report`` with the peak of its window, ``memory``, and the error of the plan's prediction."""
+        if self.unreported is not None:  # the pauses since the last report are part of its window
+            memory, self.unreported = self.unreported.merged(memory), None
+        report = replace(
+            report, memory_source=memory.source,
             peak_allocated_bytes=memory.peak_allocated, peak_reserved_bytes=memory.peak_reserved,
             fragmentation=memory.fragmentation if memory.peak_reserved is not None else None,
             device_used_bytes=memory.device_used,
