@@ -30,6 +30,18 @@ def effective_allocator_conf(alloc_conf: str | None) -> str | None:
 
 
 
+
+def import_time_environment(alloc_conf: str | None) -> dict[str, str]:
+    """What the trials' workers must have in their environment when they start, not set later.
+
+    PyTorch reads the allocator's ``backend`` when it is imported (pytorch#104801: a worker that
+    sets ``backend:cudaMallocAsync`` after ``import torch`` fails at its first CUDA call), and a
+    trial's worker has imported torch before the trial's code runs. Every other setting is read at
+    CUDA's first use, which the trial sets itself (``orchestrator.device.configure_allocator``).
+    """
+    conf = effective_allocator_conf(alloc_conf)
+    return {ALLOC_CONF_VARIABLES[1]: conf} if conf and parse_alloc_conf(conf).backend != "native" else {}
+
 @dataclass(frozen=True)
 class AllocatorConfig:
     """The settings of ``PYTORCH_CUDA_ALLOC_CONF`` that change what the allocator reserves."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from orchestrator import follow_up
+from orchestrator.allocator_conf import import_time_environment
 from orchestrator.capacity import (
     WaitForNodes,
     alive_nodes,
@@ -223,7 +224,8 @@ def run_sweep(
 
                     put_back = restore_cut_off(restore_from) if restore_from else []
                     estimates, started_ray = _estimate_while_ray_starts(
-                        spec, lambda: _connect_ray(ray_address, num_cpus, num_gpus, dashboard, dashboard_host, verbose))
+                        spec, lambda: _connect_ray(ray_address, num_cpus, num_gpus, dashboard, dashboard_host, verbose,
+                                                   import_time_environment(spec.memory.allocator_conf)))
                     nodes = alive_nodes()
                     print(cluster_text(nodes))
                     check_shared_storage(storage_path or spec.storage_path, storage, len(nodes))
@@ -382,28 +384,33 @@ def _check_before_ray(spec: SweepSpec, storage: str, tracking_uri: str, offline_
         check_tracking(tracking_uri, spec.experiment)
 
 
-def _connect_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashboard_host: str, verbose: bool = False) -> bool:
-    """Join the cluster we were pointed at, or start an embedded local Ray. True if we started one."""
+def _connect_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashboard_host: str, verbose: bool = False,
+                 worker_env: dict[str, str] | None = None) -> bool:
+    """Join the cluster we were pointed at, or start an embedded local Ray. True if we started one.
+    ``worker_env``: variables the trials' workers must start with (``import_time_environment``)."""
     import ray
 
     if ray.is_initialized():
         return False
     secure_token_files()  # before Ray writes a token into ~/.ray, and after it did
     try:
-        return _init_ray(address, num_cpus, num_gpus, dashboard, dashboard_host, verbose)
+        return _init_ray(address, num_cpus, num_gpus, dashboard, dashboard_host, verbose, worker_env)
     finally:
         secure_token_files()
 
 
-def _init_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashboard_host: str, verbose: bool = False) -> bool:
+def _init_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashboard_host: str, verbose: bool = False,
+              worker_env: dict[str, str] | None = None) -> bool:
     import ray
 
     logging_config = ray_logging_config(verbose)
+    # Only where needed: a job-wide runtime environment makes Ray start workers of its own for it.
+    runtime_env = {"env_vars": worker_env} if worker_env else None
 
     # Workers import the user's own workloads (``my_package.module:Class``) from the driver's
     # working directory: Ray puts it on every worker's sys.path (a Ray Job's uploaded working_dir
     # takes its place), as long as the driver runs with no working_dir of its own.
-    if os.environ.get("RAY_ADDRESS"):  # inside a Ray Job: the job's runtime environment applies
+    if os.environ.get("RAY_ADDRESS"):  # inside a Ray Job: the job's runtime environment applies (ray_job)
         ray.init(address=os.environ["RAY_ADDRESS"], logging_config=logging_config)
     elif address:
         if address == "auto":
@@ -411,7 +418,7 @@ def _init_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashboar
         _check_gcs_answers(address)
         try:
             with _native_errors_held(verbose):
-                ray.init(address=address, logging_config=logging_config)
+                ray.init(address=address, logging_config=logging_config, runtime_env=runtime_env)
         except ConnectionError as exc:
             raise UserError(f"--ray-address {address}: {_refusal(exc)}") from None
     else:
@@ -421,6 +428,7 @@ def _init_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashboar
             context = ray.init(
                 address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=dashboard,
                 dashboard_host=dashboard_host, logging_config=logging_config, _system_config=LOCAL_RAY_SYSTEM_CONFIG,
+                runtime_env=runtime_env,
             )
         if dashboard:
             from orchestrator.dashboard import how_to_open, metrics_line, token_required

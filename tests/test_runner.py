@@ -332,6 +332,24 @@ def test_a_model_whose_estimate_fails_stops_the_sweep_and_the_ray_started_for_it
     assert not ray.is_initialized()
 
 
+@pytest.mark.integration
+def test_the_embedded_ray_starts_its_workers_with_the_allocator_backend_set(ray_temp_dir, monkeypatch):
+    """``backend:cudaMallocAsync`` set by a trial after ``import torch`` fails its first CUDA call
+    (pytorch#104801): the embedded Ray's workers have it in their environment from the start."""
+    import ray
+
+    from orchestrator.runner import _init_ray
+
+    monkeypatch.setenv("RAY_TMPDIR", str(ray_temp_dir("allocator_backend")))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert _init_ray(None, 1, 0, False, "127.0.0.1", worker_env={"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
+    try:
+        read = ray.remote(lambda: os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+        assert ray.get(read.remote(), timeout=120) == "backend:cudaMallocAsync"
+    finally:
+        ray.shutdown()
+
+
 def test_a_ctrl_c_while_ray_starts_is_taken_once_the_start_has_ended(default_sigint):
     """The start (here a function that gets the Ctrl-C halfway, and starts no Ray) runs to its end,
     the estimate made beside it too, and then the command stops: a ``KeyboardInterrupt`` inside

@@ -30,6 +30,8 @@ def configure_allocator(alloc_conf: str | None) -> None:
     """Set ``PYTORCH_CUDA_ALLOC_CONF`` before CUDA initialises (it is read once, at first use).
 
     A value the user already exported wins: they may know their model better than our default.
+    The ``backend`` is read earlier, when torch is imported: the workers start with it
+    (``allocator_conf.import_time_environment``), so it is already set here.
     """
     if alloc_conf and not any(v in os.environ for v in ALLOC_CONF_VARIABLES):
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from orchestrator import follow_up
+from orchestrator.allocator_conf import import_time_environment
 from orchestrator.config import SweepSpec
 from orchestrator.errors import UserError
 from orchestrator.failures import exception_line
@@ -81,6 +82,7 @@ def build_job_request(request: RunRequest, spec: SweepSpec, cwd: Path, address: 
         runtime_env={"working_dir": str(cwd), "excludes": excludes, "env_vars": {
             follow_up.PREFIX: shlex.join(command_prefix()),
             follow_up.RUN_FLAGS: shlex.join(["--address", address] if address else []),
+            **import_time_environment(spec.memory.allocator_conf),
         }},
         # `job_name` is what the dashboard's job list shows in its Name column.
         metadata={"job_name": f"orchestrator {spec.experiment}", "experiment": spec.experiment,
