@@ -172,3 +172,10 @@ def test_a_process_can_make_data_loaders_without_torch_s_sigchld_handler(monkeyp
     ti.loader_worker_deaths_found_at_fetch()
     signal_handling._set_SIGCHLD_handler()  # what a DataLoader with workers calls in the main thread
     assert signal.getsignal(signal.SIGCHLD) is before
+
+
+def test_the_cublas_workspaces_can_be_given_back():
+    """Nothing to give back where CUDA never started; a CUDA build has the function it calls."""
+    ti.clear_cublas_workspaces()
+    if torch.backends.cuda.is_built():
+        assert hasattr(torch._C, "_cuda_clearCublasWorkspaces"), "torch changed: torch._C._cuda_clearCublasWorkspaces"

@@ -12,6 +12,7 @@ import re
 import torch
 
 from orchestrator.contract import OOM_MESSAGES
+from orchestrator.device.torch_internals import clear_cublas_workspaces
 
 _TRIED = re.compile(r"Tried to allocate ([0-9.]+) ?(B|KiB|MiB|GiB|TiB)")
 _UNIT = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
@@ -43,4 +44,5 @@ def release(collect: bool = True) -> None:
     if collect:
         gc.collect()
     if torch.cuda.is_initialized():
+        clear_cublas_workspaces()  # made again at cuBLAS's next call; empty_cache cannot free them in use
         torch.cuda.empty_cache()

@@ -27,6 +27,8 @@ What each is for:
   ``Module._compiled_call_impl``), which a trace runs instead of compiling on fake tensors.
 * :func:`loader_worker_deaths_found_at_fetch`: no DataLoader SIGCHLD handler in this process
   (``torch.utils.data._utils.signal_handling._SIGCHLD_handler_set``), for a data-parallel rank.
+* :func:`clear_cublas_workspaces`: the cuBLAS/cuBLASLt workspaces PyTorch keeps for the process's
+  life (``torch._C._cuda_clearCublasWorkspaces``, which PyTorch's own leak check calls), given back.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ __all__ = [
     "TorchDispatchMode",
     "UnsupportedFakeTensorException",
     "buffer_slots",
+    "clear_cublas_workspaces",
     "cpu_flash_attention",
     "disable_current_modes",
     "eager_module",
@@ -210,3 +213,13 @@ def loader_worker_deaths_found_at_fetch() -> None:
     from torch.utils.data._utils import signal_handling
 
     signal_handling._SIGCHLD_handler_set = True
+
+
+def clear_cublas_workspaces() -> None:
+    """Drop the workspaces cuBLAS and cuBLASLt keep per handle and stream. They are allocated
+    through the caching allocator, so ``memory_allocated()`` counts them (32 MiB and more on an
+    H100) though no trial's tensor holds them, and ``empty_cache`` cannot free them. cuBLAS makes
+    them again at its next call. Nothing to do where CUDA was never initialised (a CPU build has
+    no such function)."""
+    if torch.cuda.is_initialized():
+        torch._C._cuda_clearCublasWorkspaces()

@@ -39,13 +39,15 @@ import gc
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator.device.torch_internals import clear_cublas_workspaces
+
 
 @dataclass
 class WorkerHistory:
     """What this worker process keeps from the trials it ran."""
 
-    #: GPU memory this process holds outside PyTorch's allocator (its CUDA context, cuBLAS
-    #: workspaces), measured when its first trial ends
+    #: GPU memory this process holds outside PyTorch's allocator (its CUDA context), measured
+    #: when its first trial ends
     cuda_context_bytes: int | None = None
     #: The device (``orchestrator.device.Device``) of the last trial this worker ran: its counter
     #: (the CPU's tensor tracker, CUDA's allocator) says what that trial still holds
@@ -61,6 +63,7 @@ class WorkerHistory:
         a worker that imported torch a few hundred milliseconds (a quarter of a one-second trial)."""
         if self.last_device is None:
             return None
+        clear_cublas_workspaces()  # the process's, not the trial's: allocated() would count them
         held = self.last_device.allocated()
         if held:
             gc.collect()
