@@ -3,7 +3,8 @@
 Ray schedules GPUs by count, not memory (ray issues #26929, #37574). A trial that asks for the
 fraction of the card its plan needs, rounded up to ``memory.gpu_granularity``, lets small trials
 share a GPU while large ones get a whole one; the trial then caps its allocator to that share
-(PyTorch's per-process memory fraction, ``CudaDevice``), so its growth cannot OOM a neighbour.
+(PyTorch's per-process memory fraction, less its CUDA context: ``cuda.allocator_fraction``), so its
+growth cannot OOM a neighbour.
 Tune evaluates the resources callable once per trial, in the driver, when the trial is created.
 """
 

@@ -9,6 +9,8 @@ from argparse import Namespace
 import pytest
 
 from orchestrator.config import parse_spec
+from orchestrator.device.cuda import allocator_fraction
+from orchestrator.device.nvml import DEFAULT_CUDA_CONTEXT_BYTES
 from orchestrator.errors import UserError
 from orchestrator.estimates import Estimates
 from orchestrator.packing import auto_gpu_resources, gpu_fraction
@@ -26,6 +28,16 @@ def test_the_share_is_rounded_up_to_the_granularity_and_at_most_one_gpu():
     assert gpu_fraction(10 * 2**30, 80 * 2**30, 0.125) == 0.125  # exactly one step
     assert gpu_fraction(11 * 2**30, 80 * 2**30, 0.125) == 0.25
     assert gpu_fraction(200 * 2**30, 80 * 2**30, 0.125) == 1.0
+
+
+def test_trials_that_share_a_card_cap_their_allocators_so_that_with_their_contexts_they_fit_it():
+    """PyTorch's cap counts the caching allocator alone; each trial's CUDA context is beside it."""
+    total, context = 80 * 2**30, DEFAULT_CUDA_CONTEXT_BYTES
+    for share in (0.125, 0.25, 0.5):
+        trials = int(1 / share)
+        assert trials * (allocator_fraction(share, total) * total + context) == pytest.approx(total)
+    assert allocator_fraction(None, total) == 1.0  # a whole card: no cap
+    assert allocator_fraction(0.005, total) == 0.0  # a share smaller than a context: the plan refuses it
 
 
 def test_without_a_gpu_to_read_auto_needs_the_cards_size():

@@ -22,13 +22,14 @@ class CudaDevice(Device):
 
     def __init__(self, index: int = 0, memory_fraction: float | None = None):
         self.torch_device = torch.device(self.torch_type, index)
-        # Always set: a reused worker keeps the previous trial's cap otherwise.
-        torch.cuda.set_per_process_memory_fraction(1.0 if memory_fraction is None else memory_fraction, index)
         self._fraction = memory_fraction
+        total = torch.cuda.get_device_properties(self.torch_device).total_memory
+        # Always set: a reused worker keeps the previous trial's cap otherwise.
+        torch.cuda.set_per_process_memory_fraction(allocator_fraction(memory_fraction, total), index)
 
     @classmethod
     def open(cls, *, capacity: int | None = None, memory_fraction: float | None = None) -> Device:
-        # A shared GPU's allocator is capped to the trial's share: its growth can't OOM a neighbour.
+        # A shared GPU's allocator is capped to the trial's share less its context: its growth can't OOM a neighbour.
         return cls(torch.cuda.current_device(), memory_fraction)
 
     @property
@@ -78,6 +79,17 @@ class CudaDevice(Device):
             torch.cuda.max_memory_reserved(self.torch_device),
             device_used=info.used if info else None,
         )
+
+
+def allocator_fraction(share: float | None, total: int, context: int = nvml.DEFAULT_CUDA_CONTEXT_BYTES) -> float:
+    """The cap of a trial's caching allocator, as a fraction of the card's ``total`` bytes: its
+    ``share`` of the card less its CUDA context. The share is a plan's peak, which counts the
+    context; PyTorch's cap counts the allocator alone. Capped at the whole share, trials that
+    share a card could together hold a context each more than it has, and one's growth would
+    OOM a neighbour. The context is the figure plans count (``memory.profile``)."""
+    if share is None:
+        return 1.0
+    return max(share - context / total, 0.0)
 
 
 def gpu_visible() -> bool:
