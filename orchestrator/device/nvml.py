@@ -38,19 +38,40 @@ def gpu_info(index: int = 0) -> GpuInfo | None:
 
     import pynvml
 
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    physical = index
-    if visible:
-        ids = [v.strip() for v in visible.split(",") if v.strip()]
-        if index < len(ids) and ids[index].isdigit():
-            physical = int(ids[index])
     try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(physical)
+        handle = _handle(pynvml, visible_device(index, os.environ.get("CUDA_VISIBLE_DEVICES")))
+        if handle is None:
+            return None
         mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
         name = pynvml.nvmlDeviceGetName(handle)
     except Exception:
         return None
     return GpuInfo(index, name.decode() if isinstance(name, bytes) else name, mem.total, mem.free, mem.used)
+
+
+def visible_device(index: int, visible: str | None) -> int | str:
+    """Which GPU this process's ``index`` is: NVML's index, or the UUID (or the unique start of
+    one, which CUDA accepts) that ``CUDA_VISIBLE_DEVICES`` names it by. Ray writes indices; a
+    scheduler or a user may write ``GPU-8932f937-...`` or ``MIG-...``."""
+    ids = [v.strip() for v in (visible or "").split(",") if v.strip()]
+    if index >= len(ids):
+        return index
+    return int(ids[index]) if ids[index].isdigit() else ids[index]
+
+
+def _handle(pynvml, device: int | str):
+    """NVML's handle of ``device`` (:func:`visible_device`); None for one it cannot name here
+    (a MIG instance, whose memory is not its card's)."""
+    if isinstance(device, int):
+        return pynvml.nvmlDeviceGetHandleByIndex(device)
+    if not device.startswith("GPU-"):
+        return None
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+        uuid = pynvml.nvmlDeviceGetUUID(handle)
+        if (uuid.decode() if isinstance(uuid, bytes) else uuid).startswith(device):
+            return handle
+    return None
 
 
 #: The CUDA context and library workspaces outside PyTorch's allocator (FACTS.md: ~0.5-0.6 GB
