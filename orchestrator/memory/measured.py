@@ -21,6 +21,7 @@ import math
 import torch
 
 from orchestrator.device import CpuDevice, CudaDevice, Device, release, state_tensors
+from orchestrator.device.oom import is_oom
 from orchestrator.device.tensor_tracker import optimizer_tensors, storage_bytes
 from orchestrator.memory.phases import enter_phase, phases_of
 from orchestrator.memory.profile import (
@@ -144,7 +145,9 @@ def measured_profile(workload: Workload, request: EstimateRequest) -> MemoryProf
                 for b in sizes or _doubling(probe, device, seen[phase.name]):
                     if b not in seen[phase.name]:
                         seen[phase.name][b] = probe.train(b, MICRO_BATCHES_PER_STEP) if phase.kind == "train" else probe.eval(b)
-            except torch.OutOfMemoryError as exc:  # this phase's probing ends; the others go on
+            except Exception as exc:  # an OOM (cuBLAS's too) ends this phase's probing; the others go on
+                if not is_oom(exc):
+                    raise
                 notes.append(f"{phase.name}: probing stopped by an out-of-memory error ({str(exc).splitlines()[0][:120]})")
                 exc.__traceback__ = None  # it pins the failed step's tensors
                 probe.recover()
