@@ -7,7 +7,8 @@ its backward never posts the buckets the others are waiting for, and the group h
 1. local: the rank's forward/backward passes over its micro-batches (its slice of the step),
    and, at the first step, the bucket buffer the exchange keeps; any error is caught, not raised;
 2. :meth:`RankGroup.agree`: one small all-reduce of every rank's outcome (ok / out of memory /
-   a DataLoader worker lost to host memory / other error). If any rank failed, every rank raises
+   a DataLoader worker lost to host memory / other error), through a gloo group on the host
+   whatever the gradients' backend (``_control_group``). If any rank failed, every rank raises
    the same :class:`GroupOutOfMemory` (or :class:`GroupLostLoaderWorker`, or :class:`GroupFailure`)
    naming the rank, phase and step, and the trial's recovery (release, next reduction or fewer
    loader workers, back to the last checkpoint) runs on every rank in step;
@@ -21,7 +22,7 @@ Evaluation is the same: each rank evaluates its slice of the eval set, agrees, t
 all-reduced. Milestone cadences are counted in steps and epochs only (the config refuses
 minutes in a group), so every rank reaches every milestone's collective.
 
-A rank whose process dies cannot agree to anything: its peers' next collective fails as soon as
+A rank whose process dies cannot agree to anything: its peers' next agreement fails as soon as
 the connection closes, or after :data:`COLLECTIVE_TIMEOUT` when it hangs without dying, and the
 trial fails and is restarted by Tune from its last checkpoint (``orchestrator.trial.group``).
 """
@@ -107,17 +108,16 @@ class RankGroup:
         self.rank, self.ranks, self.device = rank, ranks, device
         self.lost_worker = lost_worker
         self.backend = device.collective_backend
-        # A small tensor per collective, where the backend needs it (NCCL: on the GPU), made
-        # outside the emulated device's count (bookkeeping, not the model's memory).
-        self.tensor_device = device.collective_device
         dist.init_process_group(self.backend, init_method=address, rank=rank, world_size=ranks,
                                 timeout=COLLECTIVE_TIMEOUT)
+        self.control = _control_group()
 
     @staticmethod
     def join_and_leave(rank: int, ranks: int, address: str, backend: str) -> None:
         """For a rank that failed before it could take part: the others stop at their next
         collective (the closed connections) instead of waiting for it to join."""
         dist.init_process_group(backend, init_method=address, rank=rank, world_size=ranks, timeout=COLLECTIVE_TIMEOUT)
+        _control_group()  # every rank makes it, or the others wait in theirs
         dist.destroy_process_group()
 
     @property
@@ -138,9 +138,9 @@ class RankGroup:
         lost = self.lost_worker(failure) if failure is not None and self.lost_worker is not None else None
         kind = _OK if failure is None else _LOST_WORKER if lost else _OOM if is_oom(failure) else _ERROR
         with self.device.host():
-            outcome = torch.zeros(self.ranks, dtype=torch.int64, device=self.tensor_device)
+            outcome = torch.zeros(self.ranks, dtype=torch.int64)
             outcome[self.rank] = kind
-            dist.all_reduce(outcome)
+            dist.all_reduce(outcome, group=self.control)
             kinds = outcome.tolist()
         if not any(kinds):
             return
@@ -166,15 +166,15 @@ class RankGroup:
         """Every rank's (small, picklable) ``value``, by rank."""
         with self.device.host():
             data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
-            size = torch.tensor([data.numel()], dtype=torch.int64, device=self.tensor_device)
+            size = torch.tensor([data.numel()], dtype=torch.int64)
             sizes = [torch.zeros_like(size) for _ in range(self.ranks)]
-            dist.all_gather(sizes, size)
+            dist.all_gather(sizes, size, group=self.control)
             longest = max(int(s.item()) for s in sizes)
-            padded = torch.zeros(longest, dtype=torch.uint8, device=self.tensor_device)
-            padded[: data.numel()] = data.to(self.tensor_device)
+            padded = torch.zeros(longest, dtype=torch.uint8)
+            padded[: data.numel()] = data
             gathered = [torch.zeros_like(padded) for _ in range(self.ranks)]
-            dist.all_gather(gathered, padded)
-            return [pickle.loads(g[: int(n.item())].cpu().numpy().tobytes()) for g, n in zip(gathered, sizes)]
+            dist.all_gather(gathered, padded, group=self.control)
+            return [pickle.loads(g[: int(n.item())].numpy().tobytes()) for g, n in zip(gathered, sizes)]
 
     def broadcast(self, value, source: int = 0):
         """Rank ``source``'s ``value``, on every rank."""
@@ -182,8 +182,8 @@ class RankGroup:
 
     def sum(self, values: list[float]) -> list[float]:
         with self.device.host():
-            t = torch.tensor(values, dtype=torch.float64, device=self.tensor_device)
-            dist.all_reduce(t)
+            t = torch.tensor(values, dtype=torch.float64)
+            dist.all_reduce(t, group=self.control)
             return t.tolist()
 
     # -- gradients -------------------------------------------------------------------------
@@ -228,6 +228,15 @@ class RankGroup:
         dist.all_reduce(bucket[:used])
         for flat, start, at, n in pending:
             flat[start : start + n].copy_(bucket[at : at + n])
+
+
+def _control_group():
+    """The group's agreements, gathers and sums go through gloo, on the host, whatever the
+    backend of the gradients: a peer that died closes gloo's connections, and the collective
+    fails at once where NCCL's would wait for its watchdog (``COLLECTIVE_TIMEOUT``) and then end
+    the process without a Python error, so no rank could say which one failed. Made by every
+    rank right after the group is, the CPU's gloo groups too, so that one path runs everywhere."""
+    return dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
 
 
 def _where(phase: str, position: int) -> str:

@@ -84,11 +84,6 @@ class Device:
         ``memory_fraction`` for a share of a GPU; a class ignores what it has no use for."""
         return cls()
 
-    @property
-    def collective_device(self) -> torch.device:
-        """Where a group's small collective tensors live: the host, unless the backend needs the device."""
-        return torch.device("cpu")
-
     def seed(self, seed: int) -> None:
         """Seed the random generators a step draws from: the CPU's (dropout on the CPU,
         augmentation in the main process) and the device's own, where it has one.

@@ -32,10 +32,6 @@ class CudaDevice(Device):
         # A shared GPU's allocator is capped to the trial's share less its context: its growth can't OOM a neighbour.
         return cls(torch.cuda.current_device(), memory_fraction)
 
-    @property
-    def collective_device(self) -> torch.device:
-        return self.torch_device  # NCCL exchanges device tensors
-
     def seed(self, seed: int) -> None:
         super().seed(seed)
         with torch.cuda.device(self.torch_device):
