@@ -26,10 +26,11 @@ def autocast(precision: str, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def make_grad_scaler(precision: str, device: Device) -> torch.amp.GradScaler | None:
-    """fp16 needs loss scaling to keep small gradients (where the device says so); bf16 and fp32 do not."""
+def make_grad_scaler(precision: str, device: Device, init_scale: float = 2.0**16) -> torch.amp.GradScaler | None:
+    """fp16 needs loss scaling to keep small gradients (where the device says so); bf16 and fp32 do not.
+    ``init_scale``: torch's default, under which the first steps often overflow and are skipped."""
     if precision == "fp16" and device.scales_fp16_loss:
-        return torch.amp.GradScaler(device.torch_device.type)
+        return torch.amp.GradScaler(device.torch_device.type, init_scale=init_scale)
     return None
 
 

@@ -55,7 +55,10 @@ class _Probe:
         self.workload, self.settings, self.device = workload, settings, device
         self.model = workload.build_model().to(device.torch_device)
         self.optimizer = optimizer_for(workload, self.model, device.torch_device.type)
-        self.scaler = make_grad_scaler(settings.precision, device)
+        # A step the scaler skips (an overflow) runs no optimizer step, nor its hooks: each probe
+        # would read the previous one's peaks. Unscaled, fp16 gradients overflow only where the
+        # model's do; the memory a step uses is the same at any scale.
+        self.scaler = make_grad_scaler(settings.precision, device, init_scale=1.0)
         self.train_data, self.eval_data = workload.train_data(), workload.eval_data()
         self.fb_peak = self.fb_reserved = self.step_peak = 0
         self.optimizer.register_step_pre_hook(self._before_step)
