@@ -38,6 +38,7 @@ from orchestrator.estimator_registry import NO_ESTIMATE, registered
 from orchestrator.memory import MemoryProfile, Settings
 from orchestrator.memory.cache import ProfileCache
 from orchestrator.memory.fake import trace_device
+from orchestrator.memory.phases import TrainingLength
 from orchestrator.table import value_text
 
 
@@ -86,7 +87,7 @@ def estimate_trials(
     configs: list[dict[str, Any]], policy: MemoryPolicy, target: str, budget: int | None,
     effective_batch: int, *, processes: int | None = None,
     on_done: Callable[[str, list[int], float], None] | None = None, stop: threading.Event | None = None,
-    epochs: int | None = None,
+    length: TrainingLength | None = None,
 ) -> Estimates:
     """Estimate each distinct memory signature of ``configs`` once, in up to ``processes``
     parallel processes (by default one fewer than the usable cores; one means this thread, except
@@ -97,7 +98,7 @@ def estimate_trials(
     ``on_done(signature, trial indices, seconds)`` reports progress. A signature whose estimate
     raised is recorded in ``errors`` (the worker will meet the same error and report it).
     Once ``stop`` is set (the command was interrupted), no further signature is estimated.
-    ``epochs``: the trials' ``stop.epochs``, which stages of a module-activation schedule they reach
+    ``length``: how far the trials train, which stages of a module-activation schedule they reach
     (``memory.cache.ProfileCache``).
     """
     estimates = Estimates(target, policy)
@@ -106,7 +107,7 @@ def estimate_trials(
     groups: dict[str, list[int]] = {}
     for index, config in enumerate(configs):
         groups.setdefault(memory_signature(config, policy, target), []).append(index)
-    jobs = [(configs[indices[0]], policy, target, budget, effective_batch, epochs) for indices in groups.values()]
+    jobs = [(configs[indices[0]], policy, target, budget, effective_batch, length) for indices in groups.values()]
     workers = min(len(jobs), processes or usable_cores() - 1)
     if workers <= 1 and trace_device(target) == "cpu":
         results = map(_estimate_one, jobs)
@@ -145,10 +146,10 @@ def _estimate_one(job) -> tuple[dict[Settings, MemoryProfile], str | None, str |
     from orchestrator.planner import make_plan
     from trainables.workload import build_workload, install_advice
 
-    config, policy, target, budget, effective_batch, epochs = job
+    config, policy, target, budget, effective_batch, length = job
     started = time.perf_counter()
     try:
-        cache = ProfileCache(build_workload(config), policy, target, epochs=epochs)
+        cache = ProfileCache(build_workload(config), policy, target, length=length)
         make_plan(cache.workload, policy, effective_batch, budget, target=target, profiles=cache)
     except Exception as exc:  # noqa: BLE001 - a user's model failing: reported (op and line), the sweep decides
         return {}, summary(exc) + install_advice(exc), None, time.perf_counter() - started

@@ -42,6 +42,7 @@ def plan_command(args) -> int:
     from orchestrator.config import load_spec
     from orchestrator.estimates import describe_signature, estimate_trials, memory_signature
     from orchestrator.memory.cache import ProfileCache
+    from orchestrator.memory.phases import TrainingLength
     from orchestrator.memory.failure import summary
     from orchestrator.preflight import check_workloads
     from orchestrator.space import trial_configs
@@ -69,7 +70,8 @@ def plan_command(args) -> int:
 
     rank_budgets = _rank_budgets(spec, planned, args.device_memory is not None)
     rank_batch = spec.effective_batch_size // spec.resources.workers
-    estimates = estimate_trials(configs, policy, target, budget, rank_batch, on_done=progress, epochs=spec.stop.epochs)
+    length = TrainingLength(spec.stop, spec.effective_batch_size)
+    estimates = estimate_trials(configs, policy, target, budget, rank_batch, on_done=progress, length=length)
     results, caches, plans = [], {}, {}
     host = _HostMemory(spec, planned, host_memory, len(configs))
     for index, config in enumerate(configs):
@@ -80,7 +82,7 @@ def plan_command(args) -> int:
         workload = build_workload(config)
         if signature not in caches:  # the measured estimator probes here, once per signature too
             caches[signature] = ProfileCache(workload, policy, target, known=estimates.by_signature.get(signature),
-                                             epochs=spec.stop.epochs)
+                                             length=length)
         try:
             # Trials of one signature differ in memory-neutral parameters alone: one plan serves them
             # all (planning counts the eval set, which builds it: 10,000 trials took 13 s of it).

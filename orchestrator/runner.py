@@ -527,6 +527,7 @@ def estimate_before_start(spec: SweepSpec, stop: threading.Event | None = None):
     """
     from orchestrator.device.target import resolve_target
     from orchestrator.estimates import describe_signature, estimate_trials
+    from orchestrator.memory.phases import TrainingLength
     from orchestrator.space import memory_configs
 
     policy = spec.memory
@@ -535,7 +536,7 @@ def estimate_before_start(spec: SweepSpec, stop: threading.Event | None = None):
     started = time.perf_counter()
     rank_batch = spec.effective_batch_size // spec.resources.workers  # what one rank of a trial computes per step
     estimates = estimate_trials(memory_configs(spec), policy, target, budget, rank_batch, stop=stop,
-                                epochs=spec.stop.epochs)
+                                length=TrainingLength(spec.stop, spec.effective_batch_size))
     if stop is not None and stop.is_set():
         return estimates
     if estimates.errors:

@@ -3,10 +3,10 @@ of a module-activation schedule that the trial reaches."""
 
 from __future__ import annotations
 
-from orchestrator.config import MemoryPolicy
+from orchestrator.config import MemoryPolicy, Stop
 from orchestrator.memory import Settings
 from orchestrator.memory.cache import ProfileCache
-from orchestrator.memory.phases import phases_of
+from orchestrator.memory.phases import TrainingLength, phases_of
 from orchestrator.planner import make_plan
 from orchestrator.units import MiB
 from trainables.cnn import CNNWorkload
@@ -28,9 +28,10 @@ def test_a_stage_that_starts_after_the_last_epoch_is_not_planned_for():
     000's short sweep before the late modules). Its profile is estimated whole all the same."""
     whole = ProfileCache(STAGED, POLICY, "emulated")
     assert names(whole.get(Settings())) == ["train", "eval", "train@epoch3", "eval@epoch3"]
-    short = ProfileCache(STAGED, POLICY, "emulated", epochs=2, known=dict(whole.cache))
+    short = ProfileCache(STAGED, POLICY, "emulated", length=TrainingLength(Stop(epochs=2), 64), known=dict(whole.cache))
     assert names(short.get(Settings())) == ["train", "eval"]
-    assert names(ProfileCache(STAGED, POLICY, "emulated", epochs=3, known=dict(whole.cache)).get(Settings())) == names(
+    three = TrainingLength(Stop(epochs=3), 64)
+    assert names(ProfileCache(STAGED, POLICY, "emulated", length=three, known=dict(whole.cache)).get(Settings())) == names(
         whole.get(Settings()))
     assert short.shareable() == whole.shareable()  # what a worker with another budget may use, unchanged
 
@@ -38,6 +39,15 @@ def test_a_stage_that_starts_after_the_last_epoch_is_not_planned_for():
     assert make_plan(STAGED, POLICY, 64, budget, target="emulated", profiles=whole).refusal
     planned = make_plan(STAGED, POLICY, 64, budget, target="emulated", profiles=short)
     assert planned.refusal is None and planned.micro_batch * planned.accum_steps == 64
+
+
+def test_a_budget_of_steps_reaches_the_epochs_its_steps_start():
+    """2,048 samples in steps of 128: 16 steps an epoch. Step 33 is the third epoch's first."""
+    assert TrainingLength(Stop(steps=32), 128).epochs(STAGED) == 2
+    assert TrainingLength(Stop(steps=33), 128).epochs(STAGED) == 3
+    assert TrainingLength(Stop(epochs=10, steps=30), 128).epochs(STAGED) == 2  # whichever comes first
+    assert TrainingLength(Stop(epochs=2, steps=1000), 128).epochs(STAGED) == 2
+    assert TrainingLength(Stop(steps=30), 128).epochs(CNN) is None  # one stage: every epoch alike, no data built
 
 
 def test_phases_are_those_of_the_stages_a_budget_of_epochs_reaches():

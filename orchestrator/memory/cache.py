@@ -15,7 +15,7 @@ from orchestrator.allocator_conf import effective_allocator_conf
 from orchestrator.config import MemoryPolicy
 from orchestrator.estimator_registry import ESTIMATORS
 from orchestrator.memory import EstimationError, MemoryProfile, Settings, estimate
-from orchestrator.memory.phases import phases_of
+from orchestrator.memory.phases import TrainingLength, phases_of
 
 
 class ProfileCache:
@@ -32,11 +32,11 @@ class ProfileCache:
     """
 
     def __init__(self, workload, policy: MemoryPolicy, target: str, device=None,
-                 known: dict[Settings, MemoryProfile | None] | None = None, epochs: int | None = None):
+                 known: dict[Settings, MemoryProfile | None] | None = None, length: TrainingLength | None = None):
         self.workload, self.policy, self.target, self.device = workload, policy, target, device
         self.cache: dict[Settings, MemoryProfile | None] = dict(known or {})
         self.errors: dict[Settings, str] = {}
-        self.epochs = epochs
+        self.epochs = length.epochs(workload) if length is not None else None
 
     def get(self, settings: Settings) -> MemoryProfile | None:
         """The profile of ``settings``, its phases those of the stages the trial reaches."""

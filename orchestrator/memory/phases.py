@@ -7,11 +7,14 @@ schedule, because a module that switches on at epoch 3 changes both.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torch import nn
 
+from orchestrator.config import Stop
 from orchestrator.memory.profile import Settings
+from trainables.data import whole_steps
 from trainables.workload import Workload
 
 
@@ -20,6 +23,24 @@ class Phase:
     name: str  # "train", "eval", "train@epoch3", "eval@epoch3": epochs counted from 1, as a person reads them
     kind: str  # "train" | "eval"
     epoch: int  # first epoch of the stage the phase belongs to, from 0 (the workload's ``set_epoch``)
+
+
+@dataclass(frozen=True)
+class TrainingLength:
+    """How far a trial trains, which decides the stages of a module-activation schedule it reaches:
+    a sweep stopped at step 30 of 16-step epochs never meets a module that switches on at epoch 3,
+    and is neither planned nor refused for it."""
+
+    stop: Stop
+    effective_batch: int  # the samples of one optimizer step, all ranks together
+
+    def epochs(self, workload: Workload) -> int | None:
+        """The epochs a trial of ``workload`` starts (None: every stage). ``stop.steps`` needs the
+        epoch's steps, so the training set is built, only for a workload with stages to skip."""
+        if self.stop.steps is None or len(workload.stage_epochs()) < 2:
+            return self.stop.epochs
+        steps_per_epoch = whole_steps(len(workload.train_data()), self.effective_batch)
+        return math.ceil(self.stop.last_step(steps_per_epoch) / steps_per_epoch)
 
 
 def phases_of(workload: Workload, epochs: int | None = None) -> list[Phase]:

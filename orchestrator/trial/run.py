@@ -36,7 +36,7 @@ from orchestrator.device_kinds import device_kind
 from orchestrator.estimates import Estimates
 from orchestrator.estimator_registry import ESTIMATORS
 from orchestrator.memory.cache import ProfileCache
-from orchestrator.memory.phases import phases_of
+from orchestrator.memory.phases import TrainingLength, phases_of
 from orchestrator.planner import Plan, make_plan, next_reduction, predicted
 from orchestrator.ray_internals import trial_storage_folder
 from orchestrator.trial.checkpoint import LocalCheckpoints, hand_over_due
@@ -214,7 +214,7 @@ class TrialRun:
             known = self.estimates.known(self.config, target) if self.estimates else None
             self.estimated_by = "none" if self.policy.estimator == "none" else "driver" if known else "worker"
             self.profiles = ProfileCache(self.workload, self.policy, target, self.device, known=known,
-                                         epochs=self.loop_settings.stop.epochs)
+                                         length=TrainingLength(self.loop_settings.stop, self.spec.effective_batch_size))
         return self.profiles
 
     # -- plan verification (orchestrator.trial.verify) -------------------------------------------
