@@ -141,6 +141,11 @@ def _check_first_rung_reached(spec: SweepSpec, steps_per_epoch: int, label: str)
         )
 
 
+#: Two row counts no other dimension of a state can equal both of: an LSTM's state of 2 layers
+#: has 2 rows along its layer dimension too, so a wrong ``state_dim`` passes a check at 2 alone.
+STATE_ROWS = (2, 3)
+
+
 def _check_stateful(workload, spec: SweepSpec, label: str) -> None:
     """A stateful workload (truncated BPTT) trains in one process, and its ``initial_state`` has
     one row per stream along its ``state_dim``."""
@@ -149,8 +154,9 @@ def _check_stateful(workload, spec: SweepSpec, label: str) -> None:
     if spec.resources.workers > 1:
         raise UserError(f"{label}: resources.workers: a stateful workload (truncated BPTT) trains in one process; "
                         f"expected 1, got {spec.resources.workers}")
-    state = _call(lambda: workload.initial_state(2), label, "initial_state(2)")
-    _call(lambda: Carry(state, workload.state_dim).check(2, "its state"), label, "initial_state(2)")
+    for rows in STATE_ROWS:
+        state = _call(lambda: workload.initial_state(rows), label, f"initial_state({rows})")
+        _call(lambda: Carry(state, workload.state_dim).check(rows, "its state"), label, f"initial_state({rows})")
 
 
 def check_model_builds(workload, label: str) -> None:

@@ -81,6 +81,13 @@ def test_a_stateful_workload_in_a_data_parallel_group_is_one_line():
     check_workloads(load_spec("configs/lstm_tbptt_cpu.yaml"))
 
 
+def test_a_state_whose_rows_are_not_along_state_dim_is_one_line_even_where_a_dimension_has_two():
+    """Two layers: at two streams, the layer dimension also has two; at three it does not."""
+    lstm = load_spec("configs/lstm_tbptt_cpu.yaml", ["workload.name=tests.workloads:LayerRowsLSTMWorkload"])
+    with pytest.raises(UserError, match=r"initial_state\(3\).*\(2, 3, 64\) does not have 3 rows \(one per stream\) along state_dim 0"):
+        check_workloads(lstm)
+
+
 def test_a_model_that_does_not_build_is_one_line_naming_the_users_line(sweep_file):
     """Each distinct model is built (on ``meta``) before Ray starts, the estimator set or not."""
     grouped = spec(sweep_file, "workload.name=tests.workloads:GroupedMLPWorkload", "search_space.width=12",

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 from trainables.cnn import CNNWorkload
+from trainables.examples.lstm_lm import LSTMLanguageModelWorkload
 from trainables.mlp import MLPWorkload
 from trainables.workload import Workload
 
@@ -433,3 +434,11 @@ class KeepsItsModelWorkload(MLPWorkload):
         model = super().build_model()
         _KEPT_MODELS.append(model)
         return model
+
+
+@dataclasses.dataclass
+class LayerRowsLSTMWorkload(LSTMLanguageModelWorkload):
+    """Says its state's rows are along dimension 0, where nn.LSTM keeps its layers: with two
+    layers, a state of two streams has two there as well."""
+
+    state_dim = 0
