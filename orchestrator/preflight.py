@@ -14,6 +14,7 @@ left out, so a sweep over learning rates reads each workload's data and builds i
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from pathlib import Path
@@ -154,6 +155,11 @@ def _check_stateful(workload, spec: SweepSpec, label: str) -> None:
     if spec.resources.workers > 1:
         raise UserError(f"{label}: resources.workers: a stateful workload (truncated BPTT) trains in one process; "
                         f"expected 1, got {spec.resources.workers}")
+    try:
+        inspect.signature(workload.loss).bind(None, None, None)
+    except TypeError:
+        raise UserError(f"{label}: {type(workload).__name__} is stateful: its loss takes (model, batch, state) and "
+                        f"returns (loss, new_state); it is defined as loss{inspect.signature(workload.loss)}") from None
     for rows in STATE_ROWS:
         state = _call(lambda: workload.initial_state(rows), label, f"initial_state({rows})")
         _call(lambda: Carry(state, workload.state_dim).check(rows, "its state"), label, f"initial_state({rows})")

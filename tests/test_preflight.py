@@ -81,6 +81,13 @@ def test_a_stateful_workload_in_a_data_parallel_group_is_one_line():
     check_workloads(load_spec("configs/lstm_tbptt_cpu.yaml"))
 
 
+def test_a_stateful_workload_whose_loss_takes_no_state_is_told_what_it_takes():
+    lstm = load_spec("configs/lstm_tbptt_cpu.yaml", ["workload.name=tests.workloads:StatelessLossLSTMWorkload"])
+    with pytest.raises(UserError, match=r"StatelessLossLSTMWorkload is stateful: its loss takes \(model, batch, state\) "
+                                        r"and returns \(loss, new_state\); it is defined as loss\(model, batch\)$"):
+        check_workloads(lstm)
+
+
 def test_a_state_whose_rows_are_not_along_state_dim_is_one_line_even_where_a_dimension_has_two():
     """Two layers: at two streams, the layer dimension also has two; at three it does not."""
     lstm = load_spec("configs/lstm_tbptt_cpu.yaml", ["workload.name=tests.workloads:LayerRowsLSTMWorkload"])

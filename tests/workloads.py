@@ -442,3 +442,13 @@ class LayerRowsLSTMWorkload(LSTMLanguageModelWorkload):
     layers, a state of two streams has two there as well."""
 
     state_dim = 0
+
+
+@dataclasses.dataclass
+class StatelessLossLSTMWorkload(LSTMLanguageModelWorkload):
+    """Stateful, with the loss of a workload that is not: no state in, none out."""
+
+    def loss(self, model, batch):
+        inputs, targets = batch
+        logits, _ = model(inputs, self.initial_state(inputs.shape[0]))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -97,7 +97,8 @@ class Workload:
         """A :attr:`stateful` workload's state for ``rows`` streams (zeros, usually): a tensor,
         or a tuple, list or dict of tensors, each with ``rows`` rows along :attr:`state_dim`.
         Made on the CPU; the loop moves it to the device."""
-        raise NotImplementedError(f"{type(self).__name__} is stateful: it defines initial_state(rows)")
+        raise NotImplementedError(f"{type(self).__name__} is stateful, and must define initial_state(rows): "
+                                  "its state for that many streams")
 
     # -- what a subclass may override ---------------------------------------------------------
     def collate(self, samples: list) -> Batch:
