@@ -103,6 +103,11 @@ def check_workload(workload, spec: SweepSpec, label: str, build_model: bool = Tr
 
     if build_model:
         check_model_builds(workload, label)
+    schedule = _call(workload.activation_schedule, label, "activation_schedule()")
+    early = {name: epoch for name, epoch in schedule.items() if not isinstance(epoch, int) or epoch < 0}
+    if early:
+        raise UserError(f"{label}: activation_schedule(): {', '.join(f'{n} at {e!r}' for n, e in early.items())}; "
+                        "expected the epoch each module switches on, counted from 0 (0: from the start)")
     train = _call(workload.train_data, label, "train_data()")
     samples = _call(lambda: len(train), label, "len(train_data())")
     if samples < spec.effective_batch_size:

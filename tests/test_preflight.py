@@ -81,6 +81,13 @@ def test_a_stateful_workload_in_a_data_parallel_group_is_one_line():
     check_workloads(load_spec("configs/lstm_tbptt_cpu.yaml"))
 
 
+def test_a_module_scheduled_before_the_first_epoch_is_one_line(sweep_file):
+    staged = ["workload={name: staged_mlp, params: {aux_start_epoch: -1}}", "search_space={lr: 0.01}"]
+    with pytest.raises(UserError, match=r"activation_schedule\(\): aux at -1; expected the epoch each module switches "
+                                        r"on, counted from 0 \(0: from the start\)$"):
+        check_workloads(spec(sweep_file, *staged))
+
+
 def test_a_stateful_workload_whose_loss_takes_no_state_is_told_what_it_takes():
     lstm = load_spec("configs/lstm_tbptt_cpu.yaml", ["workload.name=tests.workloads:StatelessLossLSTMWorkload"])
     with pytest.raises(UserError, match=r"StatelessLossLSTMWorkload is stateful: its loss takes \(model, batch, state\) "
