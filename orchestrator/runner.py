@@ -542,7 +542,7 @@ def estimate_before_start(spec: SweepSpec, stop: threading.Event | None = None):
     if estimates.errors:
         signature, error = next(iter(estimates.errors.items()))
         raise UserError(f"workload {describe_signature(signature, spec.search_space)}: the {policy.estimator} estimate failed "
-                        f"({error}); {_estimate_advice(error)}")
+                        f"({error}); {_estimate_advice(error, policy.precision, target)}")
     if estimates.by_signature:
         print(f"Estimated the memory of {len(estimates.by_signature)} distinct trial configuration(s) for "
               f"{'an' if target[0] in 'aeiou' else 'a'} {target} device in {time.perf_counter() - started:.1f}s ({policy.estimator})", flush=True)
@@ -555,11 +555,15 @@ def estimate_before_start(spec: SweepSpec, stop: threading.Event | None = None):
     return estimates
 
 
-def _estimate_advice(error: str) -> str:
+def _estimate_advice(error: str, precision: str = "fp32", target: str = "cuda") -> str:
     """What helps with an estimate that failed. An op that failed on the estimator's fake tensors
     (``aten.nonzero ...``) may run on real ones, so starting without an estimate can help; any
     other error (the model's own code raised: the pre-flight already built it) would stop every
-    trial the same way, and only fixing the workload helps."""
+    trial the same way, and only fixing the workload helps. fp16 on a device whose kernels are the
+    CPU's fails in some ops whatever the tensors (an LSTM's oneDNN kernel), and so would its trials."""
+    if "aten." in error and precision == "fp16" and target != "cuda":
+        return (f"the CPU has no fp16 kernel for some ops, and this {target} device runs the CPU's: "
+                "set memory.precision: bf16 or fp32, or fix the workload")
     if "aten." in error:
         return "fix the workload, or set memory.estimator: none to start trials without an estimate"
     return "fix the workload: its trials would fail the same way"

@@ -120,6 +120,10 @@ def test_an_estimate_that_fails_in_the_models_code_says_only_fixing_it_helps():
 
     assert "memory.estimator: none" not in _estimate_advice("AttributeError: 'Net' has no 'widht' (in my/net.py:3)")
     assert "memory.estimator: none" in _estimate_advice("RuntimeError: x (aten.nonzero.default in my/net.py:9 (loss))")
+    lstm = "RuntimeError: could not create a primitive descriptor for the LSTM ... (aten.mkldnn_rnn_layer.default)"
+    assert _estimate_advice(lstm, "fp16", "emulated").startswith("the CPU has no fp16 kernel for some ops, and this "
+                                                                  "emulated device runs the CPU's: set memory.precision: bf16")
+    assert "memory.estimator: none" in _estimate_advice(lstm, "fp16", "cuda")  # CUDA's kernels differ
 
 
 def test_a_collate_that_fails_is_one_line_naming_the_users_line(sweep_file):
