@@ -389,6 +389,7 @@ class LiveView(tune.Callback):
         self._seen: dict[str, Seen] = {}
         self._started: set[str] = set()
         self._ending: set[str] = set()  # restarted only to fail at once (orchestrator.retry): not told
+        self._done_untold: dict[str, TrialReport] = {}  # reported its budget spent; its end not told yet
         self._shrinks: dict[str, int] = {}
         self._ooms = 0
         self._start = time.monotonic()
@@ -398,7 +399,7 @@ class LiveView(tune.Callback):
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_seen": {}, "_started": set(), "_ending": set(), "_shrinks": {}, "_ooms": 0,
-                "_progress_shown": False}
+                "_progress_shown": False, "_done_untold": {}}
 
     def setup(self, stop=None, num_samples=None, total_num_samples=None, **info) -> None:
         self._start = time.monotonic()
@@ -423,22 +424,30 @@ class LiveView(tune.Callback):
 
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
         seen = self._seen.setdefault(trial.trial_id, Seen())
-        for event in report_events(trial.trial_id, TrialReport.from_result(result), seen):
+        report = TrialReport.from_result(result)
+        for event in report_events(trial.trial_id, report, seen):
             self._ooms += isinstance(event, OomSurvived) and event.event.action != GAVE_UP
             self._say(event)
+        if report.training_done:
+            self._done_untold[trial.trial_id] = report
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
-        event = finished_event(trial.trial_id, TrialReport.from_result(trial.last_result), self.metric,
-                               self.stop_epochs, self.stop_steps)
-        if isinstance(event, Refused) and not self._seen.setdefault(trial.trial_id, Seen()).note_refusal():
+        self._done_untold.pop(trial.trial_id, None)
+        self._say_finished(trial.trial_id, TrialReport.from_result(trial.last_result))
+
+    def _say_finished(self, trial: str, report: TrialReport) -> None:
+        event = finished_event(trial, report, self.metric, self.stop_epochs, self.stop_steps)
+        if isinstance(event, Refused) and not self._seen.setdefault(trial, Seen()).note_refusal():
             return  # its last report said it already
         self._say(event)
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
+        self._done_untold.pop(trial.trial_id, None)  # it failed after its last report: told as failed
         self._say(self._failure(trial))
 
     def on_trial_recover(self, iteration, trials, trial, **info) -> None:
         """Tune requeues a failed trial, after the retry scheduler set its config for the restart."""
+        self._done_untold.pop(trial.trial_id, None)
         config = trial.config
         if config.get(NOT_RETRIED_KEY) or config.get(OOM_GAVE_UP_KEY):
             self._ending.add(trial.trial_id)  # its final failure says why
@@ -456,7 +465,12 @@ class LiveView(tune.Callback):
             self._draw(trials)
 
     def on_experiment_end(self, trials, **info) -> None:
+        """A stop (Ctrl-C) ends the trials Tune runs without telling the callbacks of their end:
+        one whose last report had spent its budget finished all the same, and is told so."""
         self._clear()
+        for trial, report in self._done_untold.items():
+            self._say_finished(trial, report)
+        self._done_untold.clear()
 
     # -- output ----------------------------------------------------------------------------
     def _failure(self, trial, retrying: str = "") -> Failed:

@@ -219,6 +219,21 @@ def test_a_refused_trial_is_told_once_though_its_last_report_and_its_end_both_sa
     assert log.getvalue() == "u refused: micro-batch 1 needs 18.7KiB, budget 1.0KiB\n"
 
 
+def test_a_trial_that_spent_its_budget_as_the_sweep_was_stopped_is_told_finished_once(monkeypatch):
+    """Ctrl-C as a trial's last report arrives: Tune ends it without calling on_trial_complete."""
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", log)
+    view = LiveView(["lr"], "eval_loss", 3, None)
+    last = TrialReport(epoch=3, step=24, measurements={"eval_loss": 0.5}, training_done=True).to_metrics()
+    stopped, interrupted, told = (SimpleNamespace(trial_id=t, config={}, last_result=last) for t in "sit")
+    view.on_trial_result(0, [], stopped, last)
+    view.on_trial_result(0, [], interrupted, TrialReport(epoch=1, step=8, measurements={"eval_loss": 0.9}).to_metrics())
+    view.on_trial_result(0, [], told, last)
+    view.on_trial_complete(0, [], told)
+    view.on_experiment_end([stopped, interrupted, told])
+    assert log.getvalue() == "t finished: 3/3 epochs, eval_loss 0.5000\ns finished: 3/3 epochs, eval_loss 0.5000\n"
+
+
 def test_a_finished_trial_says_what_it_trained_its_metric_and_peak():
     result = TrialReport(epoch=3, measurements={"eval_loss": 0.46091}, peak_allocated_bytes=36 * 1024,
                          memory_source="cpu_tensor_tracker", training_done=True)
