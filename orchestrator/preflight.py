@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import numbers
 import os
 from pathlib import Path
 from typing import Any
@@ -104,7 +105,7 @@ def check_workload(workload, spec: SweepSpec, label: str, build_model: bool = Tr
     if build_model:
         check_model_builds(workload, label)
     schedule = _call(workload.activation_schedule, label, "activation_schedule()")
-    early = {name: epoch for name, epoch in schedule.items() if not isinstance(epoch, int) or epoch < 0}
+    early = {name: epoch for name, epoch in schedule.items() if not isinstance(epoch, numbers.Integral) or epoch < 0}
     if early:
         raise UserError(f"{label}: activation_schedule(): {', '.join(f'{n} at {e!r}' for n, e in early.items())}; "
                         "expected the epoch each module switches on, counted from 0 (0: from the start)")
@@ -160,14 +161,29 @@ def _check_stateful(workload, spec: SweepSpec, label: str) -> None:
     if spec.resources.workers > 1:
         raise UserError(f"{label}: resources.workers: a stateful workload (truncated BPTT) trains in one process; "
                         f"expected 1, got {spec.resources.workers}")
-    try:
-        inspect.signature(workload.loss).bind(None, None, None)
-    except TypeError:
+    signature = _signature(workload.loss)
+    if signature is not None and not _takes(signature, 3):
         raise UserError(f"{label}: {type(workload).__name__} is stateful: its loss takes (model, batch, state) and "
-                        f"returns (loss, new_state); it is defined as loss{inspect.signature(workload.loss)}") from None
+                        f"returns (loss, new_state); it is defined as loss{signature}")
     for rows in STATE_ROWS:
         state = _call(lambda: workload.initial_state(rows), label, f"initial_state({rows})")
         _call(lambda: Carry(state, workload.state_dim).check(rows, "its state"), label, f"initial_state({rows})")
+
+
+def _signature(function) -> inspect.Signature | None:
+    """``function``'s signature; None for one inspect cannot read (a builtin): calling it tells."""
+    try:
+        return inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
+
+
+def _takes(signature: inspect.Signature, arguments: int) -> bool:
+    try:
+        signature.bind(*[None] * arguments)
+    except TypeError:
+        return False
+    return True
 
 
 def check_model_builds(workload, label: str) -> None:

@@ -411,7 +411,11 @@ def _init_ray(address: str | None, num_cpus, num_gpus, dashboard: bool, dashboar
     # working directory: Ray puts it on every worker's sys.path (a Ray Job's uploaded working_dir
     # takes its place), as long as the driver runs with no working_dir of its own.
     if os.environ.get("RAY_ADDRESS"):  # inside a Ray Job: the job's runtime environment applies (ray_job)
-        ray.init(address=os.environ["RAY_ADDRESS"], logging_config=logging_config)
+        # A job of ours has the variables in the driver's environment too; one submitted otherwise,
+        # or an address the user exported, may not.
+        missing = worker_env and any(os.environ.get(k) != v for k, v in worker_env.items())
+        ray.init(address=os.environ["RAY_ADDRESS"], logging_config=logging_config,
+                 runtime_env=runtime_env if missing else None)
     elif address:
         if address == "auto":
             raise UserError("--ray-address: give the head's HOST:PORT; 'auto' can attach to another user's cluster")
@@ -563,7 +567,7 @@ def _estimate_advice(error: str, precision: str = "fp32", target: str = "cuda") 
     CPU's fails in some ops whatever the tensors (an LSTM's oneDNN kernel), and so would its trials."""
     if "aten." in error and precision == "fp16" and target != "cuda":
         return (f"the CPU has no fp16 kernel for some ops, and this {target} device runs the CPU's: "
-                "set memory.precision: bf16 or fp32, or fix the workload")
+                "set memory.precision: bf16 or fp32, fix the workload, or set memory.estimator: none")
     if "aten." in error:
         return "fix the workload, or set memory.estimator: none to start trials without an estimate"
     return "fix the workload: its trials would fail the same way"

@@ -110,7 +110,11 @@ class RankGroup:
         self.backend = device.collective_backend
         dist.init_process_group(self.backend, init_method=address, rank=rank, world_size=ranks,
                                 timeout=COLLECTIVE_TIMEOUT)
-        self.control = _control_group()
+        try:
+            self.control = _control_group()
+        except BaseException:  # no group left for a reused worker's next trial to trip over
+            dist.destroy_process_group()
+            raise
 
     @staticmethod
     def join_and_leave(rank: int, ranks: int, address: str, backend: str) -> None:

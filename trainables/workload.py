@@ -358,7 +358,8 @@ def reported_metrics(workload: Workload, totals: dict[str, float], samples: int)
 def check_metric_names(workload: Workload, sums: dict[str, Any], samples: int) -> None:
     """The names an eval step's ``sums`` would report, checked before any trial runs: an estimate
     runs the eval step on tensors that hold no values, so placeholder totals stand in for the
-    eval set's. Without it the mismatch ends every trial at its first evaluation, after an epoch.
+    eval set's (an eval step returns the same names at every batch). Without it the mismatch ends
+    every trial at its first evaluation, after an epoch.
     A ``summarize_metrics`` that fails on placeholders is left to the loop, which has the totals."""
     try:
         reported_metrics(workload, dict.fromkeys(sums, 1.0), samples)

@@ -24,9 +24,9 @@ class ProfileCache:
     ``known`` holds profiles made elsewhere (the driver's); a setting that is not there is
     estimated here. ``None`` marks a setting whose estimation failed, with the reason in ``errors``.
 
-    ``epochs``: the epochs the trial trains (``stop.epochs``; None where a step budget alone
-    bounds it): the phases of a stage of the workload's module-activation schedule that starts
-    later are left out of what :meth:`get` gives the planner. A sweep of two epochs, run before
+    ``length``: how far the trial trains (``memory.phases.TrainingLength``; ``epochs``, the epochs
+    it starts, None for all): the phases of a stage of the workload's module-activation schedule
+    that starts later are left out of what :meth:`get` gives the planner. A sweep of two epochs, run before
     a module is switched on at the third, is not planned (or refused) for that module. They are
     still estimated, and kept whole, so profiles made for one budget serve another.
     """

@@ -39,13 +39,13 @@ class TrainingLength:
         epoch's steps, so the training set is built, only for a workload with stages to skip."""
         if self.stop.steps is None or len(workload.stage_epochs()) < 2:
             return self.stop.epochs
-        steps_per_epoch = whole_steps(len(workload.train_data()), self.effective_batch)
+        steps_per_epoch = max(whole_steps(len(workload.train_data()), self.effective_batch), 1)  # the pre-flight refuses 0
         return math.ceil(self.stop.last_step(steps_per_epoch) / steps_per_epoch)
 
 
 def phases_of(workload: Workload, epochs: int | None = None) -> list[Phase]:
     """Train and eval phases of every stage, stage by stage in epoch order (as training meets them);
-    of the stages that start within ``epochs`` where it is given (a trial's ``stop.epochs``)."""
+    of the stages that start within ``epochs`` where it is given (``TrainingLength.epochs``)."""
     phases = []
     for epoch in workload.stage_epochs():
         if epochs is not None and epoch >= epochs:

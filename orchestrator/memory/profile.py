@@ -37,7 +37,10 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 #: cuBLAS handles' workspace (~65 MiB measured, FACTS.md) plus an allowance for cuDNN's
 #: convolution workspaces: allocations a fake-tensor trace or an analytic count cannot see.
 CUDA_WORKSPACE_BYTES = 256 * 2**20
-#: What the allocator's statistics miss even when memory is measured on the GPU: cuBLAS.
+#: cuBLAS's workspaces on an H100 (two handles' 32 MiB): a fake-tensor trace cannot see them.
+#: The caching allocator makes them, so a reading on the GPU counts them; the measured estimator
+#: and the verification add them to such readings all the same (64 MiB on the safe side; to
+#: look at on the first GPU run, bench/RESULTS.md).
 CUBLAS_WORKSPACE_BYTES = 64 * 2**20
 
 

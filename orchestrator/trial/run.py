@@ -248,7 +248,7 @@ class TrialRun:
         overheads = {p.name: p.overhead for p in profile.phases} if profile is not None else {}
         limit = int(self.plan.budget_bytes * self.policy.safety_margin)
         fixed_size = not type(self.workload).varies_in_size()  # else a step's batch may be a small one
-        reached = phases_of(self.workload, self.loop_settings.stop.epochs)
+        reached = phases_of(self.workload, self._profiles().epochs)
         return PlanVerification(reached, self._corrected_plan, limit, overheads, self.plan_checks, grows=fixed_size)
 
     def _corrected_plan(self, corrections: dict, micro_cap: int | None) -> Plan:
