@@ -740,10 +740,11 @@ def test_time_limit_requeues_and_resumes_only_unfinished_trials(slurm, tmp_path)
     """USR1 (what --signal sends before the limit) mid-sweep: stop, requeue, resume, finish the rest.
 
     Three trials on two CPUs: a short one and a long one run first; the signal comes once the
-    short one has finished, while the long ones still have many seconds to go (8x the data), so
-    the resumed attempt has both finished and unfinished trials however fast the machine is.
+    short one has finished, while the long ones still have many seconds to go (64x the data), so
+    the resumed attempt has both finished and unfinished trials however fast the machine is. (At
+    8x, once the suite's trials ran at nice 0, both long ones finished in the ~2 s the signal took.)
     """
-    config = small_sweep(tmp_path, epochs=4, train_samples=[2048, 16384, 16384 + 64])
+    config = small_sweep(tmp_path, epochs=4, train_samples=[2048, 131072, 131072 + 64])
     job_id, job_dir = orchestrator_submit(
         slurm, tmp_path, str(config), "--cpus-per-node", "2", "--time", "00:15:00",
         "--storage-path", str(tmp_path / "store"), "--log-dir", str(tmp_path / "logs"),
