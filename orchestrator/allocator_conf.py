@@ -29,8 +29,6 @@ def effective_allocator_conf(alloc_conf: str | None) -> str | None:
     return next((os.environ[v] for v in ALLOC_CONF_VARIABLES if v in os.environ), alloc_conf)
 
 
-
-
 def import_time_environment(alloc_conf: str | None) -> dict[str, str]:
     """What the trials' workers must have in their environment when they start, not set later.
 
@@ -41,6 +39,7 @@ def import_time_environment(alloc_conf: str | None) -> dict[str, str]:
     """
     conf = effective_allocator_conf(alloc_conf)
     return {ALLOC_CONF_VARIABLES[1]: conf} if conf and parse_alloc_conf(conf).backend != "native" else {}
+
 
 @dataclass(frozen=True)
 class AllocatorConfig:

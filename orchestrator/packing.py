@@ -55,7 +55,7 @@ def auto_gpu_resources(spec: SweepSpec, estimates) -> Callable[[dict[str, Any]],
         # A CUDA profile's peak already counts the context, workspaces and fragmentation.
         workload = build_workload(config)
         profiles = ProfileCache(workload, spec.memory, target.kind, known=estimates.known(config, target.kind),
-                                length=TrainingLength(spec.stop, spec.effective_batch_size))
+                                length=TrainingLength.of(spec))
         plan = make_plan(workload, spec.memory, spec.effective_batch_size, target.budget, target=target.kind, profiles=profiles)
         share = gpu_fraction(plan.predicted_peak_bytes or total, total, spec.memory.gpu_granularity)
         return PlacementGroupFactory([{"CPU": spec.resources.cpu, "GPU": share}])

@@ -70,7 +70,7 @@ def plan_command(args) -> int:
 
     rank_budgets = _rank_budgets(spec, planned, args.device_memory is not None)
     rank_batch = spec.effective_batch_size // spec.resources.workers
-    length = TrainingLength(spec.stop, spec.effective_batch_size)
+    length = TrainingLength.of(spec)
     estimates = estimate_trials(configs, policy, target, budget, rank_batch, on_done=progress, length=length)
     results, caches, plans = [], {}, {}
     host = _HostMemory(spec, planned, host_memory, len(configs))

@@ -161,24 +161,21 @@ def _check_stateful(workload, spec: SweepSpec, label: str) -> None:
     if spec.resources.workers > 1:
         raise UserError(f"{label}: resources.workers: a stateful workload (truncated BPTT) trains in one process; "
                         f"expected 1, got {spec.resources.workers}")
-    signature = _signature(workload.loss)
-    if signature is not None and not _takes(signature, 3):
+    if not _takes(workload.loss, 3):
         raise UserError(f"{label}: {type(workload).__name__} is stateful: its loss takes (model, batch, state) and "
-                        f"returns (loss, new_state); it is defined as loss{signature}")
+                        f"returns (loss, new_state); it is defined as loss{inspect.signature(workload.loss)}")
     for rows in STATE_ROWS:
         state = _call(lambda: workload.initial_state(rows), label, f"initial_state({rows})")
         _call(lambda: Carry(state, workload.state_dim).check(rows, "its state"), label, f"initial_state({rows})")
 
 
-def _signature(function) -> inspect.Signature | None:
-    """``function``'s signature; None for one inspect cannot read (a builtin): calling it tells."""
+def _takes(function, arguments: int) -> bool:
+    """Whether ``function`` takes ``arguments`` positional arguments; True where inspect cannot
+    read it (a builtin): calling it tells."""
     try:
-        return inspect.signature(function)
+        signature = inspect.signature(function)
     except (TypeError, ValueError):
-        return None
-
-
-def _takes(signature: inspect.Signature, arguments: int) -> bool:
+        return True
     try:
         signature.bind(*[None] * arguments)
     except TypeError:

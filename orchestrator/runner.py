@@ -540,7 +540,7 @@ def estimate_before_start(spec: SweepSpec, stop: threading.Event | None = None):
     started = time.perf_counter()
     rank_batch = spec.effective_batch_size // spec.resources.workers  # what one rank of a trial computes per step
     estimates = estimate_trials(memory_configs(spec), policy, target, budget, rank_batch, stop=stop,
-                                length=TrainingLength(spec.stop, spec.effective_batch_size))
+                                length=TrainingLength.of(spec))
     if stop is not None and stop.is_set():
         return estimates
     if estimates.errors:

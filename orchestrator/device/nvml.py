@@ -46,7 +46,7 @@ def gpu_info(index: int = 0) -> GpuInfo | None:
         name = pynvml.nvmlDeviceGetName(handle)
     except Exception:
         return None
-    return GpuInfo(index, name.decode() if isinstance(name, bytes) else name, mem.total, mem.free, mem.used)
+    return GpuInfo(index, _text(name), mem.total, mem.free, mem.used)
 
 
 def visible_device(index: int, visible: str | None) -> int | str:
@@ -68,10 +68,14 @@ def _handle(pynvml, device: int | str):
         return None
     for i in range(pynvml.nvmlDeviceGetCount()):
         handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-        uuid = pynvml.nvmlDeviceGetUUID(handle)
-        if (uuid.decode() if isinstance(uuid, bytes) else uuid).startswith(device):
+        if _text(pynvml.nvmlDeviceGetUUID(handle)).startswith(device):
             return handle
     return None
+
+
+def _text(value: str | bytes) -> str:
+    """An NVML string: ``bytes`` from older pynvml, ``str`` from newer."""
+    return value.decode() if isinstance(value, bytes) else value
 
 
 #: The CUDA context and library workspaces outside PyTorch's allocator (FACTS.md: ~0.5-0.6 GB

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from orchestrator.config import Stop
+from orchestrator.config import Stop, SweepSpec
 from orchestrator.memory.profile import Settings
 from trainables.data import whole_steps
 from trainables.workload import Workload
@@ -33,6 +33,10 @@ class TrainingLength:
 
     stop: Stop
     effective_batch: int  # the samples of one optimizer step, all ranks together
+
+    @classmethod
+    def of(cls, spec: SweepSpec) -> TrainingLength:
+        return cls(spec.stop, spec.effective_batch_size)
 
     def epochs(self, workload: Workload) -> int | None:
         """The epochs a trial of ``workload`` starts (None: every stage). ``stop.steps`` needs the

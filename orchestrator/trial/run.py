@@ -214,7 +214,7 @@ class TrialRun:
             known = self.estimates.known(self.config, target) if self.estimates else None
             self.estimated_by = "none" if self.policy.estimator == "none" else "driver" if known else "worker"
             self.profiles = ProfileCache(self.workload, self.policy, target, self.device, known=known,
-                                         length=TrainingLength(self.loop_settings.stop, self.spec.effective_batch_size))
+                                         length=TrainingLength.of(self.spec))
         return self.profiles
 
     # -- plan verification (orchestrator.trial.verify) -------------------------------------------
