@@ -51,6 +51,10 @@ SEARCH_KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULERS = ("fifo", "asha")
 LR_DECAYS = ("constant", "linear", "cosine")
+#: How a trial's DataLoader starts its workers (``multiprocessing`` start methods): ``fork``
+#: shares the dataset's pages with them, watched for a child that never runs Python
+#: (``trainables.worker_start``); ``forkserver`` and ``spawn`` (Ray Train's advice) pickle it.
+START_METHODS = ("fork", "forkserver", "spawn")
 EVERY_UNITS = ("epochs", "steps", "minutes")
 #: What a trial whose loss (or clipped gradient norm) is not finite does (``trainables.divergence``):
 #: ends as DIVERGED, counted as finished (stop) or as failed (fail), or trains on (continue).
@@ -130,6 +134,7 @@ Device = Annotated[str, BeforeValidator(_registered_device)]
 Estimator = Annotated[str, StringConstraints(strict=True, pattern=r"^\w+$"), _expect("an estimator's name", text=True)]
 Precision = _one_of(PRECISIONS)
 Decay = _one_of(LR_DECAYS)
+StartMethod = _one_of(START_METHODS)
 Mode = _one_of(("min", "max"))
 OnNan = _one_of(ON_NAN)
 TimeAttr = _one_of(("epoch", "step"))
@@ -485,6 +490,7 @@ class DataLoading:
     pin_memory: Flag | None = None  # None: when the trial trains on a GPU
     prefetch_factor: PositiveInt | None = None  # batches each worker loads ahead (DataLoader's default 2)
     persistent_workers: Flag = False
+    multiprocessing_context: StartMethod = "fork"  # how the workers start: fork | forkserver | spawn
 
     @model_validator(mode="after")
     def _settings_of_workers(self) -> DataLoading:

@@ -3,10 +3,12 @@
 A trial's device memory is planned (``orchestrator.planner``); its host memory is where the
 sweeps of the seeds' post-mortems ran out. A trial holds on its host:
 
-* its datasets as the DataLoader workers hold them: tensors and arrays once (forked workers
-  share their pages, which nobody writes), the Python objects in them once per process (each
-  worker's reference counts write to the pages they are on, so every worker ends up with a copy
-  of each object it touched: over an epoch, all of them);
+* its datasets as the DataLoader workers hold them: tensors once (a worker shares their pages,
+  through shared memory when it gets the dataset pickled), NumPy arrays once with forked workers
+  (who share their pages, which nobody writes) and once per process with workers that get them
+  pickled (``data.multiprocessing_context``: forkserver, spawn), the Python objects in them once
+  per process (a pickled copy each, or the pages a forked worker's reference counts write to:
+  over an epoch, all of them);
 * the batches loaded ahead: ``num_workers * prefetch_factor`` collated micro-batches (one, in
   the trial's own process, without workers), and as many pinned copies when they go to a GPU;
 * its model and optimizer state, once more, as a checkpoint copies them to the host.
@@ -68,8 +70,9 @@ def trial_parts(footprint: DataFootprint, data: DataLoading, pinned: bool) -> di
     """What one trial holds on its host with these loader settings."""
     workers = data.num_workers
     ahead = workers * (data.prefetch_factor or DEFAULT_PREFETCH) if workers else 1
+    arrays_held = 1 if data.multiprocessing_context == "fork" else 1 + workers
     return {
-        "datasets": footprint.shared_bytes + footprint.copied_bytes * (1 + workers),
+        "datasets": footprint.tensor_bytes + footprint.array_bytes * arrays_held + footprint.copied_bytes * (1 + workers),
         "batches ahead": ahead * footprint.batch_bytes,
         "pinned": ahead * footprint.batch_bytes if pinned else 0,
         "checkpoint copy": footprint.state_bytes,

@@ -112,6 +112,80 @@ def test_the_loader_uses_the_workload_collate_in_its_workers(workers):
     assert sorted(int(y) for b in batches for y in b["y"]) == sorted(i % 2 for i in indices)
 
 
+class Parents(Dataset):
+    """Each sample is the id of the process that loaded it and of that process's parent."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        import os
+
+        return torch.tensor([float(os.getpid()), float(os.getppid())]), 0
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_loader_workers_fork_from_the_trials_process_unless_told_otherwise(method):
+    """A fork server's workers are not this process's children (the setting for a process whose
+    threads a fork would leave a child deadlocked on; see ``trainables.worker_start``)."""
+    import os
+
+    given = {} if method == "fork" else {"multiprocessing_context": method}
+    settings = DataLoading(num_workers=2, **given)
+    loader, _ = train_loader(PaddedWorkload(), Parents(), StepCut(4, 4), seed=0, settings=settings, on_gpu=False)
+    loaded = torch.cat([b["x"] for b in Batches(loader, "train_data")])
+    pids, parents = {int(p) for p in loaded[:, 0]}, {int(p) for p in loaded[:, 1]}
+    assert os.getpid() not in pids and len(parents) == 1
+    assert (parents == {os.getpid()}) == (method == "fork")
+
+
+class HoldsAFile(Ragged):
+    """A dataset that keeps a file open: a forked worker shares it, a pickled copy cannot."""
+
+    def __init__(self, path):
+        self.file = open(path, "rb")  # noqa: SIM115 - held for the dataset's life
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_dataset_that_cannot_be_pickled_is_named_with_the_setting_that_takes_it(tmp_path, method):
+    (tmp_path / "shards").write_bytes(b"x")
+    settings = DataLoading(num_workers=2, multiprocessing_context=method)
+    loader, _ = train_loader(PaddedWorkload(), HoldsAFile(tmp_path / "shards"), StepCut(8, 4), seed=0,
+                             settings=settings, on_gpu=False)
+    with pytest.warns(UserWarning, match="pickle error"), pytest.raises(SampleError) as err:
+        Batches(loader, "train_data")
+    assert str(err.value) == (
+        f"train_data: data.multiprocessing_context {method} pickles the dataset and the workload's collate for each "
+        "DataLoader worker, and they cannot be pickled (TypeError: cannot pickle '_io.BufferedReader' object); define "
+        "their classes and functions at a module's top level and open files in the worker, or set "
+        "data.multiprocessing_context: fork")
+    forked = DataLoading(num_workers=2, multiprocessing_context="fork")
+    loader, _ = train_loader(PaddedWorkload(), HoldsAFile(tmp_path / "shards"), StepCut(8, 4), seed=0,
+                             settings=forked, on_gpu=False)
+    assert len(list(Batches(loader, "train_data"))) == 10
+
+
+class ManyTensors(Ragged):
+    """Each sample its own tensor, as a list of tokenized sequences or of graphs holds them."""
+
+    def __init__(self):
+        self.samples = [torch.arange(i % 7 + 1, dtype=torch.float32) for i in range(300)]
+
+    def __len__(self):
+        return 300
+
+
+def test_a_dataset_of_more_tensors_than_a_fork_server_passes_is_named_with_the_setting_that_takes_it():
+    settings = DataLoading(num_workers=1, multiprocessing_context="forkserver")
+    loader, _ = train_loader(PaddedWorkload(), ManyTensors(), StepCut(8, 4), seed=0, settings=settings, on_gpu=False)
+    with pytest.raises(SampleError) as err:
+        Batches(loader, "train_data")
+    assert str(err.value) == (
+        "train_data: data.multiprocessing_context forkserver sends each tensor of the dataset to a DataLoader worker "
+        "as a file descriptor, and this one holds more than it passes (ValueError: too many fds); keep the samples "
+        "in fewer, larger tensors, or set data.multiprocessing_context: fork")
+
+
 def test_the_eval_loader_visits_every_sample_once_in_order():
     batches = list(eval_loader(PaddedWorkload(), Ragged(), 16, DataLoading(), on_gpu=False))
     assert [b["x"].shape[0] for b in batches] == eval_batch_sizes(40, 16) == [16, 16, 8]

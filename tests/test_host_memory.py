@@ -9,7 +9,8 @@ from trainables.footprint import DataFootprint
 
 MiB = 1 << 20
 # 100 MiB of tensors, 50 MiB of Python objects, 4 MiB batches, 30 MiB of model and optimizer.
-FOOTPRINT = DataFootprint(shared_bytes=100 * MiB, copied_bytes=50 * MiB, batch_bytes=4 * MiB, state_bytes=30 * MiB)
+FOOTPRINT = DataFootprint(tensor_bytes=100 * MiB, array_bytes=0, copied_bytes=50 * MiB, batch_bytes=4 * MiB,
+                          state_bytes=30 * MiB)
 
 
 def test_workers_share_tensors_copy_objects_and_hold_their_batches_ahead():
@@ -18,6 +19,15 @@ def test_workers_share_tensors_copy_objects_and_hold_their_batches_ahead():
                      "checkpoint copy": 30 * MiB}
     alone = trial_parts(FOOTPRINT, DataLoading(), pinned=False)  # loading in the trial's process: one batch at a time
     assert alone == {"datasets": 150 * MiB, "batches ahead": 4 * MiB, "pinned": 0, "checkpoint copy": 30 * MiB}
+
+
+def test_arrays_are_shared_with_forked_workers_and_copied_into_workers_that_get_them_pickled():
+    arrays = DataFootprint(tensor_bytes=0, array_bytes=100 * MiB, copied_bytes=0, batch_bytes=0, state_bytes=0)
+    by_method = {method: trial_parts(arrays, DataLoading(num_workers=4, multiprocessing_context=method), pinned=False)
+                 for method in ("fork", "forkserver", "spawn")}
+    assert {m: parts["datasets"] for m, parts in by_method.items()} == {
+        "fork": 100 * MiB, "forkserver": 500 * MiB, "spawn": 500 * MiB}
+    assert trial_parts(arrays, DataLoading(), pinned=False)["datasets"] == 100 * MiB  # no workers: the trial's own
 
 
 def test_settings_that_fit_are_kept():

@@ -45,7 +45,7 @@ def test_a_cluster_s_nodes_are_planned_with_the_memory_ray_gave_them_and_the_tig
     assert [(n.name, n.available_bytes) for n in found] == [("node 10.0.0.1", 64 * 10**9), ("node 10.0.0.2", 2 * 10**9)]
     assert [n.available_bytes for n in cluster_nodes(nodes, host_memory=2 * MiB)] == [2 * MiB] * 3
 
-    footprint = DataFootprint(shared_bytes=100 * MiB, copied_bytes=100 * MiB, batch_bytes=MiB, state_bytes=10 * MiB)
+    footprint = DataFootprint(tensor_bytes=100 * MiB, array_bytes=0, copied_bytes=100 * MiB, batch_bytes=MiB, state_bytes=10 * MiB)
     node, plan = tightest_plan(_spec(cpu=2), footprint, found, pinned=False)
     # 4 trials at once on each; 4 workers hold 100 + 5 x 100 + 8 + 10 = 618 MiB a trial: 2.4 GiB of the small node's 1.9,
     # which holds 4 x 412 MiB with 2 workers (prefetching 1 batch).

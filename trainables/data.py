@@ -16,7 +16,11 @@ stream order, so row ``j`` of each step continues row ``j`` of the one before (s
 ``trainables.carry``); micro-batches then cut a step into consecutive streams.
 
 The sampler runs in the training process and hands index lists to the DataLoader, whose
-workers (``data.num_workers``) fetch and collate them with the workload's ``collate``.
+workers (``data.num_workers``) fetch and collate them with the workload's ``collate``. They
+fork from the trial's process by default, watched until they run Python
+(``trainables.worker_start``); with ``data.multiprocessing_context: forkserver`` or ``spawn`` they
+start from a fresh process and get the dataset and ``collate`` pickled, so a dataset that cannot
+be pickled is named, with the setting that takes it as it is.
 
 A sample that cannot be loaded is a bug in the workload's data, not something a retry fixes:
 :class:`Batches` knows which index list each batch was asked for, fetches those samples again
@@ -30,6 +34,8 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import multiprocessing
+import pickle
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -37,6 +43,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from orchestrator.config import DataLoading
+from trainables import worker_start
 from trainables.workload import Workload, failure_line
 
 
@@ -57,7 +64,7 @@ class Batches:
 
     def __init__(self, loader: DataLoader, phase: str):
         self.loader, self.phase = loader, phase
-        self.iterator = iter(loader)
+        self.iterator = _started(loader, phase)
         self.taken = 0
 
     def __iter__(self) -> "Batches":
@@ -95,6 +102,29 @@ class Batches:
         except Exception as again:  # noqa: BLE001 - the user's collate
             return _caused(SampleError(f"collate of {self.phase} samples {_listed(indices)}: {failure_line(again)}"), again)
         return None
+
+
+def _started(loader: DataLoader, phase: str) -> Iterator:
+    """The loader's iterator, its workers started. A worker that does not fork from the trial's
+    process gets the dataset and ``collate`` pickled: one that cannot be is the workload's error,
+    and so is a dataset of more tensors than a fork server passes to a worker (one file
+    descriptor each, at most 251)."""
+    try:
+        return worker_start.start(loader)
+    except (TypeError, AttributeError, ValueError, pickle.PicklingError) as exc:
+        method = loader.multiprocessing_context.get_start_method() if loader.num_workers else "fork"
+        what = " ".join(f"{type(exc).__name__}: {exc}".split())
+        if method != "fork" and str(exc) == "too many fds":
+            why = (f"sends each tensor of the dataset to a DataLoader worker as a file descriptor, and this one "
+                   f"holds more than it passes ({what}); keep the samples in fewer, larger tensors")
+        elif method != "fork" and (isinstance(exc, pickle.PicklingError) or "pickle" in str(exc)):
+            why = (f"pickles the dataset and the workload's collate for each DataLoader worker, and they cannot be "
+                   f"pickled ({what}); define their classes and functions at a module's top level and open files "
+                   f"in the worker")
+        else:
+            raise
+        raise _caused(SampleError(f"{phase}: data.multiprocessing_context {method} {why}, or set "
+                                  f"data.multiprocessing_context: fork"), exc)
 
 
 def _caused(error: SampleError, cause: BaseException) -> SampleError:
@@ -233,7 +263,10 @@ def eval_batch_sizes(samples: int, batch: int) -> list[int]:
 def _loader(workload: Workload, dataset: Dataset, batch_sampler, settings: DataLoading, on_gpu: bool) -> DataLoader:
     extra = {}
     if settings.num_workers:
-        extra = {"persistent_workers": settings.persistent_workers}
+        extra = {"persistent_workers": settings.persistent_workers,
+                 "multiprocessing_context": _start_method(settings, workload)}
+        if settings.multiprocessing_context == "fork":
+            extra["worker_init_fn"] = worker_start.WorkerStarts(settings.num_workers)
         if settings.prefetch_factor is not None:
             extra["prefetch_factor"] = settings.prefetch_factor
     return DataLoader(
@@ -246,3 +279,14 @@ def _loader(workload: Workload, dataset: Dataset, batch_sampler, settings: DataL
         pin_memory=on_gpu and settings.pin_memory is not False,
         **extra,
     )
+
+
+def _start_method(settings: DataLoading, workload: Workload) -> multiprocessing.context.BaseContext:
+    """How the loader's workers start. A process's fork server starts with its first loader and
+    serves every later one, the next trial's in a reused worker too: it imports torch and the
+    workload's module first, so that a worker forked from it starts without importing them again
+    (a fraction of a second against a fork's milliseconds, per epoch unless persistent)."""
+    context = multiprocessing.get_context(settings.multiprocessing_context)
+    if settings.multiprocessing_context == "forkserver":
+        context.set_forkserver_preload(["__main__", "torch", type(workload).__module__])
+    return context

@@ -1,9 +1,11 @@
 """What a workload's data and state hold on the host, measured for the host-memory plan
 (``orchestrator.host_memory``).
 
-The datasets are walked as their objects hold them: tensors and NumPy arrays count once by their
-buffers (a forked DataLoader worker shares those pages), every other Python object by its size
-(each worker gets its own copy of the pages its reference counts write). One training
+The datasets are walked as their objects hold them, in three parts, since the DataLoader's workers
+hold them differently (``orchestrator.host_memory`` counts each): tensors by their buffers (a
+worker shares them, through shared memory when it gets the dataset pickled), NumPy arrays by
+theirs (shared with a forked worker, copied into any other), every other Python object by its
+size (each worker ends up with its own copy). One training
 micro-batch is collated for the batches loaded ahead. The model is built on ``meta`` (no memory)
 for its parameters and buffers; the optimizer's state is counted as Adam's, two moments per
 parameter, since it does not exist before the first step.
@@ -30,8 +32,9 @@ MAX_WALKED = 200_000
 class DataFootprint:
     """What one trial's data and state hold on the host."""
 
-    shared_bytes: int  # tensors and arrays in the datasets: once per trial, whatever its workers
-    copied_bytes: int  # the datasets' Python objects: once per process that loads from them
+    tensor_bytes: int  # tensors in the datasets: once per trial, whatever its workers
+    array_bytes: int  # NumPy arrays in the datasets: once with forked workers, else once per process
+    copied_bytes: int  # the datasets' other Python objects: once per process that loads from them
     batch_bytes: int  # one collated training micro-batch
     state_bytes: int  # the model's parameters and buffers with the optimizer's state
 
@@ -48,15 +51,15 @@ def data_footprint(workload: Workload, micro_batch: int) -> DataFootprint:
         model = workload.build_model()
     parameters = sum(p.numel() * p.element_size() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    return DataFootprint(held.shared, held.copied, batch.shared + batch.copied,
+    return DataFootprint(held.tensors, held.arrays, held.copied, batch.tensors + batch.arrays + batch.copied,
                          parameters * (1 + OPTIMIZER_STATE_PER_PARAMETER) + buffers)
 
 
 class _Held:
-    """Bytes reachable from objects: buffers of tensors and arrays (``shared``), and the rest."""
+    """Bytes reachable from objects: buffers of tensors, buffers of arrays, and the rest."""
 
     def __init__(self) -> None:
-        self.shared = self.copied = 0
+        self.tensors = self.arrays = self.copied = 0
         self._seen: set[int] = set()
         self._walked = 0
 
@@ -72,10 +75,10 @@ class _Held:
                 storage = obj.untyped_storage()
                 if id(storage) not in self._seen:
                     self._seen.add(id(storage))
-                    self.shared += storage.nbytes() if obj.device.type != "meta" else 0
+                    self.tensors += storage.nbytes() if obj.device.type != "meta" else 0
                 continue
             if type(obj).__module__ == "numpy" and hasattr(obj, "nbytes"):
-                self.shared += int(obj.nbytes)
+                self.arrays += int(obj.nbytes)
                 continue
             self.copied += sys.getsizeof(obj)
             if isinstance(obj, (str, bytes, bytearray, int, float, bool, type(None))):
@@ -88,12 +91,13 @@ class _Held:
 
     def _sample(self, children: list) -> None:
         """A large container: its first 16 items walked, the rest counted as their average."""
-        before = (self.shared, self.copied)
+        before = (self.tensors, self.arrays, self.copied)
         for child in children[:16]:
             self.walk(child)
         scale = (len(children) - 16) / 16
-        self.shared += int((self.shared - before[0]) * scale)
-        self.copied += int((self.copied - before[1]) * scale)
+        self.tensors += int((self.tensors - before[0]) * scale)
+        self.arrays += int((self.arrays - before[1]) * scale)
+        self.copied += int((self.copied - before[2]) * scale)
 
 
 def _children(obj: Any) -> list:
