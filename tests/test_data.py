@@ -1,6 +1,8 @@
 """The sampler's guarantees: order from (seed, epoch) only, steps cut into micro-batches without
 changing which samples form them, resumable mid-epoch; and the DataLoader paths."""
 
+import re
+
 import pytest
 import torch
 from torch.utils.data import Dataset
@@ -146,19 +148,34 @@ class HoldsAFile(Ragged):
         self.file = open(path, "rb")  # noqa: SIM115 - held for the dataset's life
 
 
+class Reopens(Ragged):
+    """A dataset that reopens its file when unpickled, as a worker that gets it pickled does."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.file = open(self.path + ".index", "rb")  # noqa: SIM115 - a bug: no such file
+
+
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
-def test_a_dataset_that_cannot_be_pickled_is_named_with_the_setting_that_takes_it(tmp_path, method):
+def test_a_dataset_that_cannot_be_pickled_or_unpickled_is_named_with_the_setting_that_takes_it(tmp_path, method):
+    """Before any worker starts: a worker that fails to unpickle it is only a traceback on stderr
+    and a worker gone, which reads as one lost to host memory."""
     (tmp_path / "shards").write_bytes(b"x")
     settings = DataLoading(num_workers=2, multiprocessing_context=method)
-    loader, _ = train_loader(PaddedWorkload(), HoldsAFile(tmp_path / "shards"), StepCut(8, 4), seed=0,
-                             settings=settings, on_gpu=False)
-    with pytest.warns(UserWarning, match="pickle error"), pytest.raises(SampleError) as err:
-        Batches(loader, "train_data")
-    assert str(err.value) == (
-        f"train_data: data.multiprocessing_context {method} pickles the dataset and the workload's collate for each "
-        "DataLoader worker, and they cannot be pickled (TypeError: cannot pickle '_io.BufferedReader' object); define "
-        "their classes and functions at a module's top level and open files in the worker, or set "
-        "data.multiprocessing_context: fork")
+    start = f"train_data: data.multiprocessing_context {method} pickles the dataset and the workload's collate for each " \
+            "DataLoader worker, and they cannot be pickled and unpickled ("
+    end = "); define their classes and functions at a module's top level and open files in the worker, or set " \
+          "data.multiprocessing_context: fork"
+    for dataset, why in ((HoldsAFile(tmp_path / "shards"), "TypeError: cannot pickle '_io.BufferedReader' object"),
+                         (Reopens(str(tmp_path / "shards")), r"tests/test_data.py:\d+: FileNotFoundError: .*shards.index'")):
+        loader, _ = train_loader(PaddedWorkload(), dataset, StepCut(8, 4), seed=0, settings=settings, on_gpu=False)
+        with pytest.raises(SampleError) as err:
+            Batches(loader, "train_data")
+        assert re.fullmatch(re.escape(start) + why + re.escape(end), str(err.value)), str(err.value)
+        assert err.value.__cause__ is not None
     forked = DataLoading(num_workers=2, multiprocessing_context="fork")
     loader, _ = train_loader(PaddedWorkload(), HoldsAFile(tmp_path / "shards"), StepCut(8, 4), seed=0,
                              settings=forked, on_gpu=False)

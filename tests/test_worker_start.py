@@ -28,21 +28,32 @@ STUCK_FIRST_CHILD = textwrap.dedent("""
         time.sleep(3600)
     os.register_at_fork(after_in_child=block_the_first_child)
 
+    class Draws(TensorDataset):  # a sample and a random draw made in the worker, from the seed it was given
+        def __getitem__(self, i):
+            return super().__getitem__(i)[0], torch.rand(())
+
+    def epoch(iterator):
+        return [(int(i), float(r)) for batch, draws in iterator for i, r in zip(batch, draws)]
+
+    def loader():
+        return DataLoader(Draws(torch.arange(64.0)), batch_size=8, num_workers=2, persistent_workers=True,
+                          worker_init_fn=worker_start.WorkerStarts(2), generator=torch.Generator().manual_seed(5))
+
     attempts = int(sys.argv[2])
     worker_start.START_ATTEMPTS = attempts
-    data = TensorDataset(torch.arange(64.0))
-    loader = DataLoader(data, batch_size=8, num_workers=2, worker_init_fn=worker_start.WorkerStarts(2),
-                        persistent_workers=True)
+    restarted = loader()
     started = time.monotonic()
     try:
-        iterator = worker_start.start(loader, timeout_s=2)
+        iterator = worker_start.start(restarted, timeout_s=2)
     except worker_start.WorkersDidNotStart as exc:
         print(json.dumps({"error": str(exc)}))
         sys.exit(0)
     waited = time.monotonic() - started
-    values = sorted(int(v) for (batch,) in iterator for v in batch)
-    again = sorted(int(v) for (batch,) in worker_start.start(loader, timeout_s=2) for v in batch)
-    print(json.dumps({"values": values, "again": again, "waited": waited}))
+    first = epoch(iterator)
+    again = epoch(worker_start.start(restarted, timeout_s=2))
+    clean = loader()
+    print(json.dumps({"first": first, "again": again, "clean": epoch(worker_start.start(clean)),
+                      "clean_again": epoch(worker_start.start(clean)), "waited": waited}))
 """)
 
 
@@ -55,10 +66,12 @@ def _run(tmp_path, attempts: int) -> dict:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
-def test_a_worker_that_never_runs_python_is_killed_and_the_loader_started_again(tmp_path):
+def test_a_worker_that_never_runs_python_is_killed_and_the_loader_started_again_from_the_same_seeds(tmp_path):
     result = _run(tmp_path, attempts=3)
-    assert result["values"] == result["again"] == list(range(64))  # every sample, once an epoch
     assert result["waited"] >= 2  # one timeout, then workers that started
+    assert [i for i, _ in result["first"]] == [i for i, _ in result["again"]] == list(range(64))  # every sample once
+    # The workers' random draws are those of a loader whose workers started at once, epoch by epoch.
+    assert (result["first"], result["again"]) == (result["clean"], result["clean_again"])
     _assert_no_child_left(tmp_path)
 
 

@@ -20,7 +20,7 @@ workers (``data.num_workers``) fetch and collate them with the workload's ``coll
 fork from the trial's process by default, watched until they run Python
 (``trainables.worker_start``); with ``data.multiprocessing_context: forkserver`` or ``spawn`` they
 start from a fresh process and get the dataset and ``collate`` pickled, so a dataset that cannot
-be pickled is named, with the setting that takes it as it is.
+be pickled and unpickled is named first, with the setting that takes it as it is.
 
 A sample that cannot be loaded is a bug in the workload's data, not something a retry fixes:
 :class:`Batches` knows which index list each batch was asked for, fetches those samples again
@@ -32,10 +32,14 @@ again there (a DataLoader worker killed, say) is not pinned on the data: it is r
 from __future__ import annotations
 
 import functools
+import io
 import itertools
 import math
 import multiprocessing
 import pickle
+import traceback
+import weakref
+from multiprocessing.reduction import ForkingPickler
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -43,6 +47,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from orchestrator.config import DataLoading
+from orchestrator.users_code import users
 from trainables import worker_start
 from trainables.workload import Workload, failure_line
 
@@ -105,26 +110,75 @@ class Batches:
 
 
 def _started(loader: DataLoader, phase: str) -> Iterator:
-    """The loader's iterator, its workers started. A worker that does not fork from the trial's
-    process gets the dataset and ``collate`` pickled: one that cannot be is the workload's error,
-    and so is a dataset of more tensors than a fork server passes to a worker (one file
-    descriptor each, at most 251)."""
+    """The loader's iterator, its workers started. Workers that do not fork from the trial's
+    process unpickle the dataset and ``collate`` as they start, where a failure is only a
+    traceback on stderr and a worker gone: so they are pickled and unpickled here first, once per
+    loader, and a failure is the workload's error, with its line. So is a dataset of more tensors
+    than a fork server passes to a worker (a file descriptor each, at most 251)."""
+    method = loader.multiprocessing_context.get_start_method() if loader.num_workers else "fork"
+    if method != "fork" and loader not in _ROUND_TRIPPED:
+        try:
+            _round_trip((loader.dataset, loader.collate_fn))
+        except Exception as exc:  # noqa: BLE001 - the user's dataset or collate, pickled
+            raise _caused(SampleError(
+                f"{phase}: data.multiprocessing_context {method} pickles the dataset and the workload's collate for "
+                f"each DataLoader worker, and they cannot be pickled and unpickled ({_pickling_failure(exc)}); "
+                f"define their classes and functions at a module's top level and open files in the worker, or set "
+                f"data.multiprocessing_context: fork"), exc)
+        _ROUND_TRIPPED.add(loader)
     try:
         return worker_start.start(loader)
-    except (TypeError, AttributeError, ValueError, pickle.PicklingError) as exc:
-        method = loader.multiprocessing_context.get_start_method() if loader.num_workers else "fork"
-        what = " ".join(f"{type(exc).__name__}: {exc}".split())
-        if method != "fork" and str(exc) == "too many fds":
-            why = (f"sends each tensor of the dataset to a DataLoader worker as a file descriptor, and this one "
-                   f"holds more than it passes ({what}); keep the samples in fewer, larger tensors")
-        elif method != "fork" and (isinstance(exc, pickle.PicklingError) or "pickle" in str(exc)):
-            why = (f"pickles the dataset and the workload's collate for each DataLoader worker, and they cannot be "
-                   f"pickled ({what}); define their classes and functions at a module's top level and open files "
-                   f"in the worker")
-        else:
+    except ValueError as exc:
+        if method != "forkserver" or str(exc) != "too many fds":
             raise
-        raise _caused(SampleError(f"{phase}: data.multiprocessing_context {method} {why}, or set "
-                                  f"data.multiprocessing_context: fork"), exc)
+        raise _caused(SampleError(
+            f"{phase}: data.multiprocessing_context forkserver sends each tensor of the dataset to a DataLoader "
+            f"worker as a file descriptor, and this one holds more than it passes (ValueError: too many fds); keep "
+            f"the samples in fewer, larger tensors, or set data.multiprocessing_context: fork"), exc)
+
+
+#: Loaders whose dataset and collate were seen to pickle and unpickle in this process.
+_ROUND_TRIPPED: weakref.WeakSet[DataLoader] = weakref.WeakSet()
+
+
+class _TensorsAside(ForkingPickler):
+    """Pickles as a worker's start does, tensors left out: they reach a worker through shared
+    memory, and copying their bytes here would double the dataset for nothing."""
+
+    def __init__(self, file, tensors: list):
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        self.tensors = tensors
+
+    def persistent_id(self, obj: Any) -> int | None:
+        if isinstance(obj, torch.Tensor):
+            self.tensors.append(obj)
+            return len(self.tensors) - 1
+        return None
+
+
+class _TensorsBack(pickle.Unpickler):
+    def __init__(self, file, tensors: list):
+        super().__init__(file)
+        self.tensors = tensors
+
+    def persistent_load(self, pid: int) -> torch.Tensor:
+        return self.tensors[pid]
+
+
+def _pickling_failure(exc: Exception) -> str:
+    """``FILE:LINE: Type: what`` at the user's line (their ``__getstate__``, say), else
+    ``Type: what``: pickle's own frames are no place to look."""
+    if any(users(frame.filename) for frame in traceback.extract_tb(exc.__traceback__)):
+        return failure_line(exc)
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
+
+
+def _round_trip(obj: Any) -> None:
+    tensors: list = []
+    buffer = io.BytesIO()
+    _TensorsAside(buffer, tensors).dump(obj)
+    buffer.seek(0)
+    _TensorsBack(buffer, tensors).load()
 
 
 def _caused(error: SampleError, cause: BaseException) -> SampleError:

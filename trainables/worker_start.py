@@ -18,6 +18,7 @@ The DataLoader keeps its workers private: this module is the one place that read
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import signal
@@ -26,6 +27,8 @@ from typing import Iterator
 
 from torch.utils.data import DataLoader
 from torch.utils.data._utils import signal_handling
+
+logger = logging.getLogger(__name__)
 
 #: Seconds a forked worker may take to run its first line of Python. A healthy one takes
 #: milliseconds; a machine whose cores are all busy can stretch that to seconds.
@@ -51,17 +54,25 @@ class WorkerStarts:
 
 def start(loader: DataLoader, timeout_s: float | None = None) -> Iterator:
     """``iter(loader)``, with its forked workers seen to run Python; workers that do not in
-    ``timeout_s`` are killed and all started again, at most :data:`START_ATTEMPTS` times."""
+    ``timeout_s`` are killed and all started again, at most :data:`START_ATTEMPTS` times, from
+    the same seeds (``iter`` draws the workers' base seed from the loader's generator)."""
     starts = loader.worker_init_fn
     if not isinstance(starts, WorkerStarts):
         return iter(loader)
     timeout_s = START_TIMEOUT_S if timeout_s is None else timeout_s
-    for _ in range(START_ATTEMPTS):
+    seeds = loader.generator.get_state() if loader.generator is not None else None
+    for attempt in range(1, START_ATTEMPTS + 1):
+        if loader._iterator is None or not loader.persistent_workers:  # new workers: a recycled pid is not one
+            starts.pids[:] = [0] * len(starts.pids)
         iterator = iter(loader)
         stuck = _not_started(iterator._workers, starts, time.monotonic() + timeout_s)
         if not stuck:
             return iterator
+        logger.warning("%d DataLoader worker(s) forked from this process did not start in %g s (attempt %d of %d): "
+                       "killed, starting the workers again", len(stuck), timeout_s, attempt, START_ATTEMPTS)
         _stop(loader, iterator, stuck)
+        if seeds is not None:
+            loader.generator.set_state(seeds)
     raise WorkersDidNotStart(
         f"{len(stuck)} DataLoader worker(s) forked from the trial's process did not start in {timeout_s:g} s, "
         f"{START_ATTEMPTS} times: set data.multiprocessing_context: forkserver")
