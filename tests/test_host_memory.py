@@ -4,7 +4,7 @@ measured footprints."""
 from __future__ import annotations
 
 from orchestrator.config import DataLoading
-from orchestrator.host_memory import plan_host_memory, trial_parts
+from orchestrator.host_memory import INTERPRETER_BYTES, plan_host_memory, trial_parts
 from trainables.footprint import DataFootprint
 
 MiB = 1 << 20
@@ -15,10 +15,11 @@ FOOTPRINT = DataFootprint(tensor_bytes=100 * MiB, array_bytes=0, copied_bytes=50
 
 def test_workers_share_tensors_copy_objects_and_hold_their_batches_ahead():
     parts = trial_parts(FOOTPRINT, DataLoading(num_workers=4, prefetch_factor=3), pinned=True)
-    assert parts == {"datasets": (100 + 50 * 5) * MiB, "batches ahead": 4 * 3 * 4 * MiB, "pinned": 4 * 3 * 4 * MiB,
-                     "checkpoint copy": 30 * MiB}
+    assert parts == {"datasets": (100 + 50 * 5) * MiB, "loader interpreters": 0, "batches ahead": 4 * 3 * 4 * MiB,
+                     "pinned": 4 * 3 * 4 * MiB, "checkpoint copy": 30 * MiB}
     alone = trial_parts(FOOTPRINT, DataLoading(), pinned=False)  # loading in the trial's process: one batch at a time
-    assert alone == {"datasets": 150 * MiB, "batches ahead": 4 * MiB, "pinned": 0, "checkpoint copy": 30 * MiB}
+    assert alone == {"datasets": 150 * MiB, "loader interpreters": 0, "batches ahead": 4 * MiB, "pinned": 0,
+                     "checkpoint copy": 30 * MiB}
 
 
 def test_arrays_are_shared_with_forked_workers_and_copied_into_workers_that_get_them_pickled():
@@ -28,6 +29,14 @@ def test_arrays_are_shared_with_forked_workers_and_copied_into_workers_that_get_
     assert {m: parts["datasets"] for m, parts in by_method.items()} == {
         "fork": 100 * MiB, "forkserver": 500 * MiB, "spawn": 500 * MiB}
     assert trial_parts(arrays, DataLoading(), pinned=False)["datasets"] == 100 * MiB  # no workers: the trial's own
+
+
+def test_a_fork_server_is_one_interpreter_more_and_each_spawned_worker_one():
+    interpreters = {method: trial_parts(FOOTPRINT, DataLoading(num_workers=4, multiprocessing_context=method),
+                                        pinned=False)["loader interpreters"]
+                    for method in ("fork", "forkserver", "spawn")}
+    assert interpreters == {"fork": 0, "forkserver": INTERPRETER_BYTES, "spawn": 4 * INTERPRETER_BYTES}
+    assert trial_parts(FOOTPRINT, DataLoading(multiprocessing_context="spawn"), pinned=False)["loader interpreters"] == 0
 
 
 def test_settings_that_fit_are_kept():

@@ -232,7 +232,7 @@ def test_each_trial_s_host_memory_is_planned_for_the_trials_a_node_runs_at_once(
     assert swept["num_workers"] == 8 and not swept["reduced"] and swept["refusal"] is None
     assert host["num_workers"] == 8 and host["prefetch_factor"] == 4 and not host["reduced"] and host["refusal"] is None
     assert host["available_bytes"] == 64 * 2**30 and host["trials_at_once"] >= 1
-    assert set(host["parts"]) == {"datasets", "batches ahead", "pinned", "checkpoint copy"}
+    assert set(host["parts"]) == {"datasets", "loader interpreters", "batches ahead", "pinned", "checkpoint copy"}
 
     short = host["trial_bytes"] * host["trials_at_once"] - 1
     assert plan_command(args(config, json=True, host_memory=f"{short}B", **workers)) == 0
