@@ -67,9 +67,11 @@ def training_seconds(config: dict, repeats: int = 3) -> float:
 
 def bench_env() -> dict[str, str]:
     """The environment every variant runs in: no usage stats or telemetry, the repository
-    importable (by Ray's workers too), and no Ray cluster to attach to."""
+    importable (by Ray's workers too) ahead of any ``PYTHONPATH`` given (a profiling probe's), and
+    no Ray cluster to attach to."""
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true",
-            "PYTHONPATH": ROOT, "RAY_ADDRESS": ""}
+            "PYTHONPATH": path, "RAY_ADDRESS": ""}
 
 
 def installed(command: str) -> str:
