@@ -49,7 +49,7 @@ from orchestrator.outcome import (
 )
 from orchestrator.preflight import check_shared_storage, check_storage, check_workloads
 from orchestrator.ray_group import ray_in_its_own_group
-from orchestrator.ray_internals import LOCAL_RAY_SYSTEM_CONFIG
+from orchestrator.ray_internals import LOCAL_RAY_SYSTEM_CONFIG, shut_down_local_ray
 from orchestrator.ray_token import secure_token_files
 from orchestrator.run_request import RunRequest
 from orchestrator.stop_signal import ctrl_c_held, sigterm_stops_like_sigint
@@ -279,7 +279,7 @@ def run_sweep(
             if claim is not None:
                 claim.release()
             if started_ray:
-                ray.shutdown()
+                shut_down_local_ray()
 
 
 class InterruptedBeforeStart(ToldInterrupt):
@@ -355,8 +355,6 @@ def _estimate_while_ray_starts(spec: SweepSpec, connect: Callable[[], bool]):
     Ray is shut down; no further estimate starts from the moment it came (a start slowed by a busy
     machine outlasted a 5 s estimate, and the next one began).
     """
-    import ray
-
     stop = threading.Event()
     with ThreadPoolExecutor(1, thread_name_prefix="estimate") as pool:
         estimating = pool.submit(estimate_before_start, spec, stop)
@@ -368,7 +366,7 @@ def _estimate_while_ray_starts(spec: SweepSpec, connect: Callable[[], bool]):
         except BaseException:
             stop.set()
             if started_ray:
-                ray.shutdown()
+                shut_down_local_ray()
             raise
 
 

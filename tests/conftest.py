@@ -160,7 +160,7 @@ def local_ray(isolated_environment, ray_temp_dir):
     modules (fake trainables)."""
     import ray
 
-    from orchestrator.ray_internals import LOCAL_RAY_SYSTEM_CONFIG
+    from orchestrator.ray_internals import LOCAL_RAY_SYSTEM_CONFIG, shut_down_local_ray
 
     ray.init(
         address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
@@ -168,7 +168,7 @@ def local_ray(isolated_environment, ray_temp_dir):
         runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}},
     )
     yield
-    ray.shutdown()
+    shut_down_local_ray()
 
 
 @pytest.fixture(scope="session")

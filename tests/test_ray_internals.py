@@ -41,6 +41,7 @@ from orchestrator.ray_internals import (
     make_last_failure,
     make_next_failure_last,
     ray_processes_in_group,
+    shut_down_local_ray,
     state_folders,
     storage_folder,
     trial_storage_folder,
@@ -255,6 +256,43 @@ def test_the_local_rays_processes_start_in_the_group_they_are_given():
         leader.wait()
     assert int(out) == leader.pid != os.getpgrp()
     assert services.ConsolePopen is before
+
+
+SHUT_DOWN = """
+import sys
+import ray
+from ray._private import node, worker
+from orchestrator.ray_internals import shut_down_local_ray
+
+stopped = []  # the order Ray stops its processes in
+stop = node.Node._kill_process_impl
+node.Node._kill_process_impl = lambda self, kind, *args, **kwargs: (stopped.append(kind), stop(self, kind, *args, **kwargs))[1]
+ray.init(num_cpus=1, include_dashboard=False, _temp_dir=sys.argv[1])
+processes = {kind: [info.process for info in infos] for kind, infos in worker._global_node.all_processes.items()}
+assert "monitor" in processes and "gcs_server" in processes, processes
+shut_down_local_ray()
+assert not ray.is_initialized()
+assert stopped[0] == "monitor" and stopped.count("monitor") == 1 and "gcs_server" in stopped, stopped
+assert processes["monitor"][0].returncode == -9, processes["monitor"][0].returncode
+left = [kind for kind, infos in processes.items() for process in infos if process.poll() is None]
+assert not left, left
+ray.init(num_cpus=1, include_dashboard=False, _temp_dir=sys.argv[2])
+try:
+    assert ray.get(ray.remote(lambda: 7).remote(), timeout=120) == 7
+finally:
+    shut_down_local_ray()
+print("ok")
+"""
+
+
+@pytest.mark.integration  # starts a local Ray, twice
+def test_a_local_ray_is_shut_down_monitor_first_with_nothing_left_running(isolated_environment, ray_temp_dir):
+    """The autoscaler monitor stops before the GCS it would report its end to (killed, so it
+    reports nothing), and then every other process of the Ray, as ``ray.shutdown`` stops them; a
+    new Ray starts afterwards. (The second this saves a command: bench/RESULTS.md.)"""
+    run = subprocess.run([sys.executable, "-c", SHUT_DOWN, str(ray_temp_dir("shutdown")), str(ray_temp_dir("again"))],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "RAY_ADDRESS": ""})
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
 
 
 class NamedCallback(tune.Callback):
