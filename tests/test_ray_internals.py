@@ -41,7 +41,6 @@ from orchestrator.ray_internals import (
     make_last_failure,
     make_next_failure_last,
     ray_processes_in_group,
-    shut_down_local_ray,
     state_folders,
     storage_folder,
     trial_storage_folder,

@@ -80,7 +80,7 @@ def test_the_private_attention_kernels_agree_with_the_public_one():
     torch.testing.assert_close(math_out[0], expected, atol=1e-5, rtol=1e-4)
 
 
-class Seen(ti.TorchDispatchMode):
+class Seen(ti.DispatchMode):
     def __init__(self):
         super().__init__()
         self.ops: list[str] = []
@@ -101,6 +101,39 @@ def test_a_dispatch_mode_sees_ops_except_where_modes_are_disabled():
             torch.ones(3) * 2
         torch.ones(2) - 1
     assert later.ops == ["aten.ones.default", "aten.sub.Tensor"], "torch changed: _len_torch_dispatch_stack"
+
+
+DYNAMO = """
+import sys
+import torch
+from orchestrator.device.torch_internals import DispatchMode
+
+class Counted(DispatchMode):
+    ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        type(self).ops += 1
+        return func(*args, **(kwargs or {}))
+
+with Counted():
+    torch.ones(2) + 1
+assert Counted.ops == 2, Counted.ops
+assert "torch._dynamo" not in sys.modules, "torch changed: TorchDispatchMode._should_skip_dynamo"
+compiled = torch.compile(lambda x: (x * 2).sum(), backend="eager")
+with Counted():
+    assert compiled(torch.ones(3)).item() == 6
+assert Counted.ops > 2
+print("ok")
+"""
+
+
+def test_a_mode_of_ours_sees_ops_without_loading_dynamo_and_under_a_compiled_function_once_loaded():
+    """Torch's guard imports Dynamo (0.9 s) at a mode's first op; ours does not, and a function
+    compiled afterwards runs under a mode of ours. In a fresh interpreter: this one may have Dynamo."""
+    import subprocess
+
+    run = subprocess.run([sys.executable, "-c", DYNAMO], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
 
 
 def test_setting_modes_aside_keeps_a_fake_mode_and_a_user_mode_on_top_of_it_in_their_order():

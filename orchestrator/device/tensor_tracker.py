@@ -23,7 +23,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from orchestrator.device.torch_internals import TorchDispatchMode, tree_leaves
+from orchestrator.device.torch_internals import DispatchMode, tree_leaves
 
 #: The CUDA caching allocator's smallest block; every allocation is rounded up to a multiple.
 CUDA_BLOCK = 512
@@ -61,7 +61,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor], device_type: str, round_to: i
     return total
 
 
-class StorageTracker(TorchDispatchMode):
+class StorageTracker(DispatchMode):
     """Live, peak and ever-allocated bytes of the storages created while active.
 
     ``track`` registers tensors that exist already (parameters, optimizer state).

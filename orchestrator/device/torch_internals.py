@@ -14,7 +14,9 @@ What each is for:
 * ``FakeTensorMode`` and its exceptions, ``unset_fake_temporarily``: tensors with shapes and no
   data, the trace itself (``orchestrator.memory.fake``, ``construction``, ``workspaces``).
 * ``TorchDispatchMode``, :func:`disable_current_modes`: seeing every op a step runs (the CPU tensor
-  tracker, the trace's helpers) and running host work unseen by them.
+  tracker, the trace's helpers) and running host work unseen by them; :class:`DispatchMode`, the
+  base of ours, which opts out of torch's own Dynamo guard (``_should_skip_dynamo``) for one that
+  does not import Dynamo.
 * ``tree_leaves``, ``tree_map``: the tensors in an op's nested arguments and results.
 * ``OpOverload``, :func:`op_schema`: which op is running, and its arguments' names and types.
 * :func:`parameter_slots`, :func:`buffer_slots`: an ``nn.Module``'s own parameter and buffer
@@ -34,6 +36,7 @@ What each is for:
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from typing import Iterator
 
@@ -60,6 +63,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 __all__ = [
     "FAKE_TENSOR_LOGGER",
     "DataDependentOutputException",
+    "DispatchMode",
     "DynamicOutputShapeException",
     "FakeTensor",
     "FakeTensorMode",
@@ -85,6 +89,45 @@ __all__ = [
 
 #: The logger fake tensors report failing meta kernels on (with a whole traceback each).
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+
+
+class DispatchMode(TorchDispatchMode):
+    """A ``TorchDispatchMode`` whose ``__torch_dispatch__`` Dynamo skips once Dynamo is loaded.
+
+    torch wraps every mode's ``__torch_dispatch__`` so that Dynamo, compiling a model, does not
+    trace into it (``_should_skip_dynamo``, ``torch._disable_dynamo``), and that wrapper imports
+    ``torch._dynamo`` at its first call: 0.9 s here (sympy, inductor), at the first op a mode
+    sees, in a process that compiles nothing. That was every ``orchestrator run``'s pre-flight
+    (``HostOrMeta``), before Ray started, and every CPU trial worker's first step (the tracker).
+    Nothing can be compiling while ``torch._dynamo`` has not been imported (``torch.compile``
+    imports it), so this wrapper calls the mode's own method until then, and Dynamo's ``disable``
+    of it from then on, as torch's does."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # torch's guard off: __init_subclass__ puts this one on instead
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        method = cls.__dict__.get("__torch_dispatch__")
+        if method is not None and not isinstance(method, classmethod):
+            cls.__torch_dispatch__ = _skipped_by_dynamo_once_loaded(method)
+
+
+def _skipped_by_dynamo_once_loaded(method):
+    disabled = None
+
+    @functools.wraps(method)
+    def dispatch(*args, **kwargs):
+        nonlocal disabled
+        if disabled is None:
+            dynamo = sys.modules.get("torch._dynamo")
+            if getattr(dynamo, "disable", None) is None:  # not imported (or still importing): nothing compiles
+                return method(*args, **kwargs)
+            disabled = dynamo.disable(method, recursive=True, wrapping=False)
+        return disabled(*args, **kwargs)
+
+    return dispatch
 
 
 def op_schema(op: OpOverload) -> torch.FunctionSchema:

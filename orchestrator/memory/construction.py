@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from orchestrator.device.torch_internals import (
+    DispatchMode,
     FakeTensorMode,
-    TorchDispatchMode,
     buffer_slots,
     op_schema,
     parameter_slots,
@@ -52,7 +52,7 @@ def _is_factory(func) -> bool:
     )
 
 
-class HostOrMeta(TorchDispatchMode):
+class HostOrMeta(DispatchMode):
     """While active, tensor factories make small tensors on the CPU and large ones on ``meta``.
 
     An op that meets both kinds runs on ``meta`` (the real inputs are small, their copies cheap).

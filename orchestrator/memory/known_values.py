@@ -30,10 +30,10 @@ import torch
 
 from orchestrator.device.torch_internals import (
     DataDependentOutputException,
+    DispatchMode,
     DynamicOutputShapeException,
     FakeTensor,
     OpOverload,
-    TorchDispatchMode,
     disable_current_modes,
     op_schema,
 )
@@ -57,7 +57,7 @@ def _written(func, args, kwargs) -> list[torch.Tensor]:
     return [t for t in written if isinstance(t, torch.Tensor)]
 
 
-class KnownValues(TorchDispatchMode):
+class KnownValues(DispatchMode):
     """While active, fake tensors computed from knowable inputs carry their real values."""
 
     def __init__(self, limit: int = VALUE_NUMEL_LIMIT):

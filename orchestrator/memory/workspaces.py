@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from orchestrator.device.torch_internals import TorchDispatchMode, disable_current_modes, unset_fake_temporarily
+from orchestrator.device.torch_internals import DispatchMode, disable_current_modes, unset_fake_temporarily
 
 #: Real inputs larger than this are not made to ask a kernel its workspace size.
 PROBE_LIMIT_BYTES = 256 * 2**20
 
 
-class KernelWorkspaces(TorchDispatchMode):
+class KernelWorkspaces(DispatchMode):
     """Between the fake mode and the tracker: gives ``mkldnn_rnn_layer`` its real workspace."""
 
     WORKSPACE = 3  # mkldnn_rnn_layer returns (output, hy, cy, workspace)
