@@ -20,6 +20,7 @@ inside logging's fork handler, which then never gives back logging's lock.
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -53,11 +54,12 @@ def sigterm_stops_like_sigint() -> Iterator[None]:
 
 
 @contextmanager
-def ctrl_c_held(on_hold: Callable[[], None] = lambda: None) -> Iterator[None]:
+def ctrl_c_held(on_hold: Callable[[], None] | None = None) -> Iterator[None]:
     """Within the block, the first Ctrl-C (SIGINT) is held and delivered when the block ends; a
     second one is delivered at once, as a second Ctrl-C stops Tune at once. ``on_hold`` is called
-    as the first one comes (in the signal handler: it must not wait on a lock), for what may stop
-    at once: the estimates beside Ray's start start no new one while the start ends.
+    as the first one comes, for what may stop at once: the estimates beside Ray's start start no
+    new one while the start ends. It must not wait on a lock, and may be called twice (by
+    :func:`_told_at_once` and by the handler).
 
     For Ray's start: ``ray.init`` starts its processes with a ``preexec_fn``, so each fork runs
     Python's fork handlers in the driver, logging's among them: it takes logging's module lock
@@ -78,12 +80,47 @@ def ctrl_c_held(on_hold: Callable[[], None] = lambda: None) -> Iterator[None]:
             _deliver_sigint(before, frame)
             return
         held = True
-        on_hold()
+        if on_hold is not None:
+            on_hold()
 
     signal.signal(signal.SIGINT, hold)
     try:
-        yield
+        with _told_at_once(on_hold):
+            yield
     finally:
         signal.signal(signal.SIGINT, before)
     if held:
         _deliver_sigint(before, None)
+
+
+@contextmanager
+def _told_at_once(on_hold: Callable[[], None] | None) -> Iterator[None]:
+    """``on_hold`` called from a thread of its own as soon as a SIGINT arrives.
+
+    Python runs a signal's handler in the main thread, between two of its bytecodes; inside a long
+    call into C that is not interrupted (``ray.init`` waiting in Ray's C++ for its raylet, on a
+    busy machine for seconds), the handler waits for the call to return. The signal's number is
+    written at once to the wakeup fd (``signal.set_wakeup_fd``), which this thread reads. (A CI
+    run's Ctrl-C came during such a wait, and a second five-second estimate started before the
+    handler ran.)"""
+    if on_hold is None:
+        yield
+        return
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    before = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while signals := reader.recv(64):  # b"" once the block's end closed the writer
+            if signal.SIGINT in signals:
+                on_hold()
+
+    watcher = threading.Thread(target=watch, name="ctrl-c-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(before)
+        writer.close()
+        watcher.join()
+        reader.close()
