@@ -207,6 +207,32 @@ def test_a_process_can_make_data_loaders_without_torch_s_sigchld_handler(monkeyp
     assert signal.getsignal(signal.SIGCHLD) is before
 
 
+def test_a_loaders_workers_are_found_unwatched_and_shut_down():
+    """What ``trainables.worker_start`` reads and stops of a DataLoader's forked workers."""
+    import multiprocessing
+
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data._utils import signal_handling
+
+    loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2, num_workers=2, persistent_workers=True,
+                        multiprocessing_context=multiprocessing.get_context("fork"))
+    assert not ti.loader_keeps_workers(loader)
+    iterator = iter(loader)
+    workers = ti.loader_worker_processes(iterator)
+    assert len(workers) == 2 and all(w.is_alive() for w in workers), "torch changed: the iterator's _workers"
+    assert next(iterator)[0].tolist() == [0.0, 1.0]
+    assert ti.loader_keeps_workers(loader), "torch changed: DataLoader._iterator of persistent workers"
+    ti.unwatch_loader_workers(iterator)
+    assert not iterator._worker_pids_set, "torch changed: the iterator's _worker_pids_set"
+    if signal_handling._SIGCHLD_handler_set:  # the main thread's loaders: watched until unwatched
+        with pytest.raises(ValueError):  # already removed
+            signal_handling._remove_worker_pids(id(iterator))
+    ti.shut_down_loader_workers(loader, iterator)
+    assert not any(w.is_alive() for w in workers), "torch changed: the iterator's _shutdown_workers"
+    assert not ti.loader_keeps_workers(loader)
+    assert [b[0].tolist() for b in loader] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]  # new workers
+
+
 def test_the_cublas_workspaces_can_be_given_back():
     """Nothing to give back where CUDA never started; a CUDA build has the function it calls."""
     ti.clear_cublas_workspaces()

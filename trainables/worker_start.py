@@ -13,7 +13,8 @@ worker says it started, from the loader's ``worker_init_fn``; workers that have 
 within :data:`START_TIMEOUT_S` are killed and the loader's workers are started again.
 ``forkserver`` and ``spawn`` start from a fresh process instead, and are not watched.
 
-The DataLoader keeps its workers private: this module is the one place that reads them.
+The DataLoader keeps its workers private: what this module reads and stops of them goes through
+``orchestrator.device.torch_internals``, as every private torch API does.
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ import time
 from typing import Iterator
 
 from torch.utils.data import DataLoader
-from torch.utils.data._utils import signal_handling
+
+from orchestrator.device.torch_internals import (
+    loader_keeps_workers,
+    loader_worker_processes,
+    shut_down_loader_workers,
+    unwatch_loader_workers,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +69,10 @@ def start(loader: DataLoader, timeout_s: float | None = None) -> Iterator:
     timeout_s = START_TIMEOUT_S if timeout_s is None else timeout_s
     seeds = loader.generator.get_state() if loader.generator is not None else None
     for attempt in range(1, START_ATTEMPTS + 1):
-        if loader._iterator is None or not loader.persistent_workers:  # new workers: a recycled pid is not one
+        if not loader_keeps_workers(loader):  # new workers: a recycled pid is not one
             starts.pids[:] = [0] * len(starts.pids)
         iterator = iter(loader)
-        stuck = _not_started(iterator._workers, starts, time.monotonic() + timeout_s)
+        stuck = _not_started(loader_worker_processes(iterator), starts, time.monotonic() + timeout_s)
         if not stuck:
             return iterator
         logger.warning("%d DataLoader worker(s) forked from this process did not start in %g s (attempt %d of %d): "
@@ -90,10 +97,7 @@ def _not_started(workers: list, starts: WorkerStarts, deadline: float) -> list:
 def _stop(loader: DataLoader, iterator, stuck: list) -> None:
     """Kill the stuck workers and shut the others down as the DataLoader does. Their pids leave
     the DataLoader's SIGCHLD watch first: it would raise in whatever the main thread runs."""
-    if iterator._worker_pids_set:
-        signal_handling._remove_worker_pids(id(iterator))
-        iterator._worker_pids_set = False
+    unwatch_loader_workers(iterator)
     for worker in stuck:  # blocked before Python: only SIGKILL ends it
         os.kill(worker.pid, signal.SIGKILL)
-    iterator._shutdown_workers()
-    loader._iterator = None  # persistent workers: the next iter() starts new ones
+    shut_down_loader_workers(loader, iterator)  # persistent workers too: the next iter() starts new ones

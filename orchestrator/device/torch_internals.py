@@ -29,6 +29,11 @@ What each is for:
   ``Module._compiled_call_impl``), which a trace runs instead of compiling on fake tensors.
 * :func:`loader_worker_deaths_found_at_fetch`: no DataLoader SIGCHLD handler in this process
   (``torch.utils.data._utils.signal_handling._SIGCHLD_handler_set``), for a data-parallel rank.
+* :func:`loader_keeps_workers`, :func:`loader_worker_processes`, :func:`unwatch_loader_workers`,
+  :func:`shut_down_loader_workers`: a DataLoader's iterator and its worker processes
+  (``DataLoader._iterator``, ``_workers``, ``_worker_pids_set``, ``_shutdown_workers``, the SIGCHLD
+  watch's ``_remove_worker_pids``), for workers forked from a trial that never ran Python
+  (``trainables.worker_start``).
 * :func:`clear_cublas_workspaces`: the cuBLAS/cuBLASLt workspaces PyTorch keeps for the process's
   life (``torch._C._cuda_clearCublasWorkspaces``, which PyTorch's own leak check calls), given back.
 """
@@ -76,15 +81,19 @@ __all__ = [
     "disable_current_modes",
     "eager_module",
     "excluding_dispatch_key",
+    "loader_keeps_workers",
     "loader_worker_deaths_found_at_fetch",
+    "loader_worker_processes",
     "math_attention",
     "op_schema",
     "ops_with_kernel",
     "parameter_slots",
     "remove_library",
+    "shut_down_loader_workers",
     "tree_leaves",
     "tree_map",
     "unset_fake_temporarily",
+    "unwatch_loader_workers",
 ]
 
 #: The logger fake tensors report failing meta kernels on (with a whole traceback each).
@@ -256,6 +265,34 @@ def loader_worker_deaths_found_at_fetch() -> None:
     from torch.utils.data._utils import signal_handling
 
     signal_handling._SIGCHLD_handler_set = True
+
+
+def loader_keeps_workers(loader) -> bool:
+    """Whether ``iter(loader)`` goes on with the workers an earlier iterator started (persistent
+    workers) rather than starting new ones."""
+    return bool(loader.persistent_workers) and loader._iterator is not None
+
+
+def loader_worker_processes(iterator) -> list:
+    """The worker processes of a multi-process DataLoader iterator, by worker id."""
+    return iterator._workers
+
+
+def unwatch_loader_workers(iterator) -> None:
+    """Take the iterator's workers out of torch's SIGCHLD watch, which raises a worker's death in
+    the main thread wherever it then is: for workers about to be killed on purpose."""
+    from torch.utils.data._utils import signal_handling
+
+    if iterator._worker_pids_set:
+        signal_handling._remove_worker_pids(id(iterator))
+        iterator._worker_pids_set = False
+
+
+def shut_down_loader_workers(loader, iterator) -> None:
+    """Shut the iterator's workers down as the DataLoader does, and forget the iterator, so that
+    the next ``iter(loader)`` starts new workers (persistent ones too)."""
+    iterator._shutdown_workers()
+    loader._iterator = None
 
 
 def clear_cublas_workspaces() -> None:
