@@ -12,8 +12,8 @@ position), the plan in force, the OOM events and shrinks so far, the node and th
 The scratch copy is not a state file a later process reads (those go through
 ``orchestrator.atomic_file``, flushed to disk): only its own process reads it, for a retry or
 for Tune's copy to the sweep's storage, and a crash that loses the page cache loses the process
-too. So it is written and not flushed: a GPU model's state is hundreds of MB, and here ``fsync``
-of 512 MiB took 0.4-1.5 s against 0.19 s to write it, at every evaluation. Its folder is the
+too. So it is written and not flushed: a GPU model's state is hundreds of MB, and writing 512 MiB
+with an ``fsync`` took 0.4-1.5 s here, without one 0.19 s, at every evaluation. Its folder is the
 newest checkpoint only once the file is whole.
 
 A process that is killed (Ray's memory monitor, ``ray.kill``, a driver gone with its local Ray)
