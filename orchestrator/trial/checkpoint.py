@@ -128,11 +128,8 @@ def fresh_scratch(name: str) -> tuple[str, int]:
     return folder, owner
 
 
-def remove_abandoned(root: str) -> list[str]:
-    """Remove the scratch folders in ``root`` whose lock no process holds; the folders removed."""
-    removed = []
+def remove_abandoned(root: str) -> None:
+    """Remove the scratch folders in ``root`` whose lock no process holds."""
     for lock in glob.glob(os.path.join(root, SCRATCH_PREFIX + "*", OWNER_LOCK)):
         if not file_lock.held_elsewhere(lock):
             shutil.rmtree(os.path.dirname(lock), ignore_errors=True)
-            removed.append(os.path.dirname(lock))
-    return removed
