@@ -4,8 +4,9 @@
 never leaves a lock taken. The file is removed by a holder that lets go (nothing is left beside
 a sweep, or in the temp folder); so a process that waited on the file its holder then removed
 holds a lock no one else can see, and takes it again on the file now at the path: the inode it
-locked must be the one there. Used for a sweep's folder (``sweep_guard``) and the opening of a
-SQLite tracking store (``tracking.client``).
+locked must be the one there. Used for a sweep's folder (``sweep_guard``), the opening of a
+SQLite tracking store (``tracking.client``) and a trial attempt's scratch folder, which its holder
+removes whole (``trial.checkpoint``).
 """
 
 from __future__ import annotations
