@@ -2,7 +2,8 @@
 
 Every test runs with its own HOME, so Ray's auth token, MLflow's telemetry settings and
 any cache land in a temporary folder instead of the user's home, and with its own Ray temp
-root (``RAY_TMPDIR``), so the Rays the tests start leave no session in the machine's /tmp/ray.
+root (``RAY_TMPDIR``), so the Rays the tests start leave no session in the machine's /tmp/ray, and
+its own temp folder (``TMPDIR``), removed at the session's end with what killed processes left there.
 ``local_ray`` (an embedded Ray per module) and ``ray_head`` (one ``ray start --head`` per
 session) start Ray; a test that uses them is marked ``integration``, so
 ``-m "not integration"`` starts no Ray and no server.
@@ -38,8 +39,16 @@ def isolated_environment(tmp_path_factory, ray_temp_dir):
     home = tmp_path_factory.mktemp("home")
     saved = {k: os.environ.get(k)
              for k in ("HOME", "MLFLOW_DISABLE_TELEMETRY", "RAY_USAGE_STATS_ENABLED", "PATH", "RAY_TMPDIR",
-                       "RAY_worker_niceness")}
+                       "RAY_worker_niceness", "TMPDIR")}
     os.environ["HOME"] = str(home)
+    # The temp folder of this process and of every process it starts: one of the session's,
+    # removed at its end, so that what a killed process cannot remove (multiprocessing's pymp-*
+    # folders of a SIGKILLed DataLoader worker, a killed trial's scratch folder) goes with the run
+    # instead of piling up in /tmp. Short and in /tmp, as ray_temp_dir's are: sockets are made in it.
+    temp = tempfile.mkdtemp(prefix="orch-tmp-", dir="/tmp")
+    os.chmod(temp, 0o1777)  # as /tmp is: the PostgreSQL server a test starts as its own user makes its folder here
+    os.environ["TMPDIR"] = temp
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
     # Ray's temp root for every Ray the tests start without a --temp-dir of their own (the
     # `orchestrator run`s in subprocesses, whose embedded Ray would use the machine's /tmp/ray):
     # their sessions go with the run instead of piling up there, and the user's own Ray keeps
@@ -61,6 +70,8 @@ def isolated_environment(tmp_path_factory, ray_temp_dir):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+    tempfile.tempdir = None
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 # -- the checkout, as the suite found it --------------------------------------------------------
