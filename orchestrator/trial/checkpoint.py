@@ -121,9 +121,11 @@ def fresh_scratch(name: str) -> tuple[str, int]:
     """
     root = tempfile.gettempdir()
     remove_abandoned(root)
-    staging = tempfile.mkdtemp(prefix="." + SCRATCH_PREFIX, dir=root)
+    hidden = "." + SCRATCH_PREFIX
+    staging = tempfile.mkdtemp(prefix=hidden, dir=root)
     owner = file_lock.take(os.path.join(staging, OWNER_LOCK))
-    folder = os.path.join(root, f"{SCRATCH_PREFIX}{name}-{os.path.basename(staging)[len(SCRATCH_PREFIX) + 1:]}")
+    suffix = os.path.basename(staging)[len(hidden):]  # mkdtemp's random part, kept
+    folder = os.path.join(root, f"{SCRATCH_PREFIX}{name}-{suffix}")
     os.rename(staging, folder)
     return folder, owner
 
