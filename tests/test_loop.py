@@ -338,6 +338,43 @@ def test_a_new_trainer_on_the_cpu_measures_two_steps_unless_it_resumes_with_the_
     assert fresh_workload.measured(True) == [1, 2]
 
 
+def test_the_cpu_leaves_its_tracker_aside_between_unsampled_steps_and_puts_it_back_for_anything_else(monkeypatch):
+    """A run of unsampled steps does not push and pop the tracker around each one; a sampled
+    step, a reading, a step that fails and the end of ``measuring`` each find it back in place."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from orchestrator.device import cpu
+
+    monkeypatch.setattr(cpu, "CPU_SAMPLE_EVERY_S", 3600.0)
+    device = CpuDevice()
+
+    def step(expect_watched: bool) -> None:
+        with device.step("train", tuple):
+            assert (_get_current_dispatch_mode() is device.tracker) is expect_watched
+
+    with device.measuring():
+        step(True), step(True)  # a trainer's first two steps are sampled (the first finds no settled state)
+        step(False)
+        assert _get_current_dispatch_mode() is None  # left aside until something other than a step
+        step(False)
+        kept = torch.ones(1024)  # made while aside: counted by the state it leaves at a sampled step
+        assert device.reading().peak_allocated == 0
+        assert _get_current_dispatch_mode() is device.tracker  # the reading put it back
+        step(False)
+        with pytest.raises(RuntimeError, match="the step failed"), device.step("train", tuple):
+            raise RuntimeError("the step failed")
+        assert _get_current_dispatch_mode() is device.tracker  # its error is handled under the tracker
+        step(False)
+        device.reset_peak()
+        step(True)  # a new window's first step
+        device.track([kept])
+        assert device.allocated() == kept.nbytes
+        step(False)
+    assert _get_current_dispatch_mode() is None  # the end of measuring put it back and popped it
+    with device.measuring():
+        assert _get_current_dispatch_mode() is device.tracker
+
+
 # -- divergence ------------------------------------------------------------------------------
 
 

@@ -27,7 +27,7 @@ class CpuDevice(Device):
     which would make a CPU trial 2-3x slower than a plain loop (``bench/sweep_overhead.py
     --long``). So a trial's steps are sampled: the first train step and the first eval batch of
     each report window, then one every ``CPU_SAMPLE_EVERY_S``; the others run with the tracker
-    off and admit nothing. A step's tensors are temporaries, so a sampled step peaks as any step
+    set aside (and left aside from one to the next, see ``_resume``) and admit nothing. A step's tensors are temporaries, so a sampled step peaks as any step
     of its shape does, once the state that outlives steps is the one every step runs with: the
     first optimizer step of a trainer creates the optimizer's state, and the step after it peaks
     higher. So a window whose first step of a phase finds another state than the one a second
@@ -48,11 +48,14 @@ class CpuDevice(Device):
         self._settled: dict[str, tuple] = {}  # phase -> the state (its tensors' shapes) a second measured step found
         self._last_sample = -float("inf")
         self._measuring_step = True  # False inside a step that is not sampled
+        self._unmeasured = _Unmeasured(self)
+        self._aside = None  # the dispatch modes an unsampled step set aside, until something else runs
 
     def measuring(self):
-        return self.tracker
+        return _Measuring(self)
 
     def track(self, tensors):
+        self._resume()
         self.tracker.track(tensors)
 
     def host(self):
@@ -70,11 +73,26 @@ class CpuDevice(Device):
         sampled = self._window_samples.get(phase, 0)
         quota = self._window_quota.get(phase, min(1, CPU_SAMPLED_STEPS))  # its first step, until it says more
         if sampled < quota or now - self._last_sample >= CPU_SAMPLE_EVERY_S:
+            self._resume()
             self._window_samples[phase] = sampled + 1
             self._last_sample = now
             self._measure_state(phase, sampled, list(state()))
             return _MEASURED
-        return _Unmeasured(self)
+        if self._aside is None:
+            self._aside = disable_current_modes()
+            self._aside.__enter__()
+        return self._unmeasured
+
+    def _resume(self) -> None:
+        """The modes the unsampled steps set aside, back on the stack: the steps of a run of
+        unsampled ones leave them aside between them (popping and pushing them around every
+        step was ~5 us of a ~370 us step of the sweep's MLP), and whatever else the device is
+        asked for (a sampled step, a reading, the end of ``measuring``) puts them back first.
+        So work between steps that asks the device nothing (a workload's ``set_epoch``) is
+        counted as an unsampled step's is: by the state it leaves, at the next sampled step."""
+        if self._aside is not None:
+            aside, self._aside = self._aside, None
+            aside.__exit__(None, None, None)
 
     def _measure_state(self, phase: str, sampled: int, tensors: list[torch.Tensor]) -> None:
         """Count what earlier, unmeasured steps made and kept, and decide from it whether this
@@ -90,35 +108,53 @@ class CpuDevice(Device):
             self._settled[phase] = found  # the state the step after a state-making one runs with
 
     def reset_peak(self):
+        self._resume()
         self.tracker.reset_peak()
         self._window_samples.clear()
         self._window_quota.clear()
 
     def allocated(self) -> int:
+        self._resume()
         return self.tracker.allocated
 
     def reading(self) -> MemoryReading:
+        self._resume()
         return MemoryReading(self.kind, self.tracker.peak, None)
 
 
 _MEASURED = contextlib.nullcontext()  # a measured step runs under the tracker, as everything else
 
 
-class _Unmeasured:
-    """A step the tracker does not see: the dispatch modes set aside, and ``admit`` counting nothing."""
+class _Measuring:
+    """The tracker on the dispatch stack for the duration, put back first where unsampled steps
+    left it aside, so that its exit pops itself."""
 
-    __slots__ = ("device", "modes")
+    __slots__ = ("device",)
+
+    def __init__(self, device: CpuDevice):
+        self.device = device
+
+    def __enter__(self) -> StorageTracker:
+        return self.device.tracker.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        self.device._resume()
+        self.device.tracker.__exit__(*exc)
+
+
+class _Unmeasured:
+    """A step the tracker does not see (its modes set aside by ``CpuDevice.step``): ``admit``
+    counts nothing in it, and a step that fails puts the modes back before its error is handled."""
+
+    __slots__ = ("device",)
 
     def __init__(self, device: CpuDevice):
         self.device = device
 
     def __enter__(self) -> None:
-        self.modes = disable_current_modes()
-        self.modes.__enter__()
-        self.device._measuring_step = False  # only once __exit__ is sure to set it back
+        self.device._measuring_step = False
 
-    def __exit__(self, *exc) -> None:
-        try:
-            self.modes.__exit__(*exc)
-        finally:
-            self.device._measuring_step = True
+    def __exit__(self, exc_type, *exc) -> None:
+        self.device._measuring_step = True
+        if exc_type is not None:
+            self.device._resume()
