@@ -54,8 +54,25 @@ def current_node() -> NodeInfo:
     context = ray.get_runtime_context()
     node_id = context.get_node_id()
     labels = dict(context.get_node_labels() or {})
-    name = next((n.get("NodeName") for n in ray.nodes() if n.get("NodeID") == node_id), None)
-    return NodeInfo(node_id, name or node_id[:8], labels)
+    return NodeInfo(node_id, _node_name(node_id), labels)
+
+
+#: Node names by node id, looked up once per process: a reused worker starts every trial of a
+#: sweep on the same node, and ``ray.nodes()`` asks Ray's head for every node of the cluster.
+_NAMES: dict[str, str] = {}
+
+
+def _node_name(node_id: str) -> str:
+    """The name the node was started with (an id is new each time a node starts, so a name
+    found for it stays right); its id's first characters where Ray does not list it (yet)."""
+    if node_id not in _NAMES:
+        import ray
+
+        name = next((n.get("NodeName") for n in ray.nodes() if n.get("NodeID") == node_id), None)
+        if name is None:
+            return node_id[:8]
+        _NAMES[node_id] = name
+    return _NAMES[node_id]
 
 
 def left_its_node(saved: dict[str, Any], node: NodeInfo) -> bool:
