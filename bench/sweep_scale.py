@@ -5,6 +5,7 @@ driver, MLflow and ``orchestrator report`` stay flat as the trials grow?
     python bench/sweep_scale.py --trials 128             # one size
     python bench/sweep_scale.py --large                  # also 2,048 trials, FIFO and ASHA
     python bench/sweep_scale.py --trials 128 --repeats 3 # each variant three times, alternating
+    python bench/sweep_scale.py --trial-seconds 0.35      # shorter trials (default: about one second each)
     python bench/sweep_scale.py --trials 512 --variants orchestrator \\
         --tracking-uri postgresql://USER@127.0.0.1:PORT/DB   # the orchestrator's MLflow in a PostgreSQL store
 
@@ -14,8 +15,11 @@ Each size runs two variants, each in a fresh process that starts its own local R
   ``bench/plain_tune.py`` (an evaluation and a report per epoch, no checkpoints, no MLflow);
 * ``orchestrator``: ``orchestrator run`` on the same sweep (its installed command).
 
-A trial is the demo MLP on 10,240 samples, batch 32, 3 epochs: about a second of training on
-one core; the sweep draws ``lr`` log-uniformly, ``--trials`` samples. Per variant the table gives
+A trial is the demo MLP, batch 32, 3 epochs, on as many samples as make about a second of
+training on one thread of this machine (``--trial-seconds``: the issue's trials are one-second
+trials, and these cores have run the same 10,240 samples in 0.35-0.93 s on different days, which
+would weigh a trial's fixed costs, in both variants, up to 3x more on a fast day); the sweep
+draws ``lr`` log-uniformly, ``--trials`` samples. Per variant the table gives
 the wall time, its ratio to the compute floor (trials x one trial's training seconds, measured
 here on one thread / cores) and to ``tune-reuse``; where that time went: a trial's mean
 ``time_total_s`` (Tune's clock in the worker, from the trial's start to its last report) and the
@@ -53,7 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.plain_tune import bench_env, installed, train_plain, training_seconds
 
-TRIAL = {"width": 64, "samples": 10_240, "epochs": 3, "batch": 32}
+TRIAL = {"width": 64, "samples": 10_240, "epochs": 3, "batch": 32}  # the shape; ``sized_trial`` sets the samples
 LR_RANGE = (1e-4, 1e-1)
 ASHA = {"grace_period": 1, "reduction_factor": 3}
 #: A line of ``orchestrator run`` (``orchestrator.console``) or of the plain child that says a trial ended.
@@ -61,7 +65,7 @@ TRIAL_ENDED = re.compile(r"^\S+ (finished|refused|diverged|failed): ")
 
 
 # -- plain Ray Tune (runs in its own process) ---------------------------------------------------
-def run_plain(trials: int, scheduler: str, folder: str) -> None:
+def run_plain(trials: int, scheduler: str, folder: str, trial: dict) -> None:
     import ray
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
@@ -76,8 +80,8 @@ def run_plain(trials: int, scheduler: str, folder: str) -> None:
             print(f"{trial} failed: ", flush=True)
 
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _temp_dir=os.path.join(folder, "ray"))
-    space = {"lr": tune.loguniform(*LR_RANGE), **TRIAL}
-    chosen = (ASHAScheduler(time_attr="epoch", max_t=TRIAL["epochs"], **ASHA) if scheduler == "asha"
+    space = {"lr": tune.loguniform(*LR_RANGE), **trial}
+    chosen = (ASHAScheduler(time_attr="epoch", max_t=trial["epochs"], **ASHA) if scheduler == "asha"
               else FIFOScheduler())
     tuner = tune.Tuner(
         train_plain, param_space=space,
@@ -91,14 +95,14 @@ def run_plain(trials: int, scheduler: str, folder: str) -> None:
 
 
 # -- the orchestrator (its installed command) ---------------------------------------------------
-def orchestrator_config(trials: int, scheduler: str, folder: str, tracking_uri: str) -> str:
+def orchestrator_config(trials: int, scheduler: str, folder: str, tracking_uri: str, trial: dict = TRIAL) -> str:
     import yaml
 
     config = {
         "experiment": f"sweep_scale_{trials}_{scheduler}",
-        "workload": {"name": "mlp", "params": {"train_samples": TRIAL["samples"], "width": TRIAL["width"]}},
+        "workload": {"name": "mlp", "params": {"train_samples": trial["samples"], "width": trial["width"]}},
         "search_space": {"lr": {"loguniform": list(LR_RANGE)}}, "num_samples": trials,
-        "effective_batch_size": TRIAL["batch"], "stop": {"epochs": TRIAL["epochs"]}, "resources": {"cpu": 1},
+        "effective_batch_size": trial["batch"], "stop": {"epochs": trial["epochs"]}, "resources": {"cpu": 1},
         "memory": {"device": "cpu"}, "storage_path": os.path.join(folder, "results"), "tracking_uri": tracking_uri,
         "scheduler": {"type": "asha", "time_attr": "epoch", **ASHA} if scheduler == "asha" else "fifo",
     }
@@ -159,14 +163,15 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(variant: str, trials: int, scheduler: str, repeat: int, folder: str, tracking_uri: str | None) -> Measured:
+def measure(variant: str, trials: int, scheduler: str, repeat: int, folder: str, tracking_uri: str | None,
+            trial: dict) -> Measured:
     """Run the variant in a fresh process, following its output line by line."""
     if variant == "orchestrator":
         uri = tracking_uri or f"sqlite:///{folder}/mlflow.db"
-        command = [installed("orchestrator"), "run", orchestrator_config(trials, scheduler, folder, uri)]
+        command = [installed("orchestrator"), "run", orchestrator_config(trials, scheduler, folder, uri, trial)]
     else:
         command = [sys.executable, __file__, "--child", "--trials", str(trials), "--scheduler", scheduler,
-                   "--folder", folder]
+                   "--folder", folder, "--samples", str(trial["samples"])]
     started = time.perf_counter()
     process = subprocess.Popen(command, cwd=folder, env=bench_env(), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, bufsize=1)
@@ -202,7 +207,8 @@ def measure(variant: str, trials: int, scheduler: str, repeat: int, folder: str,
         database = os.path.join(folder, "mlflow.db")
         measured.mlflow_db_bytes = os.path.getsize(database) if tracking_uri is None else None
         measured.mlflow_wait_s = summary_at - last_end if summary_at and last_end else None
-        measured.epochs_logged = check_every_epoch_once(uri, f"sweep_scale_{trials}_{scheduler}", trials, scheduler)
+        measured.epochs_logged = check_every_epoch_once(uri, f"sweep_scale_{trials}_{scheduler}", trials, scheduler,
+                                                        trial["epochs"])
         measured.report_s = time_report(uri, f"sweep_scale_{trials}_{scheduler}", folder)
     return measured
 
@@ -222,7 +228,7 @@ def trial_seconds(storage: str) -> list[float]:
     return found
 
 
-def check_every_epoch_once(tracking_uri: str, experiment: str, trials: int, scheduler: str) -> int:
+def check_every_epoch_once(tracking_uri: str, experiment: str, trials: int, scheduler: str, epochs_each: int) -> int:
     """Every trial has a child run, and each run the epochs 1..its last exactly once (all of them
     under FIFO). Returns how many (trial, epoch) results that is."""
     from mlflow import MlflowClient
@@ -243,7 +249,7 @@ def check_every_epoch_once(tracking_uri: str, experiment: str, trials: int, sche
     total = 0
     for run in runs:
         epochs = sorted(int(m.value) for m in client.get_metric_history(run.info.run_id, "epoch"))
-        expected = list(range(1, (TRIAL["epochs"] if scheduler == "fifo" else max(epochs, default=0)) + 1))
+        expected = list(range(1, (epochs_each if scheduler == "fifo" else max(epochs, default=0)) + 1))
         if epochs != expected:
             raise SystemExit(f"MLflow run {run.info.run_name}: epochs {epochs}, expected each of {expected} once")
         total += len(epochs)
@@ -258,6 +264,15 @@ def time_report(tracking_uri: str, experiment: str, folder: str) -> float:
     if done.returncode != 0:
         raise SystemExit(f"orchestrator report failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     return time.perf_counter() - started
+
+
+def sized_trial(seconds: float) -> tuple[dict, float]:
+    """:data:`TRIAL` on as many samples (whole batches) as make about ``seconds`` of training on
+    one thread here, and the training seconds measured at that size (the floor's trial)."""
+    base = training_seconds({"lr": 1e-3, **TRIAL})
+    batches = max(1, round(TRIAL["samples"] * seconds / base / TRIAL["batch"]))
+    trial = {**TRIAL, "samples": batches * TRIAL["batch"]}
+    return trial, training_seconds({"lr": 1e-3, **trial})
 
 
 # -- the table ---------------------------------------------------------------------------------
@@ -311,21 +326,27 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["tune-reuse", "orchestrator"])
     parser.add_argument("--repeats", type=int, default=1, help="runs of each variant per size, alternating")
     parser.add_argument("--tracking-uri", help="the orchestrator's MLflow (default: a SQLite file in its folder)")
+    parser.add_argument("--trial-seconds", type=float, default=1.0,
+                        help="a trial's training on one thread, which its samples are sized to (default: 1)")
     parser.add_argument("--json", help="write the measurements here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
+    parser.add_argument("--samples", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats: expected a number of runs of at least 1, got {args.repeats}")
+    if not args.trial_seconds > 0:
+        parser.error(f"--trial-seconds: expected a positive number of seconds, got {args.trial_seconds}")
     if args.child:
-        run_plain(args.trials[0], args.scheduler, args.folder)
+        run_plain(args.trials[0], args.scheduler, args.folder, {**TRIAL, "samples": args.samples})
         return
 
     from orchestrator.table import format_table
 
     cores = os.cpu_count() or 1
-    trial_s = training_seconds({"lr": 1e-3, **TRIAL})
-    print(f"one trial's training: {trial_s:.2f}s on one thread; {cores} cores", file=sys.stderr, flush=True)
+    trial, trial_s = sized_trial(args.trial_seconds)
+    print(f"one trial's training: {trial_s:.2f}s on one thread ({trial['samples']:,} samples, {trial['epochs']} epochs); "
+          f"{cores} cores", file=sys.stderr, flush=True)
     rounds = [(n, args.scheduler) for n in args.trials] + ([(2048, "fifo"), (2048, "asha")] if args.large else [])
     results = []
     for trials, scheduler in rounds:
@@ -333,13 +354,14 @@ def main() -> None:
             order = args.variants if repeat % 2 else args.variants[::-1]  # neither always runs first
             for variant in order:
                 with tempfile.TemporaryDirectory(prefix="sweep-scale-") as folder:
-                    results.append(measure(variant, trials, scheduler, repeat, folder, args.tracking_uri))
+                    results.append(measure(variant, trials, scheduler, repeat, folder, args.tracking_uri, trial))
                 m = results[-1]
                 print(f"{trials} {scheduler} {variant} #{repeat}: {m.wall_s:.1f}s, {m.ended} trials ended",
                       file=sys.stderr, flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"trial_s": trial_s, "cores": cores, "results": [asdict(r) for r in results]}, f, indent=1)
+            json.dump({"trial_s": trial_s, "trial": trial, "cores": cores, "results": [asdict(r) for r in results]}, f,
+                      indent=1)
     print(format_table(HEADERS, rows(results, trial_s, cores)))
     for line in ratio_lines(results):
         print(line)
