@@ -27,13 +27,14 @@ class CpuDevice(Device):
     which would make a CPU trial 2-3x slower than a plain loop (``bench/sweep_overhead.py
     --long``). So a trial's steps are sampled: the first train step and the first eval batch of
     each report window, then one every ``CPU_SAMPLE_EVERY_S``; the others run with the tracker
-    set aside (and left aside from one to the next, see ``_resume``) and admit nothing. A step's tensors are temporaries, so a sampled step peaks as any step
-    of its shape does, once the state that outlives steps is the one every step runs with: the
-    first optimizer step of a trainer creates the optimizer's state, and the step after it peaks
-    higher. So a window whose first step of a phase finds another state than the one a second
-    step of that phase last found (its tensors' shapes and dtypes differ: a new trainer's fresh
-    optimizer, the first window) measures its second step too (``CPU_SAMPLED_STEPS``). Batches
-    of varying shape may peak between samples.
+    set aside (left aside from one to the next, see ``_resume``) and admit nothing. A step's
+    tensors are temporaries, so a sampled step peaks as any step of its shape does, once the
+    state that outlives steps is the one every step runs with: the first optimizer step of a
+    trainer creates the optimizer's state, and the step after it peaks higher. So a window whose
+    first step of a phase finds another state than the one a second step of that phase last
+    found (its tensors' shapes and dtypes differ: a new trainer's fresh optimizer, the first
+    window) measures its second step too (``CPU_SAMPLED_STEPS``). Batches of varying shape may
+    peak between samples.
     """
 
     kind = "cpu_tensor_tracker"
