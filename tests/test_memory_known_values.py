@@ -62,6 +62,21 @@ def test_writing_an_unknown_value_into_a_known_tensor_forgets_its_value_and_its_
             t.sum().item()
 
 
+def test_a_value_goes_with_its_tensor_and_a_write_forgets_only_the_storage_written(fake):
+    before = len(fake)
+    kept, other = torch.zeros(4), torch.ones(3)
+    views = [kept[:2], kept[2:]]
+    assert len(fake) == before + 4
+    for _ in range(100):  # made and dropped: nothing of them stays
+        assert (torch.arange(5) * 2).sum().item() == 20
+    assert len(fake) == before + 4
+    kept.copy_(torch.rand(4))
+    assert len(fake) == before + 1  # kept and its views forgotten, other still known
+    assert other.sum().item() == 3
+    del kept, views, other
+    assert len(fake) == before
+
+
 def test_large_tensors_carry_no_value():
     mode, values = FakeTensorMode(allow_non_fake_inputs=True), KnownValues(limit=10)
     with mode, values:

@@ -103,6 +103,21 @@ def test_a_dispatch_mode_sees_ops_except_where_modes_are_disabled():
     assert later.ops == ["aten.ones.default", "aten.sub.Tensor"], "torch changed: _len_torch_dispatch_stack"
 
 
+def test_a_fake_tensors_device_is_asked_of_no_mode_of_ours_and_answered_as_the_fake_mode_answers():
+    """Autograd's engine and modules ask a tensor's device from C++, which for a fake tensor is an
+    op (``prim.device``) through every mode; ours answer it as the fake mode at the bottom does."""
+    with ti.FakeTensorMode():
+        weight = torch.ones(3, 2, requires_grad=True)
+    with ti.FakeTensorMode(allow_non_fake_inputs=True), Seen() as below, Seen() as above:
+        (weight.t() @ torch.ones(3, 4)).sum().backward()  # the engine asks each gradient's device
+        asked = torch.ops.prim.device.default(weight)
+        real = torch.ops.prim.device.default(torch.ones(2))
+    assert isinstance(weight.grad, ti.FakeTensor) and asked == weight.device == torch.device("cpu")
+    assert real == torch.device("cpu")
+    assert "aten.mm.default" in above.ops and "aten.mm.default" in below.ops
+    assert "prim.device.default" not in above.ops + below.ops, "a mode of ours passed a fake tensor's device query down (or torch changed prim.device)"
+
+
 DYNAMO = """
 import sys
 import torch

@@ -110,7 +110,14 @@ class DispatchMode(TorchDispatchMode):
     (``HostOrMeta``), before Ray started, and every CPU trial worker's first step (the tracker).
     Nothing can be compiling while ``torch._dynamo`` has not been imported (``torch.compile``
     imports it), so this wrapper calls the mode's own method until then, and Dynamo's ``disable``
-    of it from then on, as torch's does."""
+    of it from then on, as torch's does.
+
+    The wrapper also answers a fake tensor's device query (``prim.device``) itself, with what the
+    fake mode at the bottom of the stack answers (``FakeTensor.device``), instead of passing it
+    through every mode to it. Autograd's engine, ``nn.Linear`` and the optimizers ask a tensor's
+    device from C++, which for a fake tensor is a dispatched op: in a trace of a 48-layer
+    transformer those were 213,000 of 309,000 ops, a third of the trace's time, each going
+    through the trace's three modes and Dynamo's wrapper of each."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -120,21 +127,27 @@ class DispatchMode(TorchDispatchMode):
         super().__init_subclass__(**kwargs)
         method = cls.__dict__.get("__torch_dispatch__")
         if method is not None and not isinstance(method, classmethod):
-            cls.__torch_dispatch__ = _skipped_by_dynamo_once_loaded(method)
+            cls.__torch_dispatch__ = _dispatched(method)
 
 
-def _skipped_by_dynamo_once_loaded(method):
+_DEVICE_QUERY = torch.ops.prim.device.default
+
+
+def _dispatched(method):
+    """``method`` behind the two short-cuts of :class:`DispatchMode`."""
     disabled = None
 
     @functools.wraps(method)
-    def dispatch(*args, **kwargs):
+    def dispatch(mode, func, types, args=(), kwargs=None):
         nonlocal disabled
+        if func is _DEVICE_QUERY and isinstance(args[0], FakeTensor):
+            return args[0].device  # the fake mode's answer (meta inside its kernels), asked of no mode
         if disabled is None:
             dynamo = sys.modules.get("torch._dynamo")
             if getattr(dynamo, "disable", None) is None:  # not imported (or still importing): nothing compiles
-                return method(*args, **kwargs)
+                return method(mode, func, types, args, kwargs)
             disabled = dynamo.disable(method, recursive=True, wrapping=False)
-        return disabled(*args, **kwargs)
+        return disabled(mode, func, types, args, kwargs)
 
     return dispatch
 
