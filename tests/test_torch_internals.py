@@ -115,7 +115,8 @@ def test_a_fake_tensors_device_is_asked_of_no_mode_of_ours_and_answered_as_the_f
     assert isinstance(weight.grad, ti.FakeTensor) and asked == weight.device == torch.device("cpu")
     assert real == torch.device("cpu")
     assert "aten.mm.default" in above.ops and "aten.mm.default" in below.ops
-    assert "prim.device.default" not in above.ops + below.ops, "a mode of ours passed a fake tensor's device query down (or torch changed prim.device)"
+    assert "prim.device.default" not in above.ops + below.ops, \
+        "a mode of ours passed a fake tensor's device query down (or torch changed prim.device)"
 
 
 DYNAMO = """
