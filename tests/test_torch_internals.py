@@ -108,10 +108,11 @@ def test_a_fake_tensors_device_is_asked_of_no_mode_of_ours_and_answered_as_the_f
     op (``prim.device``) through every mode; ours answer it as the fake mode at the bottom does."""
     with ti.FakeTensorMode():
         weight = torch.ones(3, 2, requires_grad=True)
+    host = torch.ones(2)  # real: made outside the modes
     with ti.FakeTensorMode(allow_non_fake_inputs=True), Seen() as below, Seen() as above:
         (weight.t() @ torch.ones(3, 4)).sum().backward()  # the engine asks each gradient's device
         asked = torch.ops.prim.device.default(weight)
-        real = torch.ops.prim.device.default(torch.ones(2))
+        real = torch.ops.prim.device.default(host)
     assert isinstance(weight.grad, ti.FakeTensor) and asked == weight.device == torch.device("cpu")
     assert real == torch.device("cpu")
     assert "aten.mm.default" in above.ops and "aten.mm.default" in below.ops
