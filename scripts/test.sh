@@ -11,6 +11,10 @@
 # module's Ray or SLURM cluster starts once): most integration tests wait on what they start (Ray,
 # a sweep's subprocesses, an outage they make), 60 % of two cores idle when they ran one at a
 # time; two at once took pytest from 2,509-2,638 s to 1,841 s on a 2-core machine (CI's size).
+# The two stay busy to the end: each one's tests summed to within 46 s of the other's (1,857 and
+# 1,811 s of a 1,878 s run). Three at once took 1,756 s against 1,878-1,967 s for two on another
+# 2-core machine, its cores 96 % busy and single tests up to 2.3x longer: not worth the timeouts
+# that brings nearer on a loaded CI machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --dev
