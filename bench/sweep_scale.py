@@ -22,7 +22,9 @@ would weigh a trial's fixed costs, in both variants, up to 3x more on a fast day
 draws ``lr`` log-uniformly, ``--trials`` samples. Per variant the table gives
 the wall time, its ratio to the compute floor (trials x one trial's training seconds, measured
 here on one thread / cores) and to ``tune-reuse``; where that time went: a trial's mean
-``time_total_s`` (Tune's clock in the worker, from the trial's start to its last report) and the
+``time_total_s`` (Tune's clock in the worker, from the trial's start to its last report), how
+much longer the last quarter of the trials to end took than the first (a worker reused for
+hundreds of trials must not slow down as it goes), the
 time outside the trials (the wall time less the trials' summed seconds / cores: the start, the
 end and the turn-arounds between trials); the CPU time of the driver process (its
 threads compete with the trials for the cores), the driver's peak RSS and how much its RSS
@@ -128,7 +130,7 @@ class Measured:
     mlflow_wait_s: float | None = None  # from the last trial's end to the driver's summary line
     report_s: float | None = None
     epochs_logged: int | None = None  # (trial, epoch) pairs in MLflow, each checked to be there once
-    trial_seconds: list[float] = field(default_factory=list)  # each trial's time_total_s, as Tune recorded it
+    trial_seconds: list[float] = field(default_factory=list)  # each trial's time_total_s, as Tune recorded it, in the order they ended
 
     def in_trials(self, cores: int) -> float:
         """The wall time the trials' own running takes when the cores run them side by side: what
@@ -136,12 +138,21 @@ class Measured:
         return sum(self.trial_seconds) / cores
 
     def rss_growth(self) -> float | None:
-        """Mean RSS over the last quarter of the trials' ends over that of the first quarter, minus 1."""
-        n = len(self.rss_at_end)
-        if n < 8:
-            return None
-        first, last = self.rss_at_end[: n // 4], self.rss_at_end[n - n // 4:]
-        return statistics.mean(last) / statistics.mean(first) - 1
+        """The driver's RSS as the last quarter of the trials ended, against the first quarter."""
+        return quarter_growth(self.rss_at_end)
+
+    def trial_growth(self) -> float | None:
+        """How much longer the last quarter of the trials took than the first: a reused worker
+        that carries something from one trial to the next gets slower as the sweep goes on."""
+        return quarter_growth(self.trial_seconds)
+
+
+def quarter_growth(values: list[float]) -> float | None:
+    """Mean of the last quarter of ``values`` over that of the first quarter, minus 1."""
+    n = len(values)
+    if n < 8:
+        return None
+    return statistics.mean(values[n - n // 4:]) / statistics.mean(values[: n // 4]) - 1
 
 
 def proc_status(pid: int) -> dict[str, int]:
@@ -214,8 +225,8 @@ def measure(variant: str, trials: int, scheduler: str, repeat: int, folder: str,
 
 
 def trial_seconds(storage: str) -> list[float]:
-    """Each trial's ``time_total_s`` in its last result: Tune's clock in the worker, from the
-    trial's start (its set-up included) to its last report."""
+    """Each trial's ``time_total_s`` in its last result, in the order the trials ended: Tune's
+    clock in the worker, from the trial's start (its set-up included) to its last report."""
     found = []
     for path in glob.glob(os.path.join(storage, "*", "*", "result.json")):
         last = None
@@ -224,8 +235,9 @@ def trial_seconds(storage: str) -> list[float]:
                 if line.strip():
                     last = line
         if last is not None:
-            found.append(json.loads(last)["time_total_s"])
-    return found
+            result = json.loads(last)
+            found.append((result["timestamp"], result["time_total_s"]))
+    return [seconds for _, seconds in sorted(found)]
 
 
 def check_every_epoch_once(tracking_uri: str, experiment: str, trials: int, scheduler: str, epochs_each: int) -> int:
@@ -281,11 +293,12 @@ def rows(results: list[Measured], trial_s: float, cores: int) -> list[list[str]]
     for m in results:
         floor = m.trials * trial_s / cores
         base = _plain_of(results, m)
-        growth = m.rss_growth()
+        growth, trial_growth = m.rss_growth(), m.trial_growth()
         out.append([
             f"{m.trials} {m.scheduler}", m.variant, str(m.repeat), f"{m.wall_s:.0f}s", f"{floor:.0f}s", f"{m.wall_s / floor:.2f}x",
             f"{m.wall_s / base.wall_s:.2f}x" if base else "-",
             f"{statistics.mean(m.trial_seconds):.3f}s" if m.trial_seconds else "-",
+            f"{trial_growth:+.1%}" if trial_growth is not None else "-",
             f"{m.wall_s - m.in_trials(cores):.1f}s" if m.trial_seconds else "-",
             f"{m.driver_cpu_s:.0f}s", f"{m.peak_rss / 2**20:.0f} MiB",
             f"{growth:+.1%}" if growth is not None else "-",
@@ -314,7 +327,7 @@ def ratio_lines(results: list[Measured]) -> list[str]:
     return lines
 
 
-HEADERS = ["trials", "variant", "repeat", "wall", "floor", "vs floor", "vs tune-reuse", "a trial", "outside trials", "driver CPU", "driver peak RSS", "RSS growth q1->q4",
+HEADERS = ["trials", "variant", "repeat", "wall", "floor", "vs floor", "vs tune-reuse", "a trial", "a trial q1->q4", "outside trials", "driver CPU", "driver peak RSS", "RSS growth q1->q4",
            "mlflow.db", "MLflow wait", "report", "epochs in MLflow"]
 
 
