@@ -23,8 +23,8 @@ draws ``lr`` log-uniformly, ``--trials`` samples. Per variant the table gives
 the wall time, its ratio to the compute floor (trials x one trial's training seconds, measured
 here on one thread / cores) and to ``tune-reuse``; where that time went: a trial's mean
 ``time_total_s`` (Tune's clock in the worker, from the trial's start to its last report), how
-much longer the last quarter of the trials to end took than the first (a worker reused for
-hundreds of trials must not slow down as it goes), the
+much longer an epoch took in the last quarter of the trials to end than in the first (a worker
+reused for hundreds of trials must not slow down as it goes), the
 time outside the trials (the wall time less the trials' summed seconds / cores: the start, the
 end and the turn-arounds between trials); the CPU time of the driver process (its
 threads compete with the trials for the cores), the driver's peak RSS and how much its RSS
@@ -130,7 +130,8 @@ class Measured:
     mlflow_wait_s: float | None = None  # from the last trial's end to the driver's summary line
     report_s: float | None = None
     epochs_logged: int | None = None  # (trial, epoch) pairs in MLflow, each checked to be there once
-    trial_seconds: list[float] = field(default_factory=list)  # each trial's time_total_s, as Tune recorded it, in the order they ended
+    trial_seconds: list[float] = field(default_factory=list)  # each trial's time_total_s, as Tune recorded it
+    epoch_seconds: list[float] = field(default_factory=list)  # each trial's time_total_s / its epochs, in the order they ended
 
     def in_trials(self, cores: int) -> float:
         """The wall time the trials' own running takes when the cores run them side by side: what
@@ -141,10 +142,11 @@ class Measured:
         """The driver's RSS as the last quarter of the trials ended, against the first quarter."""
         return quarter_growth(self.rss_at_end)
 
-    def trial_growth(self) -> float | None:
-        """How much longer the last quarter of the trials took than the first: a reused worker
-        that carries something from one trial to the next gets slower as the sweep goes on."""
-        return quarter_growth(self.trial_seconds)
+    def epoch_growth(self) -> float | None:
+        """How much longer an epoch took in the last quarter of the trials than in the first: a
+        reused worker that carries something from one trial to the next gets slower as the sweep
+        goes on. Per epoch, as ASHA's trials run for different numbers of them."""
+        return quarter_growth(self.epoch_seconds)
 
 
 def quarter_growth(values: list[float]) -> float | None:
@@ -211,8 +213,10 @@ def measure(variant: str, trials: int, scheduler: str, repeat: int, folder: str,
     watcher.join()
     if process.returncode != 0:
         raise SystemExit(f"{variant} failed ({process.returncode}):\n{''.join(tail)}")
+    times = trial_times(os.path.join(folder, "results"))
     measured = Measured(variant, trials, scheduler, repeat, wall, len(rss), peak, cpu, rss,
-                        trial_seconds=trial_seconds(os.path.join(folder, "results")))
+                        trial_seconds=[seconds for seconds, _ in times],
+                        epoch_seconds=[seconds / epochs for seconds, epochs in times])
     if variant == "orchestrator":
         uri = tracking_uri or f"sqlite:///{folder}/mlflow.db"
         database = os.path.join(folder, "mlflow.db")
@@ -224,9 +228,10 @@ def measure(variant: str, trials: int, scheduler: str, repeat: int, folder: str,
     return measured
 
 
-def trial_seconds(storage: str) -> list[float]:
-    """Each trial's ``time_total_s`` in its last result, in the order the trials ended: Tune's
-    clock in the worker, from the trial's start (its set-up included) to its last report."""
+def trial_times(storage: str) -> list[tuple[float, int]]:
+    """Each trial's ``time_total_s`` and epochs in its last result, in the order the trials
+    ended: Tune's clock in the worker, from the trial's start (its set-up included) to its last
+    report."""
     found = []
     for path in glob.glob(os.path.join(storage, "*", "*", "result.json")):
         last = None
@@ -236,8 +241,8 @@ def trial_seconds(storage: str) -> list[float]:
                     last = line
         if last is not None:
             result = json.loads(last)
-            found.append((result["timestamp"], result["time_total_s"]))
-    return [seconds for _, seconds in sorted(found)]
+            found.append((result["timestamp"], result["time_total_s"], result["epoch"]))
+    return [(seconds, epochs) for _, seconds, epochs in sorted(found)]
 
 
 def check_every_epoch_once(tracking_uri: str, experiment: str, trials: int, scheduler: str, epochs_each: int) -> int:
@@ -293,12 +298,12 @@ def rows(results: list[Measured], trial_s: float, cores: int) -> list[list[str]]
     for m in results:
         floor = m.trials * trial_s / cores
         base = _plain_of(results, m)
-        growth, trial_growth = m.rss_growth(), m.trial_growth()
+        growth, epoch_growth = m.rss_growth(), m.epoch_growth()
         out.append([
             f"{m.trials} {m.scheduler}", m.variant, str(m.repeat), f"{m.wall_s:.0f}s", f"{floor:.0f}s", f"{m.wall_s / floor:.2f}x",
             f"{m.wall_s / base.wall_s:.2f}x" if base else "-",
             f"{statistics.mean(m.trial_seconds):.3f}s" if m.trial_seconds else "-",
-            f"{trial_growth:+.1%}" if trial_growth is not None else "-",
+            f"{epoch_growth:+.1%}" if epoch_growth is not None else "-",
             f"{m.wall_s - m.in_trials(cores):.1f}s" if m.trial_seconds else "-",
             f"{m.driver_cpu_s:.0f}s", f"{m.peak_rss / 2**20:.0f} MiB",
             f"{growth:+.1%}" if growth is not None else "-",
@@ -327,7 +332,7 @@ def ratio_lines(results: list[Measured]) -> list[str]:
     return lines
 
 
-HEADERS = ["trials", "variant", "repeat", "wall", "floor", "vs floor", "vs tune-reuse", "a trial", "a trial q1->q4", "outside trials", "driver CPU", "driver peak RSS", "RSS growth q1->q4",
+HEADERS = ["trials", "variant", "repeat", "wall", "floor", "vs floor", "vs tune-reuse", "a trial", "epoch time q1->q4", "outside trials", "driver CPU", "driver peak RSS", "RSS growth q1->q4",
            "mlflow.db", "MLflow wait", "report", "epochs in MLflow"]
 
 
