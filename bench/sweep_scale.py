@@ -58,12 +58,13 @@ from dataclasses import asdict, dataclass, field
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.plain_tune import bench_env, installed, train_plain, training_seconds
+from orchestrator.trial_report import STOPPED_EARLY
 
 TRIAL = {"width": 64, "samples": 10_240, "epochs": 3, "batch": 32}  # the shape; ``sized_trial`` sets the samples
 LR_RANGE = (1e-4, 1e-1)
 ASHA = {"grace_period": 1, "reduction_factor": 3}
 #: A line of ``orchestrator run`` (``orchestrator.console``) or of the plain child that says a trial ended.
-TRIAL_ENDED = re.compile(r"^\S+ (finished|refused|diverged|failed): ")
+TRIAL_ENDED = re.compile(rf"^\S+ (finished|{re.escape(STOPPED_EARLY)}|refused|diverged|failed): ")
 
 
 # -- plain Ray Tune (runs in its own process) ---------------------------------------------------
