@@ -132,7 +132,7 @@ class Measured:
     report_s: float | None = None
     epochs_logged: int | None = None  # (trial, epoch) pairs in MLflow, each checked to be there once
     trial_seconds: list[float] = field(default_factory=list)  # each trial's time_total_s, as Tune recorded it
-    epoch_seconds: list[float] = field(default_factory=list)  # each trial's time_total_s / its epochs, in the order they ended
+    epoch_seconds: list[float] = field(default_factory=list)  # time_total_s / epochs, in the order the trials ended
 
     def in_trials(self, cores: int) -> float:
         """The wall time the trials' own running takes when the cores run them side by side: what
@@ -242,7 +242,9 @@ def trial_times(storage: str) -> list[tuple[float, int]]:
                     last = line
         if last is not None:
             result = json.loads(last)
-            found.append((result["timestamp"], result["time_total_s"], result["epoch"]))
+            # A trial whose last report came before its first epoch ended counts its reports instead.
+            epochs = result.get("epoch") or result["training_iteration"]
+            found.append((result["timestamp"], result["time_total_s"], epochs))
     return [(seconds, epochs) for _, seconds, epochs in sorted(found)]
 
 
