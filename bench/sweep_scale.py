@@ -131,8 +131,8 @@ class Measured:
     mlflow_wait_s: float | None = None  # from the last trial's end to the driver's summary line
     report_s: float | None = None
     epochs_logged: int | None = None  # (trial, epoch) pairs in MLflow, each checked to be there once
-    trial_seconds: list[float] = field(default_factory=list)  # each trial's time_total_s, as Tune recorded it
-    epoch_seconds: list[float] = field(default_factory=list)  # time_total_s / epochs, in the order the trials ended
+    trial_seconds: list[float] = field(default_factory=list)  # each trial's time_total_s, in the order the trials ended
+    trial_epochs: list[int] = field(default_factory=list)  # the epochs each of them trained, in the same order
 
     def in_trials(self, cores: int) -> float:
         """The wall time the trials' own running takes when the cores run them side by side: what
@@ -147,7 +147,7 @@ class Measured:
         """How much longer an epoch took in the last quarter of the trials than in the first: a
         reused worker that carries something from one trial to the next gets slower as the sweep
         goes on. Per epoch, as ASHA's trials run for different numbers of them."""
-        return quarter_growth(self.epoch_seconds)
+        return quarter_growth([seconds / epochs for seconds, epochs in zip(self.trial_seconds, self.trial_epochs)])
 
 
 def quarter_growth(values: list[float]) -> float | None:
@@ -216,8 +216,7 @@ def measure(variant: str, trials: int, scheduler: str, repeat: int, folder: str,
         raise SystemExit(f"{variant} failed ({process.returncode}):\n{''.join(tail)}")
     times = trial_times(os.path.join(folder, "results"))
     measured = Measured(variant, trials, scheduler, repeat, wall, len(rss), peak, cpu, rss,
-                        trial_seconds=[seconds for seconds, _ in times],
-                        epoch_seconds=[seconds / epochs for seconds, epochs in times])
+                        trial_seconds=[seconds for seconds, _ in times], trial_epochs=[epochs for _, epochs in times])
     if variant == "orchestrator":
         uri = tracking_uri or f"sqlite:///{folder}/mlflow.db"
         database = os.path.join(folder, "mlflow.db")
