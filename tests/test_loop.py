@@ -17,6 +17,7 @@ from tests.workloads import DeviceOptimizerWorkload, PlateauWorkload
 from trainables.cnn import CNNWorkload
 from trainables.loop import LoopPlan, LoopSettings, MetricsMismatch, Progress, Trainer
 from trainables.mlp import MLPWorkload
+from trainables.workload import LossTypeError
 
 
 def weights(trainer):
@@ -232,6 +233,17 @@ def test_undeclared_eval_metrics_are_refused_by_name():
 
     with pytest.raises(MetricsMismatch, match="Undeclared.eval_metrics/summarize_metrics report accuracy, loss"):
         train(Undeclared(train_samples=64, eval_samples=16), LoopPlan(32, 32, 16), epochs(1))
+
+
+def test_a_loss_that_is_not_one_number_stops_the_first_step_saying_so():
+    """A trial that trains without an estimate (``memory.estimator: none``) meets at its first step
+    the refusal the estimators give before a sweep starts, not autograd's message."""
+    class LossAndMetrics(MLPWorkload):
+        def loss(self, model, batch):
+            return super().loss(model, batch), {"accuracy": 0.5}
+
+    with pytest.raises(LossTypeError, match=r"LossAndMetrics\.loss \(tests/test_loop\.py:\d+\) returned a tuple of 2"):
+        train(LossAndMetrics(train_samples=64, eval_samples=16), LoopPlan(32, 32, 16), epochs(1))
 
 
 def test_worker_processes_feed_the_same_steps():

@@ -6,6 +6,7 @@ import inspect
 import math
 import json
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -35,7 +36,7 @@ from tests.workloads import COMPILED_GRAPHS, CompiledMLPWorkload, ScoredWorkload
 from trainables.cnn import CNNWorkload
 from trainables.mlp import MLPWorkload
 from trainables.staged import StagedMLPWorkload
-from trainables.workload import MetricsMismatch, Workload
+from trainables.workload import LossTypeError, MetricsMismatch, Workload
 
 F32 = 4
 
@@ -114,6 +115,35 @@ def test_a_backward_that_fails_on_any_tensors_is_the_models_error_not_a_fallback
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         workload = InPlaceResidualMLP()
         workload.loss(workload.build_model(), workload.train_data()[:4]).backward()
+
+
+class PerSampleLossMLP(MLPWorkload):
+    """``reduction="none"``: a loss per sample, where the loop needs the batch's mean."""
+
+    def loss(self, model, batch):
+        x, y = batch
+        return F.cross_entropy(model(x), y, reduction="none")
+
+
+class LossAndMetricsMLP(MLPWorkload):
+    """``(loss, metrics)``, as many training steps return: the loop needs the loss alone."""
+
+    def loss(self, model, batch):
+        x, y = batch
+        logits = model(x)
+        return F.cross_entropy(logits, y), {"accuracy": (logits.argmax(-1) == y).float().mean()}
+
+
+@pytest.mark.parametrize("estimator", ["trace", "static"])
+@pytest.mark.parametrize("workload,returned", [(PerSampleLossMLP, "a tensor of shape (2,)"),
+                                               (LossAndMetricsMLP, "a tuple of 2")], ids=["per-sample", "tuple"])
+def test_a_loss_that_is_not_one_number_is_the_models_error_not_a_fallback(estimator, workload, returned):
+    """Fake tensors have shapes: the estimate refuses such a loss (which fails every trial at its
+    first step) before any trial starts, where it fell back to ``static`` (which runs no
+    backward) and planned the sweep; ``static`` no longer retries it on real CPU tensors either."""
+    with pytest.raises(LossTypeError, match=rf"^{workload.__name__}\.loss \(tests/test_memory_trace\.py:\d+\) "
+                                            rf"returned {re.escape(returned)}"):
+        estimate(workload(), estimator, target="cpu")
 
 
 class MisdeclaredScoredMLP(ScoredWorkload):

@@ -332,6 +332,47 @@ def test_a_model_whose_estimate_fails_stops_the_sweep_and_the_ray_started_for_it
     assert not ray.is_initialized()
 
 
+LOSS_AND_METRICS = """
+import torch.nn.functional as F
+
+from trainables.mlp import MLPWorkload
+
+
+class LossAndMetrics(MLPWorkload):
+    def loss(self, model, batch):
+        x, y = batch
+        logits = model(x)
+        return F.cross_entropy(logits, y), {"accuracy": (logits.argmax(-1) == y).float().mean()}
+"""
+
+
+@pytest.mark.integration  # the estimate runs while the command's Ray starts
+def test_the_installed_run_refuses_a_loss_that_is_not_one_number_before_any_trial(tmp_path):
+    """A ``(loss, metrics)`` tuple, a common training step's answer, fails every trial at its first
+    step: ``orchestrator run`` from the user's folder says so in one line naming the loss and the
+    fix, exit 2, before any trial, and leaves no results folder or MLflow database behind."""
+    from tests.conftest import command_env, installed_command
+
+    (tmp_path / "my_models").mkdir()
+    (tmp_path / "my_models" / "__init__.py").write_text("")
+    (tmp_path / "my_models" / "tuple_loss.py").write_text(LOSS_AND_METRICS.lstrip())
+    (tmp_path / "sweep.yaml").write_text(
+        "experiment: tuple_loss\nworkload: {name: 'my_models.tuple_loss:LossAndMetrics'}\n"
+        "search_space: {lr: {grid: [0.01, 0.1]}}\neffective_batch_size: 32\nstop: {epochs: 1}\nresources: {cpu: 1}\n"
+    )
+    done = subprocess.run([installed_command(), "run", "sweep.yaml"], cwd=tmp_path, env=command_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr == (
+        "error: workload my_models.tuple_loss:LossAndMetrics: the trace estimate failed (LossTypeError: "
+        "LossAndMetrics.loss (my_models/tuple_loss.py:7) returned a tuple of 2; expected the batch's mean loss as a "
+        "one-element tensor: return the loss alone (numbers to report go in eval_metrics)); fix the workload: its "
+        "trials would fail the same way\n"
+    )
+    assert "started" not in done.stdout
+    assert not (tmp_path / "orchestrator_results").exists() and not (tmp_path / "mlflow.db").exists()
+
+
 @pytest.mark.integration
 def test_the_embedded_ray_starts_its_workers_with_the_allocator_backend_set(ray_temp_dir, monkeypatch):
     """``backend:cudaMallocAsync`` set by a trial after ``import torch`` fails its first CUDA call

@@ -112,3 +112,45 @@ def test_a_workload_is_told_the_device_type_where_its_build_optimizer_declares_i
     optimizer_for(keywords, model, "cuda")
     assert declared.told == "cuda" and keywords.told == {"device_type": "cuda"}
     assert isinstance(optimizer_for(MLPWorkload(), model, "cuda"), torch.optim.AdamW)
+
+
+@dataclasses.dataclass
+class ReturnsAnything(MLPWorkload):
+    """A loss that returns whatever the test hands it, as a user's loss might."""
+
+    returned: object = None
+
+    def loss(self, model, batch):
+        return self.returned
+
+
+@pytest.mark.parametrize(
+    "returned,said",
+    [
+        (torch.ones(8), "returned a tensor of shape (8,); expected the batch's mean loss as a one-element tensor: "
+                        "reduce it over the batch (.mean(), or reduction='mean')"),
+        ((torch.tensor(1.0), {"accuracy": 0.5}), "returned a tuple of 2; expected the batch's mean loss as a one-element "
+                                                 "tensor: return the loss alone (numbers to report go in eval_metrics)"),
+        (0.25, "returned a float; expected the batch's mean loss as a one-element tensor: compute it from the model's "
+               "output with torch, as a tensor"),
+    ],
+    ids=["per-sample losses", "a (loss, metrics) tuple", "a Python float"],
+)
+def test_a_loss_that_is_not_one_number_is_refused_saying_what_it_was_and_what_fixes_it(returned, said):
+    """``backward()`` starts only from one number: the refusal names the workload's ``loss`` and
+    where it is defined, what it returned, and what would make it one."""
+    from trainables.workload import LossTypeError, one_number
+
+    workload = ReturnsAnything(returned=returned)
+    with pytest.raises(LossTypeError) as refused:
+        one_number(workload, workload.loss(None, None))
+    line = ReturnsAnything.loss.__code__.co_firstlineno
+    assert str(refused.value) == f"ReturnsAnything.loss (tests/test_workload.py:{line}) {said}"
+
+
+@pytest.mark.parametrize("loss", [torch.tensor(0.5), torch.tensor([0.5]), torch.ones(1, 1)], ids=["0-d", "(1,)", "(1, 1)"])
+def test_a_loss_of_one_element_is_taken_as_it_is(loss):
+    """What ``torch.autograd`` takes without a gradient given: any tensor of one element."""
+    from trainables.workload import one_number
+
+    assert one_number(ReturnsAnything(), loss) is loss

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainables.workload import Batch, Workload, map_tensors, to_device
+from trainables.workload import Batch, LossTypeError, Workload, map_tensors, one_number, to_device
 
 #: What ``Workload.initial_state`` returns and ``loss`` receives and returns for a stateful workload.
 State = Any
@@ -96,7 +96,8 @@ def stateful_loss(workload: Workload, model: nn.Module, batch: Batch, state: Sta
     """The workload's ``loss(model, batch, state) -> (loss, state)``, its answer's shape checked."""
     out = workload.loss(model, batch, state)
     if not (isinstance(out, tuple) and len(out) == 2):
-        raise TypeError(
+        raise LossTypeError(
             f"{type(workload).__name__}.loss: a stateful workload's loss returns (loss, state), got {type(out).__name__}"
         )
-    return out
+    loss, state = out
+    return one_number(workload, loss), state

@@ -13,7 +13,7 @@ from torch import nn
 
 from orchestrator.device import Device
 from trainables.carry import Carry, merge_rows, stateful_loss
-from trainables.workload import Batch, Workload, map_tensors, to_device
+from trainables.workload import Batch, Workload, map_tensors, one_number, to_device
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -91,7 +91,7 @@ def accumulate_gradients(
         batch = to_device(batch, device)
         with autocast(precision, device):
             if states is None:
-                loss = workload.loss(model, batch)
+                loss = one_number(workload, workload.loss(model, batch))
             else:
                 loss, state = stateful_loss(workload, model, batch, states.pop(0))  # its rows, then held by its graph only
                 new_states.append(map_tensors(torch.Tensor.detach, state))  # no graph kept past backward

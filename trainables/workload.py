@@ -88,7 +88,9 @@ class Workload:
         raise NotImplementedError
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        """Mean loss over the batch (the loop weights it by the batch's share of the step).
+        """Mean loss over the batch, as a tensor of one element (the loop weights it by the
+        batch's share of the step, and ``backward()`` starts from it; anything else is refused
+        before a sweep starts: :func:`one_number`).
 
         A :attr:`stateful` workload's is ``loss(model, batch, state) -> (loss, new_state)``."""
         raise NotImplementedError
@@ -339,6 +341,31 @@ def failure_location(exc: BaseException, skip: int = 0) -> str | None:
 
 class MetricsMismatch(ValueError):
     """A workload reported other eval metrics than it declares in ``metrics``."""
+
+
+class LossTypeError(TypeError):
+    """A workload's ``loss`` returned something the loop cannot train on: not one number as a
+    tensor (a per-sample vector, a Python float, a ``(loss, metrics)`` tuple), or, for a stateful
+    workload, not ``(loss, new_state)``. Such a loss fails every trial at its first step whatever
+    its tensors hold, so the estimators raise it before any trial starts rather than plan around it."""
+
+
+def one_number(workload: Workload, loss: Any) -> torch.Tensor:
+    """``loss``, as ``workload.loss`` returned it, where ``backward()`` can start from it alone (a
+    tensor of one element, as ``torch.autograd`` requires); else :class:`LossTypeError`, saying
+    what it was and what would fix it."""
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss
+    if isinstance(loss, torch.Tensor):
+        got, fix = f"a tensor of shape {tuple(loss.shape)}", "reduce it over the batch (.mean(), or reduction='mean')"
+    elif isinstance(loss, (tuple, list)):
+        got, fix = f"a {type(loss).__name__} of {len(loss)}", "return the loss alone (numbers to report go in eval_metrics)"
+    else:
+        got, fix = f"a {type(loss).__name__}", "compute it from the model's output with torch, as a tensor"
+    code = getattr(type(workload).loss, "__code__", None)
+    defined = f" ({shown(code.co_filename, code.co_firstlineno)})" if code is not None else ""
+    raise LossTypeError(f"{type(workload).__name__}.loss{defined} returned {got}; expected the batch's mean loss as a "
+                        f"one-element tensor: {fix}")
 
 
 def reported_metrics(workload: Workload, totals: dict[str, float], samples: int) -> dict[str, float]:

@@ -19,6 +19,14 @@ import torch
 import orchestrator
 import trainables
 from orchestrator.device.torch_internals import OpOverload
+from trainables.workload import LossTypeError, MetricsMismatch
+
+#: What autograd says of a model whose backward fails whatever its tensors hold: fake tensors keep
+#: the version counters and ``requires_grad`` that these checks read, as real ones do.
+AUTOGRAD_MODEL_ERRORS = (
+    "modified by an inplace operation",  # a tensor backward needs, changed in place after it was saved
+    "does not require grad and does not have a grad_fn",  # a loss that no parameter's gradient reaches
+)
 
 #: Ops whose failure on fake tensors means "a value was read on the host".
 _READS_A_VALUE = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.item.default"}
@@ -74,6 +82,18 @@ def failed_op(exc: BaseException) -> str | None:
             op = str(func)  # the innermost wins
         tb = tb.tb_next
     return op
+
+
+def fails_on_any_tensors(exc: BaseException) -> bool:
+    """Whether an estimate's error is the model's own, which every trial would raise too: it is
+    told before the sweep starts, as a shape mismatch in the forward is, and not planned around
+    (the ``trace`` estimator's fallback to ``static``, which runs no backward; ``static``'s to real
+    CPU tensors) to fail each trial after Ray started. Besides what autograd refuses: eval metrics
+    other than the declared ones, and a loss that is not one number
+    (``trainables.workload.one_number``): their names, type and shape, no value read."""
+    if isinstance(exc, (MetricsMismatch, LossTypeError)):
+        return True
+    return isinstance(exc, RuntimeError) and any(message in str(exc) for message in AUTOGRAD_MODEL_ERRORS)
 
 
 def makes_nested_tensors(exc: BaseException) -> bool:

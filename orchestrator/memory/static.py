@@ -26,7 +26,7 @@ from orchestrator.contract import COMPILED_MODEL_NOTE
 from orchestrator.device.tensor_tracker import CUDA_BLOCK, StorageTracker, model_tensors, optimizer_tensors
 from orchestrator.device.torch_internals import eager_module, tree_leaves
 from orchestrator.memory.construction import HostOrMeta
-from orchestrator.memory.failure import summary
+from orchestrator.memory.failure import fails_on_any_tensors, summary
 from orchestrator.memory.fake import Untraceable, describe, fake_setup, running
 from orchestrator.memory.fit import line_through
 from orchestrator.memory.optimizer import build_for_target
@@ -36,7 +36,7 @@ from orchestrator.memory.profile import EstimateRequest, MemoryProfile, PhasePro
 from orchestrator.units import human
 from trainables.carry import Carry, stateful_loss
 from trainables.step import autocast
-from trainables.workload import Workload, check_metric_names, sample_batch, to_device
+from trainables.workload import Workload, check_metric_names, one_number, sample_batch, to_device
 
 PROBE_BATCHES = (2, 128)
 #: Gradients alive at once during backward, in units of the largest forward tensor.
@@ -71,9 +71,9 @@ def static_profile(workload: Workload, request: EstimateRequest) -> MemoryProfil
                 for phase in phases_of(workload)
             }
         notes += [f"forward and optimizer step run on {describe(setup)}", *setup.notes, *emulation_notes]
-    except ImportError:
-        raise  # a missing library fails on real tensors too
     except Exception as exc:  # Untraceable, or a model fake tensors trip over in another way
+        if isinstance(exc, ImportError) or fails_on_any_tensors(exc):
+            raise  # a missing library, or the model's own error: real tensors fail the same way
         reason = str(exc) if isinstance(exc, Untraceable) else summary(exc)
         try:
             states, bounds, compiled, built = _on_real_cpu(workload, settings, target)
@@ -120,10 +120,11 @@ def _forward_bounds(workload, model, phase: Phase, settings, device, round_to, m
             tracker.track(t for t in tree_leaves(batch) if isinstance(t, torch.Tensor))  # already there on the CPU
             if phase.kind == "train" and workload.stateful:
                 out = stateful_loss(workload, model, batch, Carry.initial(workload, b, device).state)
+            elif phase.kind == "train":
+                out = one_number(workload, workload.loss(model, batch))
             else:
-                out = workload.loss(model, batch) if phase.kind == "train" else workload.eval_metrics(model, batch, b)
-                if phase.kind == "eval":
-                    check_metric_names(workload, out, b)
+                out = workload.eval_metrics(model, batch, b)
+                check_metric_names(workload, out, b)
             del out, batch
         if phase.kind == "train":
             bounds[b] = tracker.total + GRADIENTS_IN_FLIGHT * tracker.largest

@@ -33,7 +33,7 @@ from dataclasses import replace
 
 from orchestrator.allocator_conf import parse_alloc_conf
 from orchestrator.allocator_conf import AllocatorConfig
-from orchestrator.memory.failure import makes_nested_tensors, summary
+from orchestrator.memory.failure import fails_on_any_tensors, makes_nested_tensors, summary
 from orchestrator.memory.fake import FakeSetup, Untraceable, describe, fake_setup, running
 from orchestrator.memory.fit import envelope_points, event_lines, line_through
 from orchestrator.memory.measured import measured_profile
@@ -45,7 +45,7 @@ from orchestrator.memory.sequence import TrialSequence, canonical, fit_log, stat
 from orchestrator.memory.static import static_profile
 from trainables.carry import Carry
 from trainables.step import eval_step, train_step
-from trainables.workload import MetricsMismatch, Workload, check_metric_names
+from trainables.workload import Workload, check_metric_names
 
 PROBE_BATCHES = (2, 16, 128)
 MICRO_BATCHES_PER_STEP = 2
@@ -77,24 +77,6 @@ def trace_or_fallback(workload: Workload, request: EstimateRequest) -> MemoryPro
         else ("static", static_profile(workload, request))
     )
     return replace(profile, notes=(f"{FALLBACK_NOTE} ({reason}); fell back to {fallback}", *profile.notes))
-
-
-#: What autograd says of a model whose backward fails whatever its tensors hold: fake tensors keep
-#: the version counters and ``requires_grad`` that these checks read, as real ones do.
-AUTOGRAD_MODEL_ERRORS = (
-    "modified by an inplace operation",  # a tensor backward needs, changed in place after it was saved
-    "does not require grad and does not have a grad_fn",  # a loss that no parameter's gradient reaches
-)
-
-
-def fails_on_any_tensors(exc: Exception) -> bool:
-    """Whether the trace's error is the model's own, which every trial would raise too: it is
-    told before the sweep starts, as a shape mismatch in the forward is, not planned around
-    with the ``static`` fallback (which runs no backward) to fail each trial after Ray started.
-    Eval metrics other than the declared ones are the workload's too, whatever the values."""
-    if isinstance(exc, MetricsMismatch):  # its eval step's names against its declared metrics
-        return True
-    return isinstance(exc, RuntimeError) and any(message in str(exc) for message in AUTOGRAD_MODEL_ERRORS)
 
 
 def trace_profile(
