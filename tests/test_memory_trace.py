@@ -36,7 +36,7 @@ from tests.workloads import COMPILED_GRAPHS, CompiledMLPWorkload, ScoredWorkload
 from trainables.cnn import CNNWorkload
 from trainables.mlp import MLPWorkload
 from trainables.staged import StagedMLPWorkload
-from trainables.workload import LossTypeError, MetricsMismatch, Workload
+from trainables.workload import LossTypeError, MetricsMismatch, MetricTypeError, Workload
 
 F32 = 4
 
@@ -144,6 +144,22 @@ def test_a_loss_that_is_not_one_number_is_the_models_error_not_a_fallback(estima
     with pytest.raises(LossTypeError, match=rf"^{workload.__name__}\.loss \(tests/test_memory_trace\.py:\d+\) "
                                             rf"returned {re.escape(returned)}"):
         estimate(workload(), estimator, target="cpu")
+
+
+class PerSampleEvalMLP(MLPWorkload):
+    """Sums of eval metrics per sample: the loop adds one number per name over the eval set."""
+
+    def eval_metrics(self, model, batch, samples):
+        x, y = batch
+        return {"loss": F.cross_entropy(model(x), y, reduction="none")}
+
+
+@pytest.mark.parametrize("estimator", ["trace", "static"])
+def test_eval_metrics_that_are_not_one_number_each_are_the_models_error_before_any_trial(estimator):
+    """Without the check, every trial ends at its first evaluation, after an epoch of training."""
+    with pytest.raises(MetricTypeError, match=r"^PerSampleEvalMLP\.eval_metrics \(tests/test_memory_trace\.py:\d+\) "
+                                              r"returned 'loss' as a tensor of shape \(2,\) for a batch of 2; "):
+        estimate(PerSampleEvalMLP(), estimator, target="cpu")
 
 
 class MisdeclaredScoredMLP(ScoredWorkload):

@@ -154,3 +154,52 @@ def test_a_loss_of_one_element_is_taken_as_it_is(loss):
     from trainables.workload import one_number
 
     assert one_number(ReturnsAnything(), loss) is loss
+
+
+def test_a_loss_per_sample_says_the_batch_it_was_computed_for():
+    """The estimators' batches are small: a shape of (2,) is told as 2 samples' losses."""
+    from trainables.workload import LossTypeError, one_number
+
+    with pytest.raises(LossTypeError, match=r"returned a tensor of shape \(2,\) for a batch of 2; "):
+        one_number(ReturnsAnything(), torch.ones(2), samples=2)
+
+
+@dataclasses.dataclass
+class SumsAnything(MLPWorkload):
+    """An ``eval_metrics`` that returns whatever the test hands it."""
+
+    returned: object = None
+
+    def eval_metrics(self, model, batch, samples):
+        return self.returned
+
+
+@pytest.mark.parametrize(
+    "returned,said",
+    [
+        ({"loss": torch.ones(4)}, "returned 'loss' as a tensor of shape (4,) for a batch of 4; expected its sum over the "
+                                  "batch as one number: reduce it over the batch (.sum(), or reduction='sum')"),
+        ({"loss": torch.tensor(1.0), "note": "fine"}, "returned 'note' as a str; expected its sum over the batch as one "
+                                                      "number: compute it from the model's output with torch, as a tensor"),
+        (torch.tensor(3.0), "returned a tensor of shape (); expected a dict of each metric's sum over the batch, "
+                            "e.g. {\"loss\": F.cross_entropy(logits, y, reduction=\"sum\")}"),
+    ],
+    ids=["per-sample sums", "a string", "no dict"],
+)
+def test_eval_metrics_that_are_not_one_number_each_are_refused_by_name(returned, said):
+    from trainables.workload import MetricTypeError, metric_sums
+
+    workload = SumsAnything(returned=returned)
+    with pytest.raises(MetricTypeError) as refused:
+        metric_sums(workload, workload.eval_metrics(None, None, 4), samples=4)
+    line = SumsAnything.eval_metrics.__code__.co_firstlineno
+    assert str(refused.value) == f"SumsAnything.eval_metrics (tests/test_workload.py:{line}) {said}"
+
+
+def test_eval_metrics_may_be_one_element_tensors_or_numbers_numpys_too():
+    import numpy as np
+
+    from trainables.workload import metric_sums
+
+    sums = {"loss": torch.tensor(2.0), "correct": torch.tensor([3]), "seen": 4, "ratio": 0.5, "hits": np.int64(2)}
+    assert metric_sums(SumsAnything(), sums) is sums

@@ -13,7 +13,7 @@ from torch import nn
 
 from orchestrator.device import Device
 from trainables.carry import Carry, merge_rows, stateful_loss
-from trainables.workload import Batch, Workload, map_tensors, one_number, to_device
+from trainables.workload import Batch, Workload, map_tensors, metric_sums, one_number, to_device
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -91,7 +91,7 @@ def accumulate_gradients(
         batch = to_device(batch, device)
         with autocast(precision, device):
             if states is None:
-                loss = one_number(workload, workload.loss(model, batch))
+                loss = one_number(workload, workload.loss(model, batch), size)
             else:
                 loss, state = stateful_loss(workload, model, batch, states.pop(0))  # its rows, then held by its graph only
                 new_states.append(map_tensors(torch.Tensor.detach, state))  # no graph kept past backward
@@ -138,5 +138,5 @@ def eval_step(
     """The workload's eval sums over ``batch`` (``samples`` samples), as float tensors on ``device``."""
     batch = to_device(batch, device)
     with autocast(precision, device):
-        sums = workload.eval_metrics(model, batch, samples)
+        sums = metric_sums(workload, workload.eval_metrics(model, batch, samples), samples)
     return {name: torch.as_tensor(value, device=device).detach().float() for name, value in sums.items()}

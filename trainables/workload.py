@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import numbers
 import traceback
 import types
 import typing
@@ -350,22 +351,56 @@ class LossTypeError(TypeError):
     its tensors hold, so the estimators raise it before any trial starts rather than plan around it."""
 
 
-def one_number(workload: Workload, loss: Any) -> torch.Tensor:
-    """``loss``, as ``workload.loss`` returned it, where ``backward()`` can start from it alone (a
-    tensor of one element, as ``torch.autograd`` requires); else :class:`LossTypeError`, saying
-    what it was and what would fix it."""
+class MetricTypeError(TypeError):
+    """A workload's ``eval_metrics`` returned something other than one number per metric (a
+    per-sample vector, a string, no dict at all): every trial would fail at its first evaluation,
+    an epoch in, so the estimators raise it before any trial starts."""
+
+
+def one_number(workload: Workload, loss: Any, samples: int | None = None) -> torch.Tensor:
+    """``loss``, as ``workload.loss`` returned it for a batch of ``samples``, where ``backward()`` can
+    start from it alone (a tensor of one element, as ``torch.autograd`` requires); else
+    :class:`LossTypeError`, saying what it was and what would fix it."""
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         return loss
-    if isinstance(loss, torch.Tensor):
-        got, fix = f"a tensor of shape {tuple(loss.shape)}", "reduce it over the batch (.mean(), or reduction='mean')"
-    elif isinstance(loss, (tuple, list)):
-        got, fix = f"a {type(loss).__name__} of {len(loss)}", "return the loss alone (numbers to report go in eval_metrics)"
-    else:
-        got, fix = f"a {type(loss).__name__}", "compute it from the model's output with torch, as a tensor"
-    code = getattr(type(workload).loss, "__code__", None)
-    defined = f" ({shown(code.co_filename, code.co_firstlineno)})" if code is not None else ""
-    raise LossTypeError(f"{type(workload).__name__}.loss{defined} returned {got}; expected the batch's mean loss as a "
+    got, fix = _described(loss, samples, reduce="(.mean(), or reduction='mean')",
+                          alone="return the loss alone (numbers to report go in eval_metrics)")
+    raise LossTypeError(f"{_method(workload, 'loss')} returned {got}; expected the batch's mean loss as a "
                         f"one-element tensor: {fix}")
+
+
+def metric_sums(workload: Workload, sums: Any, samples: int | None = None) -> dict[str, Any]:
+    """``sums``, as ``workload.eval_metrics`` returned them for a batch of ``samples``, where each is
+    one number the loop can add over the eval set (a tensor of one element, or a Python number);
+    else :class:`MetricTypeError`."""
+    if not isinstance(sums, dict):
+        raise MetricTypeError(f"{_method(workload, 'eval_metrics')} returned {_described(sums, None, '', '')[0]}; expected a "
+                              "dict of each metric's sum over the batch, e.g. {\"loss\": F.cross_entropy(logits, y, reduction=\"sum\")}")
+    for name, value in sums.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1 or isinstance(value, numbers.Real):  # numpy's too
+            continue
+        got, fix = _described(value, samples, reduce="(.sum(), or reduction='sum')", alone="return one number per name")
+        raise MetricTypeError(f"{_method(workload, 'eval_metrics')} returned {name!r} as {got}; expected its sum over "
+                              f"the batch as one number: {fix}")
+    return sums
+
+
+def _method(workload: Workload, name: str) -> str:
+    """``Class.method (file:line)``: the workload's method a refusal is about, and where it is defined."""
+    code = getattr(getattr(type(workload), name), "__code__", None)
+    return f"{type(workload).__name__}.{name}" + (f" ({shown(code.co_filename, code.co_firstlineno)})" if code else "")
+
+
+def _described(value: Any, samples: int | None, reduce: str, alone: str) -> tuple[str, str]:
+    """What ``value`` is, for a refusal, and what would make one number of it. A tensor's shape
+    comes with the batch it was computed for: the estimators' batches are small (2 samples), and
+    a per-sample shape says so."""
+    if isinstance(value, torch.Tensor):
+        batch = "" if samples is None else f" for a batch of {samples}"
+        return f"a tensor of shape {tuple(value.shape)}{batch}", f"reduce it over the batch {reduce}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}", alone
+    return f"a {type(value).__name__}", "compute it from the model's output with torch, as a tensor"
 
 
 def reported_metrics(workload: Workload, totals: dict[str, float], samples: int) -> dict[str, float]:

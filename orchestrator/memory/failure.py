@@ -19,7 +19,7 @@ import torch
 import orchestrator
 import trainables
 from orchestrator.device.torch_internals import OpOverload
-from trainables.workload import LossTypeError, MetricsMismatch
+from trainables.workload import LossTypeError, MetricsMismatch, MetricTypeError
 
 #: What autograd says of a model whose backward fails whatever its tensors hold: fake tensors keep
 #: the version counters and ``requires_grad`` that these checks read, as real ones do.
@@ -89,9 +89,9 @@ def fails_on_any_tensors(exc: BaseException) -> bool:
     told before the sweep starts, as a shape mismatch in the forward is, and not planned around
     (the ``trace`` estimator's fallback to ``static``, which runs no backward; ``static``'s to real
     CPU tensors) to fail each trial after Ray started. Besides what autograd refuses: eval metrics
-    other than the declared ones, and a loss that is not one number
-    (``trainables.workload.one_number``): their names, type and shape, no value read."""
-    if isinstance(exc, (MetricsMismatch, LossTypeError)):
+    other than the declared ones, and a loss or an eval metric that is not one number
+    (``trainables.workload.one_number``, ``metric_sums``): their names, types and shapes, no value read."""
+    if isinstance(exc, (MetricsMismatch, LossTypeError, MetricTypeError)):
         return True
     return isinstance(exc, RuntimeError) and any(message in str(exc) for message in AUTOGRAD_MODEL_ERRORS)
 

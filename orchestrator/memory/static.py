@@ -36,7 +36,7 @@ from orchestrator.memory.profile import EstimateRequest, MemoryProfile, PhasePro
 from orchestrator.units import human
 from trainables.carry import Carry, stateful_loss
 from trainables.step import autocast
-from trainables.workload import Workload, check_metric_names, one_number, sample_batch, to_device
+from trainables.workload import Workload, check_metric_names, metric_sums, one_number, sample_batch, to_device
 
 PROBE_BATCHES = (2, 128)
 #: Gradients alive at once during backward, in units of the largest forward tensor.
@@ -121,9 +121,9 @@ def _forward_bounds(workload, model, phase: Phase, settings, device, round_to, m
             if phase.kind == "train" and workload.stateful:
                 out = stateful_loss(workload, model, batch, Carry.initial(workload, b, device).state)
             elif phase.kind == "train":
-                out = one_number(workload, workload.loss(model, batch))
+                out = one_number(workload, workload.loss(model, batch), b)
             else:
-                out = workload.eval_metrics(model, batch, b)
+                out = metric_sums(workload, workload.eval_metrics(model, batch, b), b)
                 check_metric_names(workload, out, b)
             del out, batch
         if phase.kind == "train":
