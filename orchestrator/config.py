@@ -1007,8 +1007,9 @@ def parse_spec(raw: dict) -> SweepSpec:
 
 def _check_workload_parameters(spec: SweepSpec) -> None:
     """Every parameter must belong to a workload of the sweep (catches typos such as ``widht``),
-    every value a trial may get must fit the type each workload declares for it, and the
-    sweep's metric must be one that every workload reports."""
+    every value a trial may get must fit the type each workload declares for it, every field a
+    workload has no default for must be given, and the sweep's metric must be one that every
+    workload reports."""
     from trainables.workload import WorkloadNotFound, resolve_workload
 
     _check_searched_workloads(spec.search_space.get("workload"))
@@ -1027,7 +1028,13 @@ def _check_workload_parameters(spec: SweepSpec) -> None:
                                   f"{_one_of(key, sorted(accepted - {'workload'}))}")
             if key != "workload":
                 _check_parameter_values(classes, f"{section}.{key}", key, value)
+    given = {"seed", *spec.params, *spec.search_space}  # every trial gets the sweep's seed (orchestrator.space)
     for name, cls in classes.items():
+        needed = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in given
+                  and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        if needed:
+            raise ConfigError(f"workload.params.{needed[0]}: workload {name} needs a value for it (its field has no "
+                              "default); give it in workload.params or search_space")
         reported = ["train_loss", *(f"eval_{m}" for m in cls.metrics)]
         if spec.metric not in reported:
             raise ConfigError(f"metric: workload {name} does not report {spec.metric!r} (it reports: {', '.join(reported)})")

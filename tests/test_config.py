@@ -116,6 +116,16 @@ def test_grid_and_samples_expand_to_trial_configs(tmp_path):
     assert all(1e-4 <= c["lr"] <= 0.1 and c["width"] in (16, 32) and c["workload"] == "mlp" for c in configs)
 
 
+def test_a_workload_field_without_a_default_must_be_given(tmp_path):
+    """Else every distinct model fails to construct, naming the orchestrator's line, not the key."""
+    needs = VALID.replace("name: mlp, params: {depth: 1}", "name: 'tests.workloads:NeedsBlocks', params: {depth: 1}")
+    with pytest.raises(ConfigError, match=r"^workload\.params\.blocks: workload tests\.workloads:NeedsBlocks needs a "
+                                          r"value for it \(its field has no default\); give it in workload\.params or search_space$"):
+        load_spec(write(tmp_path, needs))
+    assert load_spec(write(tmp_path, needs), ["workload.params.blocks=2"]).params["blocks"] == 2
+    assert "blocks" in load_spec(write(tmp_path, needs), ["search_space.blocks={grid: [1, 2]}"]).search_space
+
+
 BAD = [
     ("unknown top-level key", ["epocs=3"], "epocs: unknown key"),
     ("unknown nested key", ["memory.budgett=1GiB"], "memory.budgett: unknown key (did you mean budget? expected one of: "),

@@ -452,3 +452,10 @@ class StatelessLossLSTMWorkload(LSTMLanguageModelWorkload):
         inputs, targets = batch
         logits, _ = model(inputs, self.initial_state(inputs.shape[0]))
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@dataclasses.dataclass(kw_only=True)
+class NeedsBlocks(MLPWorkload):
+    """A hyper-parameter with no default: a sweep must give it (``workload.params`` or ``search_space``)."""
+
+    blocks: int
