@@ -374,7 +374,7 @@ def metric_sums(workload: Workload, sums: Any, samples: int | None = None) -> di
     one number the loop can add over the eval set (a tensor of one element, or a Python number);
     else :class:`MetricTypeError`."""
     if not isinstance(sums, dict):
-        raise MetricTypeError(f"{_method(workload, 'eval_metrics')} returned {_described(sums, None, '', '')[0]}; expected a "
+        raise MetricTypeError(f"{_method(workload, 'eval_metrics')} returned {_described(sums)[0]}; expected a "
                               "dict of each metric's sum over the batch, e.g. {\"loss\": F.cross_entropy(logits, y, reduction=\"sum\")}")
     for name, value in sums.items():
         if isinstance(value, torch.Tensor) and value.numel() == 1 or isinstance(value, numbers.Real):  # numpy's too
@@ -391,7 +391,7 @@ def _method(workload: Workload, name: str) -> str:
     return f"{type(workload).__name__}.{name}" + (f" ({shown(code.co_filename, code.co_firstlineno)})" if code else "")
 
 
-def _described(value: Any, samples: int | None, reduce: str, alone: str) -> tuple[str, str]:
+def _described(value: Any, samples: int | None = None, reduce: str = "", alone: str = "") -> tuple[str, str]:
     """What ``value`` is, for a refusal, and what would make one number of it. A tensor's shape
     comes with the batch it was computed for: the estimators' batches are small (2 samples), and
     a per-sample shape says so."""
