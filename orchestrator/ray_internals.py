@@ -161,6 +161,32 @@ def forget_running_statistics(trial: Any, keep: str) -> None:
         ) from exc
 
 
+def forget_gone_checkpoints(trial: Any) -> int:
+    """Drops, from the checkpoints Tune keeps for ``trial`` (``checkpoint.keep``), those whose
+    folder is gone from the storage, and returns how many it dropped. Tune deletes a checkpoint
+    past ``keep`` as it registers the next one, and saves the sweep's state after: a driver
+    killed between the two leaves a state that names the deleted one, and the resumed Tune
+    deletes it again at the trial's next checkpoint, logging ``FileNotFoundError`` with a
+    traceback. The latest is kept whatever: it is the one the trial resumes from."""
+    import pyarrow.fs
+
+    try:
+        manager = trial.run_metadata.checkpoint_manager
+        kept, latest = manager._checkpoint_results, manager._latest_checkpoint_result
+        resumes_from = latest.checkpoint.path if latest is not None else None
+        gone = [r for r in kept if r.checkpoint.path != resumes_from
+                and r.checkpoint.filesystem.get_file_info(r.checkpoint.path).type == pyarrow.fs.FileType.NotFound]
+        if gone:
+            manager._checkpoint_results = [r for r in kept if r not in gone]
+            trial.invalidate_json_state()
+    except AttributeError as exc:
+        raise RayChanged(
+            f"Ray changed: Tune's checkpoint bookkeeping has no {exc.name!r}, so the checkpoints a killed driver "
+            "deleted cannot be dropped from a resumed trial's (orchestrator/ray_internals.py)"
+        ) from exc
+    return len(gone)
+
+
 @contextmanager
 def ray_processes_in_group(group: int) -> Iterator[None]:
     """Within the block, the processes a local ``ray.init`` starts (and so the workers and agents

@@ -645,7 +645,8 @@ def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str, schedul
     state for a resume (scheduler_state.py),
     the live view of the trials' events (console.py), the OOM retries counted for Prometheus
     (oom_counter.py), the stop when the storage refuses a checkpoint
-    (storage_fault.py), the last whole copy of Tune's state files (tune_state.py), Tune's TensorBoard
+    (storage_fault.py), the last whole copy of Tune's state files and a resume's trials rid of the
+    checkpoints a killed driver deleted (tune_state.py), Tune's TensorBoard
     files with the trials' curves (tensorboard.py; Tune adds its JSON and CSV loggers itself), and what
     is dropped of ended trials so that the driver stays flat as trials grow (driver_memory.py; last,
     after the others read them)."""
@@ -656,7 +657,7 @@ def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str, schedul
     from orchestrator.scheduler_state import SchedulerState
     from orchestrator.storage_fault import StopOnStorageFault
     from orchestrator.tensorboard import tensorboard_logger
-    from orchestrator.tune_state import KeepWholeState
+    from orchestrator.tune_state import ForgetGoneCheckpoints, KeepWholeState
     from orchestrator.tracking.callback import UNSENT_FILE, MlflowTracking
 
     view = LiveView(list(spec.search_space), spec.metric, spec.stop.epochs, spec.stop.steps)
@@ -664,7 +665,8 @@ def _callbacks(spec: SweepSpec, experiment_path: str, tracking_uri: str, schedul
                               host_cuts=list(host_cuts))
     tensorboard = tensorboard_logger()
     return [tracking, WhatResultsLack(), SchedulerState(scheduler), view, CountOomRetries(spec.experiment), StopOnStorageFault(),
-            KeepWholeState(), *([tensorboard] if tensorboard else []), EndedTrialsKeepLess(spec.metric)]
+            KeepWholeState(), ForgetGoneCheckpoints(), *([tensorboard] if tensorboard else []),
+            EndedTrialsKeepLess(spec.metric)]
 
 
 def _end_tracking_at_once(tuner) -> None:

@@ -1,4 +1,5 @@
-"""Tune's state files in the sweep's folder, kept whole through a storage that fills up.
+"""Tune's state files in the sweep's folder, kept whole through a storage that fills up, and a
+resume's trials rid of the checkpoints that state names but the storage no longer has.
 
 Tune writes its state files (``experiment_state-*.json``, the search's
 ``basic-variant-state-*.json``, ``callback-states-*.pkl``, ``tuner.pkl``) to a local staging
@@ -27,7 +28,7 @@ from ray import tune
 
 from orchestrator.atomic_file import atomic_write
 from orchestrator.errors import UserError
-from orchestrator.ray_internals import state_folders
+from orchestrator.ray_internals import forget_gone_checkpoints, state_folders
 
 COPIES = ".whole_state"  # folder in the sweep's folder
 EXPERIMENT_STATE = "experiment_state-*.json"  # the trials' state: what a resume restores
@@ -197,3 +198,29 @@ class KeepWholeState(tune.Callback):
         if self._folders is None or self._folders[1] is None:
             return None
         return self._folders
+
+
+class ForgetGoneCheckpoints(tune.Callback):
+    """At a driver's first step, each trial that will run again forgets the checkpoints its
+    restored state names but the storage no longer has (``ray_internals.forget_gone_checkpoints``):
+    those a killed driver deleted after its last save of the sweep's state. Without it the resumed
+    Tune deletes them again at the trial's next checkpoint and prints a traceback. A new sweep's
+    first step finds no trial with a checkpoint; a resume's looks at its unfinished trials only
+    (a finished one registers no checkpoint again), once."""
+
+    def __init__(self) -> None:
+        self._looked = False
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self._looked = False
+
+    def on_step_begin(self, iteration, trials, **info) -> None:
+        if self._looked:
+            return
+        self._looked = True
+        for trial in trials:
+            if trial.status not in ("TERMINATED", "ERROR"):
+                forget_gone_checkpoints(trial)

@@ -330,3 +330,33 @@ def own_model_project(tmp_path_factory) -> OwnModelProject:
     assert config and (folder / "my_models" / "wide.py").exists(), "the README's own-model files are missing"
     assert commands, "the README shows no orchestrator command for its own-model example"
     return OwnModelProject(folder, config, commands)
+
+
+@pytest.fixture
+def trial_with_checkpoints():
+    """A maker of a stub Tune trial whose checkpoint manager registered ``steps`` checkpoints
+    (folders under ``folder``), keeping ``keep``, as Tune's controller does; it returns the trial
+    and a maker of its next checkpoint."""
+    from ray.train import Checkpoint, CheckpointConfig
+    from ray.train._internal.session import _TrainingResult
+    from ray.tune.experiment import Trial
+
+    def make(folder: Path, steps: int, keep: int = 2, status: str = "PENDING"):
+        def checkpoint(step):
+            made = folder / f"checkpoint_{step:06d}"
+            made.mkdir(parents=True)
+            return _TrainingResult(Checkpoint.from_directory(str(made)), {"training_iteration": step})
+
+        trial = Trial("train_trial", config={}, trial_id=f"{folder.name}_00000", stub=True,
+                      checkpoint_config=CheckpointConfig(num_to_keep=keep))
+        trial.set_status(status)
+        for step in range(steps):
+            trial.run_metadata.checkpoint_manager.register_checkpoint(checkpoint(step))
+        return trial, checkpoint
+
+    return make
+
+
+def kept_checkpoints(trial) -> list[str]:
+    """The folder names of the checkpoints Tune keeps for ``trial``, oldest first."""
+    return [os.path.basename(r.checkpoint.path) for r in trial.run_metadata.checkpoint_manager._checkpoint_results]

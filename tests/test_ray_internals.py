@@ -37,6 +37,7 @@ from orchestrator.ray_internals import (
     RayChanged,
     auth_token_loader,
     callbacks_of,
+    forget_gone_checkpoints,
     forget_running_statistics,
     make_last_failure,
     make_next_failure_last,
@@ -47,6 +48,7 @@ from orchestrator.ray_internals import (
 )
 from orchestrator.retry import OomAwareScheduler
 from orchestrator.trial.evidence import write_oom_evidence
+from tests.conftest import kept_checkpoints
 
 
 class Controller:
@@ -233,6 +235,29 @@ def test_an_ended_trials_running_statistics_go_but_its_metric_and_last_result_st
     assert trial.metric_analysis["eval_loss"]["last"] == 0.5 and trial.last_result["micro_batch"] == 32
     with pytest.raises(RayChanged, match="Trial has no 'run_metadata'"):
         forget_running_statistics(SimpleNamespace(), keep="eval_loss")
+
+
+def test_a_resumed_trial_forgets_the_checkpoints_a_killed_driver_deleted(tmp_path, trial_with_checkpoints):
+    """Tune deletes a checkpoint past ``keep`` when it registers the next, and saves the state
+    after: a state saved before a kill names the deleted one. Registering the trial's next
+    checkpoint then fails to delete it again (``FileNotFoundError``, logged with its traceback by
+    the controller) unless the trial forgot it first; the latest one is never forgotten."""
+    trial, checkpoint = trial_with_checkpoints(tmp_path / "forgot", steps=2)
+    (tmp_path / "forgot" / "checkpoint_000000").rmdir()  # deleted, then the driver was killed
+    assert forget_gone_checkpoints(trial) == 1 and kept_checkpoints(trial) == ["checkpoint_000001"]
+    trial.run_metadata.checkpoint_manager.register_checkpoint(checkpoint(2))
+    assert kept_checkpoints(trial) == ["checkpoint_000001", "checkpoint_000002"]
+
+    trial, checkpoint = trial_with_checkpoints(tmp_path / "as_tune_restores", steps=2)  # what Ray does without it
+    (tmp_path / "as_tune_restores" / "checkpoint_000000").rmdir()
+    with pytest.raises(FileNotFoundError, match="checkpoint_000000"):
+        trial.run_metadata.checkpoint_manager.register_checkpoint(checkpoint(2))
+
+    trial, _ = trial_with_checkpoints(tmp_path / "latest", steps=2)
+    (tmp_path / "latest" / "checkpoint_000001").rmdir()  # the storage lost the latest: a resume's own error
+    assert forget_gone_checkpoints(trial) == 0 and kept_checkpoints(trial) == ["checkpoint_000000", "checkpoint_000001"]
+    with pytest.raises(RayChanged, match="checkpoint bookkeeping has no 'run_metadata'"):
+        forget_gone_checkpoints(SimpleNamespace())
 
 
 def test_the_local_rays_processes_start_in_the_group_they_are_given():

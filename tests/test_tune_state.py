@@ -13,7 +13,8 @@ import pytest
 
 from orchestrator import tune_state
 from orchestrator.errors import UserError
-from orchestrator.tune_state import COPIES, KeepWholeState, keep_whole_copies, restore_cut_off
+from orchestrator.tune_state import COPIES, ForgetGoneCheckpoints, KeepWholeState, keep_whole_copies, restore_cut_off
+from tests.conftest import kept_checkpoints
 
 STATE = "experiment_state-2026-11-26_14-00-00.json"
 SEARCHER = "basic-variant-state-2026-11-26_14-00-00.json"  # a pickle, whatever its name says
@@ -86,3 +87,23 @@ def test_the_copies_are_made_outside_tunes_event_loop_and_the_last_one_at_the_sw
     assert writers[-1] == threading.current_thread().name
     assert json.loads((sweep / COPIES / STATE).read_text()) == {"saved": 2, "more": True}
     assert isinstance(pickle.loads(pickle.dumps(keep)), KeepWholeState)
+
+
+def test_a_resumed_drivers_first_step_rids_the_unfinished_trials_of_checkpoints_gone_from_the_storage(
+        tmp_path, trial_with_checkpoints):
+    """Once, at the first step: an unfinished trial's state that names a deleted checkpoint is
+    mended before the trial registers its next; a finished trial registers none, and is left as
+    it was; the callback comes back from Tune's pickled run config as a new one."""
+    unfinished, _ = trial_with_checkpoints(tmp_path / "unfinished", steps=2)
+    finished, _ = trial_with_checkpoints(tmp_path / "finished", steps=2, status="TERMINATED")
+    for trial in ("unfinished", "finished"):
+        (tmp_path / trial / "checkpoint_000000").rmdir()
+    callback = pickle.loads(pickle.dumps(ForgetGoneCheckpoints()))
+    callback.on_step_begin(iteration=0, trials=[unfinished, finished])
+    assert kept_checkpoints(unfinished) == ["checkpoint_000001"]
+    assert kept_checkpoints(finished) == ["checkpoint_000000", "checkpoint_000001"]
+
+    later, _ = trial_with_checkpoints(tmp_path / "later", steps=2)
+    (tmp_path / "later" / "checkpoint_000000").rmdir()
+    callback.on_step_begin(iteration=1, trials=[later])  # looked at once: later deletions are Tune's own
+    assert kept_checkpoints(later) == ["checkpoint_000000", "checkpoint_000001"]
