@@ -42,6 +42,7 @@ from orchestrator.contract import (
     PlanCheck,
 )
 from orchestrator.failures import exception_line, gave_up_message, last_failure
+from orchestrator.outcome import ENDED_IN_TUNE
 from orchestrator.ray_internals import TOKEN_NOTICE_LOGGER
 from orchestrator.table import split_text, trained_text, value_text
 from orchestrator.trial.errors import DataError
@@ -365,7 +366,7 @@ def _duration(seconds: float) -> str:
 
 def trial_fraction(status: str, result: Mapping[str, Any], stop_epochs: int | None, stop_steps: int | None) -> float:
     """How much of its budget a trial has trained: its epochs or steps, whichever budget is nearer."""
-    if status in ("TERMINATED", "ERROR"):
+    if status in ENDED_IN_TUNE:
         return 1.0
     shares = [(result.get("epoch") or 0) / stop_epochs if stop_epochs else 0.0,
               (result.get("step") or 0) / stop_steps if stop_steps else 0.0]
@@ -492,7 +493,7 @@ class LiveView(tune.Callback):
 
     def _draw(self, trials) -> None:
         statuses = [t.status for t in trials]
-        done = sum(s in ("TERMINATED", "ERROR") for s in statuses)
+        done = sum(s in ENDED_IN_TUNE for s in statuses)
         running = sum(s == "RUNNING" for s in statuses)
         pending = max(self._total, len(trials)) - done - running
         fractions = [trial_fraction(t.status, t.last_result or {}, self.stop_epochs, self.stop_steps) for t in trials]

@@ -28,6 +28,8 @@ ERROR = "ERROR"
 REFUSED = "REFUSED"  # not even micro-batch 1 fits: it never trained
 INTERRUPTED = "INTERRUPTED"  # Ctrl-C, a SLURM time limit, a sweep stopped: `run --resume` continues it
 DIVERGED = "DIVERGED"  # its loss (or clipped gradient norm) was not finite: ended there, not retried
+#: Tune's statuses of a trial that will not run again (its own words for two of the above).
+ENDED_IN_TUNE = frozenset({TERMINATED, ERROR})
 
 
 def trial_status(errored: bool, report: TrialReport) -> str:

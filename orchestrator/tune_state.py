@@ -28,6 +28,7 @@ from ray import tune
 
 from orchestrator.atomic_file import atomic_write
 from orchestrator.errors import UserError
+from orchestrator.outcome import ENDED_IN_TUNE
 from orchestrator.ray_internals import forget_gone_checkpoints, state_folders
 
 COPIES = ".whole_state"  # folder in the sweep's folder
@@ -222,5 +223,5 @@ class ForgetGoneCheckpoints(tune.Callback):
             return
         self._looked = True
         for trial in trials:
-            if trial.status not in ("TERMINATED", "ERROR"):
+            if trial.status not in ENDED_IN_TUNE:
                 forget_gone_checkpoints(trial)
